@@ -1,0 +1,199 @@
+"""Shared registration machinery for the ``custom::`` ops.
+
+Every op module (``dsa_plan.py``, ``dsa_serve.py`` ...) uses these helpers so that:
+
+* a schema already present in the process (CANN's ``custom_ops`` extension loaded first) is never
+  redefined; we only add the kernels that are missing (CPU, Meta/fake, Functionalize);
+* C++ CPU kernels are built lazily, on the first CPU call, through ``torch.utils.cpp_extension`` with
+  ninja, one small extension per op (``csrc/<op>.cpp``), cached under ``TORCH_EXTENSIONS_DIR``
+  (default ``~/.cache/torch_extensions``). Importing the package never invokes a compiler.
+* ``OFFLOAD_PASSES_CPU_KERNELS=reference`` switches every CPU kernel to the pure-torch reference
+  (for machines without a compiler); the default ``cpp`` uses the C++ kernels.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+log = logging.getLogger("offload_passes.custom_ops")
+
+NAMESPACE = "custom"
+#: Namespace of the internal C++ entry points (``torch.ops.offload_cpu.<op>``). Not public API.
+CPU_NAMESPACE = "offload_cpu"
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+_defined_here: set[str] = set()
+_build_lock = threading.Lock()
+_built: set[str] = set()
+
+
+def qualname(name: str) -> str:
+    return f"{NAMESPACE}::{name}"
+
+
+def schema_exists(name: str) -> bool:
+    """True if ``custom::<name>`` is already known to the dispatcher (ours or CANN's)."""
+    try:
+        torch._C._dispatch_find_schema_or_throw(qualname(name), "")
+        return True
+    except RuntimeError:
+        return False
+
+
+def define(schema: str) -> bool:
+    """Define ``custom::<schema>`` unless the process already has it. Returns True if defined here."""
+    name = schema.split("(", 1)[0].strip()
+    if schema_exists(name):
+        log.debug("custom::%s already defined in this process; adding only missing kernels", name)
+        return False
+    _lib.define(schema)
+    _defined_here.add(name)
+    return True
+
+
+def has_kernel(name: str, dispatch_key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualname(name), dispatch_key)
+
+
+def impl(name: str, dispatch_key: str, fn: Callable) -> bool:
+    """Register ``fn`` for ``custom::<name>`` at ``dispatch_key`` unless a kernel is already there."""
+    if has_kernel(name, dispatch_key):
+        return False
+    _lib.impl(name, fn, dispatch_key)
+    return True
+
+
+def register_fake(name: str, fn: Callable) -> bool:
+    """Register a fake (meta) kernel unless one exists (a C++ Meta kernel from CANN counts)."""
+    if has_kernel(name, "Meta") or (name not in _defined_here and _has_python_fake(name)):
+        return False
+    torch.library.register_fake(qualname(name), fn, lib=_lib)
+    return True
+
+
+def _has_python_fake(name: str) -> bool:
+    try:
+        from torch._library.simple_registry import singleton
+
+        return singleton.find(qualname(name)).fake_impl.kernel is not None
+    except Exception:  # pragma: no cover - private API drift
+        return False
+
+
+def cpu_kernel_mode() -> str:
+    """``cpp`` (default) or ``reference``, from ``OFFLOAD_PASSES_CPU_KERNELS``."""
+    mode = os.environ.get("OFFLOAD_PASSES_CPU_KERNELS", "cpp").strip().lower()
+    if mode not in ("cpp", "reference"):
+        raise RuntimeError(
+            f"OFFLOAD_PASSES_CPU_KERNELS must be 'cpp' or 'reference', got {mode!r}"
+        )
+    return mode
+
+
+def cpu_op(name: str):
+    """Return ``torch.ops.offload_cpu.<name>``, building and loading ``csrc/<name>.cpp`` on first use.
+
+    The C++ file registers its entry point with ``TORCH_LIBRARY_FRAGMENT(offload_cpu, m)``.
+    """
+    if name not in _built:
+        with _build_lock:
+            if name not in _built:
+                _build(name)
+                _built.add(name)
+    return getattr(torch.ops.offload_cpu, name)
+
+
+def _build(name: str) -> None:
+    from torch.utils import cpp_extension
+
+    src = CSRC / f"{name}.cpp"
+    if not src.exists():
+        raise RuntimeError(f"no C++ source for custom::{name} at {src}")
+    log.info("building C++ CPU kernel for custom::%s (cached after the first build)", name)
+    cpp_extension.load(
+        name=f"offload_passes_{name}",
+        sources=[str(src)],
+        extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(CSRC)],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def check(cond: bool, op: str, msg: str) -> None:
+    """Raise ``RuntimeError("custom::<op>: <msg>")`` unless ``cond``. Messages name argument and limit."""
+    if not cond:
+        raise RuntimeError(f"{qualname(op)}: {msg}")
+
+
+# --------------------------------------------------------------------------------------------
+# Functionalization: in-place op -> functional twin + copy_ back into the mutated arguments.
+# --------------------------------------------------------------------------------------------
+
+def functionalize_enabled() -> bool:
+    """``OFFLOAD_PASSES_FUNCTIONALIZE=0`` leaves the in-place ops to PyTorch's auto-functionalization."""
+    return os.environ.get("OFFLOAD_PASSES_FUNCTIONALIZE", "1") != "0"
+
+
+def register_functionalization(
+    inplace: str,
+    functional: str,
+    mutated: Sequence[str],
+    num_leading_outputs: int = 0,
+) -> bool:
+    """Register a ``Functionalize`` kernel for ``custom::<inplace>``.
+
+    Under functionalization (AOTAutograd, ``make_fx(..., functionalize)``) the in-place op becomes
+    ``custom::<functional>`` followed by ``copy_`` of its trailing outputs into the arguments named
+    in ``mutated`` (in schema order). ``num_leading_outputs`` is the number of outputs the in-place op
+    itself returns (they come first in the functional twin's outputs).
+    """
+    if not functionalize_enabled() or has_kernel(inplace, "Functionalize"):
+        return False
+    schema = torch._C._dispatch_find_schema_or_throw(qualname(inplace), "")
+    arg_names = [a.name for a in torch.ops.custom.__getattr__(inplace).default._schema.arguments]
+    del schema
+    positions = [arg_names.index(m) for m in mutated]
+    functional_op = getattr(torch.ops.custom, functional).default
+
+    def kernel(*args, **kwargs):
+        sync = torch._functionalize_sync
+        args = list(args)
+        unwrapped = []
+        for a in args:
+            if isinstance(a, torch.Tensor) and torch._is_functional_tensor(a):
+                sync(a)
+                unwrapped.append(torch._from_functional_tensor(a))
+            else:
+                unwrapped.append(a)
+        with torch._C._ExcludeDispatchKeyGuard(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
+        ):
+            outs = functional_op(*unwrapped, **kwargs)
+        if not isinstance(outs, (tuple, list)):
+            outs = (outs,)
+        for pos, new in zip(positions, outs[num_leading_outputs:]):
+            target = args[pos]
+            torch._functionalize_replace(target, new)
+            torch._functionalize_commit_update(target)
+            sync(target)
+        lead = [torch._to_functional_tensor(o) for o in outs[:num_leading_outputs]]
+        if num_leading_outputs == 0:
+            return None
+        if num_leading_outputs == 1:
+            return lead[0]
+        return tuple(lead)
+
+    _lib.impl(inplace, kernel, "Functionalize")
+    return True
+
+
+def defined_ops() -> Iterable[str]:
+    return sorted(_defined_here)

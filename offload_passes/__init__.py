@@ -1,0 +1,35 @@
+"""offload_passes: a torch.compile backend that rewrites GLM-5.2 DSA decode graphs into the
+shared-indexer KV-offload scheme (one ``dsa_plan`` per IndexShare group, a ``dsa_serve`` per layer,
+deferred ``dsa_install``\\ s).
+
+Importing the package registers every op (``torch.ops.custom.*``, ``torch.ops.offload_ref.*``). The
+backend API is loaded lazily so that model code importing ``offload_passes.models`` never pulls in
+the passes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import custom_ops  # noqa: F401  (registers the ops)
+
+logging.getLogger("offload_passes").addHandler(logging.NullHandler())
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "offload_backend": "offload_passes.backend",
+    "make_offload_backend": "offload_passes.backend",
+    "offload": "offload_passes.decorator",
+    "OffloadOptions": "offload_passes.options",
+}
+
+__all__ = list(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'offload_passes' has no attribute {name!r}")
