@@ -1,0 +1,91 @@
+"""TorchAir / npugraph_ex integration of the DSA offload ops (NPU modes ``ge_graph`` / ``npugraph_ex``).
+
+Importing this package needs neither TorchAir nor torch_npu; :func:`register_all` imports them lazily:
+
+* GE converters for the seven ``custom::`` ops (+ the ``offload_ref::`` attention references),
+  :mod:`.ge_converters`;
+* the ``DsaServe`` / ``DsaInstall`` ref pairs in GE's ref-output analysis, :mod:`.ge_ref_patch`;
+* reinplace pairs in npugraph_ex's and TorchAir-ACL's ``inplaceable_npu_ops``, :mod:`.reinplace`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Dict, List
+
+from ._specs import ALL_SPECS, CUSTOM_SPECS, REF_IDX, REF_SPECS, GeOpSpec, spec_for  # noqa: F401
+
+log = logging.getLogger("offload_passes.converters")
+
+__all__ = ["register_all", "register_ge", "register_npugraph_ex", "torchair_available",
+           "npugraph_ex_available", "REF_IDX", "GeOpSpec"]
+
+
+def torchair_available() -> bool:
+    """True if ``import torchair`` can succeed (installed with torch_npu, or put on ``sys.path``)."""
+    return importlib.util.find_spec("torchair") is not None
+
+
+def npugraph_ex_available() -> bool:
+    return importlib.util.find_spec("npugraph_ex") is not None
+
+
+def _require(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        raise RuntimeError(
+            f"offload_passes.converters needs {name!r} (shipped inside torch_npu; on a CPU machine use "
+            f"`python -m offload_passes.tools.torchair_env` for the test copy): {e}"
+        ) from e
+
+
+def register_ge() -> List[str]:
+    """GE converters + ref-output patch (``ge_graph`` mode). Idempotent."""
+    import offload_passes  # noqa: F401  (op schemas must exist before converters attach to them)
+
+    _require("torchair")
+    from .ge_converters import register_ge_converters
+    from .ge_ref_patch import patch_copy_pass, patch_ref_idx
+
+    names = register_ge_converters()
+    patch_ref_idx()
+    patch_copy_pass()
+    return names
+
+
+def register_npugraph_ex() -> Dict[str, List[str]]:
+    """Reinplace pairs in both ``inplaceable_npu_ops`` registries that can be imported. Idempotent."""
+    import offload_passes  # noqa: F401
+
+    from .reinplace import REGISTRY_MODULES, register_reinplace
+
+    mods = []
+    errors = []
+    for name in REGISTRY_MODULES:
+        try:
+            mods.append(importlib.import_module(name))
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+    if not mods:
+        raise RuntimeError("offload_passes.converters: neither torchair nor npugraph_ex is importable "
+                           f"({'; '.join(errors)})")
+    import sys
+
+    from .reinplace import _ALIASES
+
+    for name in REGISTRY_MODULES:  # torch_npu's own aliases of the same registries, if loaded
+        alias = sys.modules.get(_ALIASES[name])
+        if alias is not None and alias not in mods:
+            mods.append(alias)
+    return register_reinplace(mods)
+
+
+def register_all(*, ge: bool = True, npugraph_ex: bool = True) -> Dict[str, object]:
+    """Register everything this package provides. Raises ``RuntimeError`` when TorchAir is missing."""
+    out: Dict[str, object] = {}
+    if ge:
+        out["ge_converters"] = register_ge()
+    if npugraph_ex:
+        out["reinplace"] = register_npugraph_ex()
+    return out

@@ -1,7 +1,30 @@
-"""custom::dsa_install / dsa_install_functional — refill a layer's pool after attention (spec/ops.md §4)."""
+"""custom::dsa_install / dsa_install_functional — refill a layer's pool after attention (spec/ops.md §4).
+
+For every valid record of ``install_records`` (written by ``dsa_plan``), per batch row and in slab
+order, with per-row dedupe (first occurrence wins), the id gets the next FIFO way of its set
+(``way = ctr[set] & 15``) and the served selection row of its first occurrence is copied into the pool.
+``metadata_update=1`` also writes ``pool_ids``/``id_to_slot``/``lru_counter``; ``metadata_update=0``
+advances a private copy of the counters and changes only the pool payload.
+
+Address independence: the NPU kernel decodes the records from the first 4096-aligned address inside
+the buffer, so there a clone between plan and install corrupts decoding. **The CPU kernels (C++ and
+reference) use ``base = 0``** (records at byte 0, counts at byte ``rec_bytes``) and never look at the
+buffer address; the buffer only has to hold ``required`` bytes (plan's ``+4095`` slack is not needed).
+
+``dst = b*(PS//sbs)*sbs + slot`` is kept exactly as on the NPU; with ``PS % selection_block_size != 0``
+(never the case in GLM) batch rows overlap in the flat pool, and the C++ kernel then runs the batch
+rows sequentially so that the result stays deterministic and equal to the reference.
+"""
 from __future__ import annotations
 
+import logging
+
+import torch
+
 from . import _library as L
+from ._records import records_layout
+
+log = logging.getLogger("offload_passes.custom_ops.dsa_install")
 
 SCHEMA = (
     "dsa_install(Tensor install_records, Tensor selection_kv_cache, Tensor selection_k_rope, "
@@ -18,3 +41,350 @@ FUNCTIONAL_SCHEMA = (
 )
 L.define(SCHEMA)
 L.define(FUNCTIONAL_SCHEMA)
+
+OP = "dsa_install"
+FUNCTIONAL_OP = "dsa_install_functional"
+MUTATED = ["pool_kv_cache", "pool_k_rope", "pool_ids", "id_to_slot", "lru_counter"]
+
+MAX_RAW_SEQ = 4
+MAX_TOPK = 2048
+MAX_POOL = 16384
+MAX_DKV = 512
+MAX_DR = 128
+WAYS = 16
+PAYLOAD_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _is_pow2(n) -> bool:
+    n = int(n)
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def validate_dsa_install(
+    install_records: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_k_rope: torch.Tensor,
+    selection_kv_block_table: torch.Tensor,
+    pool_kv_cache: torch.Tensor,
+    pool_k_rope: torch.Tensor,
+    pool_ids: torch.Tensor,
+    id_to_slot: torch.Tensor,
+    lru_counter: torch.Tensor,
+    raw_seq: int = 1,
+    topk: int = 2048,
+    selection_block_size: int = 128,
+    metadata_update: int = 1,
+    op: str = OP,
+) -> tuple:
+    """Check every limit of spec §4.1 (sizes and dtypes only; safe in fake mode).
+
+    Returns ``(B, S, K, PS, IR)``. ``op`` names the op in messages (in-place or functional twin).
+    """
+    rec = install_records
+    L.check(rec.dtype == torch.int8, op, f"install_records must be int8, got {rec.dtype}")
+    L.check(rec.dim() == 1, op, f"install_records must be 1-D, got {rec.dim()}-D")
+    L.check(rec.numel() > 0, op, "install_records must be non-empty, got 0 bytes")
+    dt = selection_kv_cache.dtype
+    L.check(
+        dt in PAYLOAD_DTYPES, op, f"selection_kv_cache dtype must be float16 or bfloat16, got {dt}"
+    )
+    for name, t in (
+        ("selection_k_rope", selection_k_rope),
+        ("pool_kv_cache", pool_kv_cache),
+        ("pool_k_rope", pool_k_rope),
+    ):
+        L.check(t.dtype == dt, op, f"{name} dtype must equal selection_kv_cache's {dt}, got {t.dtype}")
+    for name, t in (
+        ("selection_kv_block_table", selection_kv_block_table),
+        ("pool_ids", pool_ids),
+        ("id_to_slot", id_to_slot),
+        ("lru_counter", lru_counter),
+    ):
+        L.check(t.dtype == torch.int32, op, f"{name} must be int32, got {t.dtype}")
+    L.check(0 < raw_seq <= MAX_RAW_SEQ, op, f"raw_seq must be in [1, {MAX_RAW_SEQ}], got {raw_seq}")
+    L.check(0 < topk <= MAX_TOPK, op, f"topk must be in [1, {MAX_TOPK}], got {topk}")
+    L.check(topk % 8 == 0, op, f"topk must be a multiple of 8, got {topk}")
+    sbs = selection_block_size
+    L.check(
+        16 <= sbs <= 128 and _is_pow2(sbs),
+        op,
+        f"selection_block_size must be a power of two in [16, 128], got {sbs}",
+    )
+    L.check(topk % sbs == 0, op, f"topk must be a multiple of selection_block_size={sbs}, got {topk}")
+    L.check(metadata_update in (0, 1), op, f"metadata_update must be 0 or 1, got {metadata_update}")
+    for name, t in (
+        ("selection_kv_cache", selection_kv_cache),
+        ("selection_k_rope", selection_k_rope),
+        ("pool_kv_cache", pool_kv_cache),
+        ("pool_k_rope", pool_k_rope),
+    ):
+        L.check(t.dim() == 3, op, f"{name} must be 3-D, got {t.dim()}-D")
+    L.check(
+        selection_kv_block_table.dim() == 2,
+        op,
+        f"selection_kv_block_table must be 2-D, got {selection_kv_block_table.dim()}-D",
+    )
+    B, PS = pool_kv_cache.size(0), pool_kv_cache.size(1)
+    L.check(B > 0, op, f"pool_kv_cache dim 0 (B) must be > 0, got {B}")
+    L.check(0 < PS <= MAX_POOL, op, f"pool_kv_cache dim 1 (PS) must be in (0, {MAX_POOL}], got {PS}")
+    L.check(PS % WAYS == 0, op, f"pool_kv_cache dim 1 (PS) must be a multiple of {WAYS}, got {PS}")
+    NS = PS // WAYS
+    L.check(_is_pow2(NS), op, f"pool_kv_cache dim 1 (PS) / 16 (sets) must be a power of two, got {NS}")
+    need = B * raw_seq * topk
+    L.check(
+        selection_kv_cache.size(0) * selection_kv_cache.size(1) >= need,
+        op,
+        f"selection_kv_cache must hold >= B*raw_seq*topk = {need} rows (dims 0*1), got "
+        f"{selection_kv_cache.size(0) * selection_kv_cache.size(1)}",
+    )
+    L.check(
+        selection_k_rope.size(0) == selection_kv_cache.size(0)
+        and selection_k_rope.size(1) == selection_kv_cache.size(1),
+        op,
+        f"selection_k_rope dims 0,1 must equal selection_kv_cache's "
+        f"{tuple(selection_kv_cache.shape[:2])}, got {tuple(selection_k_rope.shape[:2])}",
+    )
+    L.check(
+        selection_kv_block_table.size(0) == B * raw_seq
+        and selection_kv_block_table.size(1) >= topk // sbs,
+        op,
+        f"selection_kv_block_table must be [B*raw_seq={B * raw_seq}, >= topk/selection_block_size="
+        f"{topk // sbs}], got {tuple(selection_kv_block_table.shape)}",
+    )
+    Dkv, Dr = pool_kv_cache.size(2), pool_k_rope.size(2)
+    L.check(0 < Dkv <= MAX_DKV, op, f"pool_kv_cache dim 2 (Dkv) must be in (0, {MAX_DKV}], got {Dkv}")
+    L.check(0 < Dr <= MAX_DR, op, f"pool_k_rope dim 2 (Dr) must be in (0, {MAX_DR}], got {Dr}")
+    L.check(
+        selection_kv_cache.size(2) == Dkv,
+        op,
+        f"selection_kv_cache dim 2 must equal pool_kv_cache's Dkv={Dkv}, got {selection_kv_cache.size(2)}",
+    )
+    L.check(
+        selection_k_rope.size(2) == Dr,
+        op,
+        f"selection_k_rope dim 2 must equal pool_k_rope's Dr={Dr}, got {selection_k_rope.size(2)}",
+    )
+    L.check(
+        pool_k_rope.size(0) == B and pool_k_rope.size(1) == PS,
+        op,
+        f"pool_k_rope must be [B={B}, PS={PS}, Dr], got {tuple(pool_k_rope.shape)}",
+    )
+    L.check(
+        pool_ids.dim() == 2 and pool_ids.size(0) == B and pool_ids.size(1) == PS,
+        op,
+        f"pool_ids must be [B={B}, PS={PS}], got {tuple(pool_ids.shape)}",
+    )
+    L.check(
+        id_to_slot.dim() == 2 and id_to_slot.size(0) == B,
+        op,
+        f"id_to_slot must be [B={B}, IR], got {tuple(id_to_slot.shape)}",
+    )
+    IR = id_to_slot.size(1)
+    L.check(IR > 0, op, f"id_to_slot dim 1 (id_range) must be > 0, got {IR}")
+    L.check(
+        lru_counter.dim() == 2 and lru_counter.size(0) == B and lru_counter.size(1) == NS,
+        op,
+        f"lru_counter must be [B={B}, NS={NS}], got {tuple(lru_counter.shape)}",
+    )
+    required = records_layout(B, raw_seq, topk).required
+    L.check(
+        rec.numel() >= required,
+        op,
+        f"install_records must hold >= {required} bytes (layout for B={B}, raw_seq={raw_seq}, "
+        f"topk={topk}), got {rec.numel()}",
+    )
+    return B, raw_seq, topk, PS, IR
+
+
+def _fake(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+          pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter, *,
+          raw_seq=1, topk=2048, selection_block_size=128, metadata_update=1):
+    validate_dsa_install(
+        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
+        raw_seq, topk, selection_block_size, metadata_update,
+    )
+    return None
+
+
+def _fake_functional(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+                     pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter, *,
+                     raw_seq=1, topk=2048, selection_block_size=128, metadata_update=1):
+    validate_dsa_install(
+        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
+        raw_seq, topk, selection_block_size, metadata_update, op=FUNCTIONAL_OP,
+    )
+    return tuple(torch.empty_like(t) for t in (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter))
+
+
+def _install_order(install_records, B, S, K, NS, IR):
+    """Valid records in install order: ``(b, set, id, seq, pos)`` int64 rows, before dedupe."""
+    from ._records import decode_records
+
+    recs, _ = decode_records(install_records, B, S, K, base=0, clamp_to_cap=True)
+    mt, st, x, sq, pos = recs.unbind(1)
+    ok = (x >= 0) & (x < IR) & (st >= 0) & (st < NS) & (sq >= 0) & (sq < S) & (pos >= 0) & (pos < K)
+    b = mt // (S * 8)
+    return b[ok], st[ok], x[ok], sq[ok], pos[ok]
+
+
+def reference_dsa_install(
+    install_records: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_k_rope: torch.Tensor,
+    selection_kv_block_table: torch.Tensor,
+    pool_kv_cache: torch.Tensor,
+    pool_k_rope: torch.Tensor,
+    pool_ids: torch.Tensor,
+    id_to_slot: torch.Tensor,
+    lru_counter: torch.Tensor,
+    *,
+    raw_seq: int = 1,
+    topk: int = 2048,
+    selection_block_size: int = 128,
+    metadata_update: int = 1,
+    validate: bool = True,
+) -> None:
+    """Pure-torch oracle of spec §4.2, in place (CPU base = 0 records layout).
+
+    Decoding, validity filter, dedupe and way assignment are vectorised; only the metadata eviction
+    chain (whose result depends on the order when ways collide) runs as a Python loop over installs.
+    """
+    if validate:
+        validate_dsa_install(
+            install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+            pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
+            raw_seq, topk, selection_block_size, metadata_update,
+        )
+    B, PS = pool_kv_cache.size(0), pool_kv_cache.size(1)
+    S, K, sbs, IR, NS = raw_seq, topk, selection_block_size, id_to_slot.size(1), PS // WAYS
+    b, st, x, sq, pos = _install_order(install_records, B, S, K, NS, IR)
+    n = b.numel()
+    if n == 0:
+        return
+    # Dedupe per batch row, first occurrence (in install order) wins.
+    key = b * IR + x
+    uniq, inv = torch.unique(key, return_inverse=True)
+    first = torch.full((uniq.numel(),), n, dtype=torch.int64).scatter_reduce(
+        0, inv, torch.arange(n), reduce="amin"
+    )
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[first] = True
+    b, st, x, sq, pos = b[keep], st[keep], x[keep], sq[keep], pos[keep]
+    n = b.numel()
+    # Way = (counter + number of earlier installs into the same (b, set) in this call) & 15.
+    grp = b * NS + st
+    order = torch.sort(grp, stable=True).indices
+    sorted_grp = grp[order]
+    start = torch.searchsorted(sorted_grp, sorted_grp, right=False)
+    rank = torch.empty(n, dtype=torch.int64)
+    rank[order] = torch.arange(n) - start
+    ctr0 = lru_counter.to(torch.int64)[b, st]
+    slot = st * WAYS + ((ctr0 + rank) & 15)
+
+    # Payload: last writer wins per flat destination row (batch rows may overlap when PS % sbs != 0).
+    src = ((b * S + sq) * ((K + sbs - 1) // sbs) + pos // sbs) * sbs + pos % sbs
+    dst = b * (PS // sbs) * sbs + slot
+    rev = torch.arange(n - 1, -1, -1)
+    ud, uinv = torch.unique(dst[rev], return_inverse=True)
+    last = torch.full((ud.numel(),), n, dtype=torch.int64).scatter_reduce(
+        0, uinv, torch.arange(n), reduce="amin"
+    )
+    winners = rev[last]
+    for pool, sel in ((pool_kv_cache, selection_kv_cache), (pool_k_rope, selection_k_rope)):
+        flat_sel = sel.reshape(-1, sel.size(-1))
+        pool_flat = pool.view(-1, pool.size(-1)) if pool.is_contiguous() else None
+        rows = flat_sel[src[winners]]
+        if pool_flat is not None:
+            pool_flat[dst[winners]] = rows
+        else:
+            tmp = pool.reshape(-1, pool.size(-1)).clone()
+            tmp[dst[winners]] = rows
+            pool.copy_(tmp.view_as(pool))
+
+    if metadata_update != 1:
+        return
+    # Counters: advance by the installs into each set (mod 16); untouched sets keep their raw value.
+    cnt = torch.zeros(B * NS, dtype=torch.int64).index_add_(0, grp, torch.ones(n, dtype=torch.int64))
+    base = lru_counter.to(torch.int64).reshape(-1)
+    new_ctr = torch.where(cnt > 0, (base + cnt) & 15, base).to(torch.int32).view(B, NS)
+    lru_counter.copy_(new_ctr)
+    # Metadata in install order: evict the slot's previous occupant, then claim the slot.
+    pid = pool_ids.tolist()
+    i2s_updates: dict[tuple[int, int], int] = {}
+    for bi, xi, si in zip(b.tolist(), x.tolist(), slot.tolist()):
+        old = pid[bi][si]
+        if 0 <= old < IR:
+            i2s_updates[(bi, old)] = -1
+        pid[bi][si] = xi
+        i2s_updates[(bi, xi)] = si
+    pool_ids.copy_(torch.tensor(pid, dtype=torch.int32))
+    if i2s_updates:
+        idx = torch.tensor(list(i2s_updates.keys()), dtype=torch.int64)
+        val = torch.tensor(list(i2s_updates.values()), dtype=torch.int32)
+        id_to_slot[idx[:, 0], idx[:, 1]] = val
+
+
+def reference_dsa_install_functional(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+    """Functional twin of :func:`reference_dsa_install`: returns updated clones, inputs untouched."""
+    args = list(args)
+    outs = [a.clone() for a in args[4:9]]
+    reference_dsa_install(*args[:4], *outs, **kwargs)
+    return tuple(outs)
+
+
+def _run_inplace(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+                 pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
+                 raw_seq, topk, selection_block_size, metadata_update):
+    if L.cpu_kernel_mode() == "reference":
+        reference_dsa_install(
+            install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+            pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
+            raw_seq=raw_seq, topk=topk, selection_block_size=selection_block_size,
+            metadata_update=metadata_update, validate=False,
+        )
+        return
+    L.cpu_op(OP)(
+        install_records, selection_kv_cache, selection_k_rope,
+        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
+        raw_seq, topk, selection_block_size, metadata_update,
+    )
+
+
+def _cpu(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+         pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter, *,
+         raw_seq=1, topk=2048, selection_block_size=128, metadata_update=1):
+    validate_dsa_install(
+        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
+        raw_seq, topk, selection_block_size, metadata_update,
+    )
+    _run_inplace(
+        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
+        raw_seq, topk, selection_block_size, metadata_update,
+    )
+
+
+def _cpu_functional(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+                    pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter, *,
+                    raw_seq=1, topk=2048, selection_block_size=128, metadata_update=1):
+    validate_dsa_install(
+        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
+        raw_seq, topk, selection_block_size, metadata_update, op=FUNCTIONAL_OP,
+    )
+    outs = tuple(t.clone() for t in (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter))
+    _run_inplace(
+        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+        *outs, raw_seq, topk, selection_block_size, metadata_update,
+    )
+    return outs
+
+
+L.register_fake(OP, _fake)
+L.register_fake(FUNCTIONAL_OP, _fake_functional)
+L.impl(OP, "CPU", _cpu)
+L.impl(FUNCTIONAL_OP, "CPU", _cpu_functional)
+L.register_functionalization(OP, FUNCTIONAL_OP, MUTATED)

@@ -1,7 +1,23 @@
-"""custom::dsa_serve / dsa_serve_functional — fill a layer's selection buffer (spec/ops.md §3)."""
+"""custom::dsa_serve / dsa_serve_functional — fill a layer's selection buffer (spec/ops.md §3).
+
+Every plan row ``q`` writes exactly one selection row: the pool row (kind 1), the full-cache row
+(kinds 2/3) or zeros (kinds 0/4/5 and out-of-range values). ``compact_layout=1`` writes flat row ``q``
+of the selection viewed as ``[nb*sbs, D]``; ``compact_layout=0`` (legacy) writes ``selection[q, 0]``.
+
+CPU kernel: ``csrc/dsa_serve.cpp`` (byte copies of whole rows, ``at::parallel_for`` over plan rows), or
+:func:`reference_dsa_serve` when ``OFFLOAD_PASSES_CPU_KERNELS=reference``.
+"""
 from __future__ import annotations
 
+import logging
+import torch
+
 from . import _library as L
+
+log = logging.getLogger("offload_passes.custom_ops.dsa_serve")
+
+OP = "dsa_serve"
+FUNCTIONAL_OP = "dsa_serve_functional"
 
 SCHEMA = (
     "dsa_serve(Tensor plan, Tensor full_kv_cache, Tensor full_k_rope, Tensor pool_kv_cache, "
@@ -15,3 +31,291 @@ FUNCTIONAL_SCHEMA = (
 )
 L.define(SCHEMA)
 L.define(FUNCTIONAL_SCHEMA)
+
+#: Plan source kinds (spec/ops.md §2.4).
+KIND_INVALID, KIND_POOL_HIT, KIND_FULL_OLD_MISS, KIND_DECODE_WINDOW, KIND_FUTURE_SKIP, KIND_NEGATIVE_STOP = range(6)
+
+#: Limits of csrc/dsa_serve.cpp: compact_layout=1 ("prod") and compact_layout=0 ("legacy").
+PROD_LIMITS = {"raw_seq": 4, "topk": 2048, "pool_size": 16384}
+LEGACY_LIMITS = {"raw_seq": 4, "topk": 64, "pool_size": 256, "rows": 256, "batch": 16, "full_seq": 512}
+TOPK_GRANULARITY = 8
+MIN_SELECTION_BLOCK_SIZE = 16
+MAX_SELECTION_BLOCK_SIZE = 128
+MAX_KV_DIM = 512
+MAX_ROPE_DIM = 128
+PAYLOAD_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _shape(t: torch.Tensor) -> list:
+    return list(t.shape)
+
+
+def validate_dsa_serve(
+    plan: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    pool_kv_cache: torch.Tensor,
+    pool_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_k_rope: torch.Tensor,
+    raw_seq: int = 1,
+    topk: int = 2048,
+    selection_block_size: int = 128,
+    compact_layout: int = 1,
+    *,
+    op: str = OP,
+) -> None:
+    """Every check of spec/ops.md §3.1; raises ``RuntimeError("custom::dsa_serve: ...")``."""
+    c = L.check
+    c(compact_layout in (0, 1), op, f"compact_layout must be 0 or 1, got {compact_layout}")
+    compact = compact_layout == 1
+    lim = PROD_LIMITS if compact else LEGACY_LIMITS
+    mode = f"compact_layout={compact_layout}"
+    c(plan.dtype == torch.int32, op, f"plan must be int32, got {plan.dtype}")
+    payload = {
+        "full_kv_cache": full_kv_cache,
+        "full_k_rope": full_k_rope,
+        "pool_kv_cache": pool_kv_cache,
+        "pool_k_rope": pool_k_rope,
+        "selection_kv_cache": selection_kv_cache,
+        "selection_k_rope": selection_k_rope,
+    }
+    dt = full_kv_cache.dtype
+    c(dt in PAYLOAD_DTYPES, op, f"full_kv_cache dtype must be float16 or bfloat16, got {dt}")
+    for name, t in payload.items():
+        c(t.dtype == dt, op, f"{name} dtype must equal full_kv_cache dtype {dt}, got {t.dtype}")
+    c(0 < raw_seq <= lim["raw_seq"], op, f"raw_seq must be in [1, {lim['raw_seq']}], got {raw_seq}")
+    c(0 < topk <= lim["topk"], op, f"topk must be in [1, {lim['topk']}] for {mode}, got {topk}")
+    c(topk % TOPK_GRANULARITY == 0, op, f"topk must be a multiple of {TOPK_GRANULARITY}, got {topk}")
+    sbs = selection_block_size
+    c(
+        MIN_SELECTION_BLOCK_SIZE <= sbs <= MAX_SELECTION_BLOCK_SIZE and (sbs & (sbs - 1)) == 0,
+        op,
+        f"selection_block_size must be a power of two in [{MIN_SELECTION_BLOCK_SIZE}, "
+        f"{MAX_SELECTION_BLOCK_SIZE}], got {sbs}",
+    )
+    c(
+        not compact or topk % sbs == 0,
+        op,
+        f"topk must be a multiple of selection_block_size ({sbs}) for {mode}, got {topk}",
+    )
+    c(plan.dim() == 2 and plan.size(1) == 2, op, f"plan must be 2-D [rows, 2], got shape {_shape(plan)}")
+    rows = plan.size(0)
+    c(rows > 0, op, f"plan rows must be > 0, got {rows}")
+    if not compact:
+        c(rows <= lim["rows"], op, f"plan rows must be <= {lim['rows']} for {mode}, got {rows}")
+    for name, t in payload.items():
+        c(t.dim() == 3, op, f"{name} must be 3-D, got shape {_shape(t)}")
+    B = full_kv_cache.size(0)
+    c(B > 0, op, f"full_kv_cache.size(0) (batch) must be > 0, got {B}")
+    if not compact:
+        c(B <= lim["batch"], op, f"full_kv_cache.size(0) (batch) must be <= {lim['batch']} for {mode}, got {B}")
+    c(
+        rows == B * raw_seq * topk,
+        op,
+        f"plan rows must equal batch*raw_seq*topk = {B}*{raw_seq}*{topk}, got {rows}",
+    )
+    for name in ("full_k_rope", "pool_kv_cache", "pool_k_rope"):
+        t = payload[name]
+        c(t.size(0) == B, op, f"{name}.size(0) must equal batch {B}, got {t.size(0)}")
+    F = full_kv_cache.size(1)
+    c(F > 0, op, f"full_kv_cache.size(1) (full_seq) must be > 0, got {F}")
+    if not compact:
+        c(F <= lim["full_seq"], op, f"full_kv_cache.size(1) (full_seq) must be <= {lim['full_seq']} for {mode}, got {F}")
+    c(full_k_rope.size(1) == F, op, f"full_k_rope.size(1) must equal full_seq {F}, got {full_k_rope.size(1)}")
+    PS = pool_kv_cache.size(1)
+    c(0 < PS <= lim["pool_size"], op, f"pool_kv_cache.size(1) (pool_size) must be in [1, {lim['pool_size']}] for {mode}, got {PS}")
+    c(pool_k_rope.size(1) == PS, op, f"pool_k_rope.size(1) must equal pool_size {PS}, got {pool_k_rope.size(1)}")
+    Dkv = full_kv_cache.size(2)
+    c(0 < Dkv <= MAX_KV_DIM, op, f"full_kv_cache.size(2) (kv dim) must be in [1, {MAX_KV_DIM}], got {Dkv}")
+    c(pool_kv_cache.size(2) == Dkv, op, f"pool_kv_cache.size(2) must equal kv dim {Dkv}, got {pool_kv_cache.size(2)}")
+    Dr = full_k_rope.size(2)
+    c(0 < Dr <= MAX_ROPE_DIM, op, f"full_k_rope.size(2) (rope dim) must be in [1, {MAX_ROPE_DIM}], got {Dr}")
+    c(pool_k_rope.size(2) == Dr, op, f"pool_k_rope.size(2) must equal rope dim {Dr}, got {pool_k_rope.size(2)}")
+    nb = (rows + sbs - 1) // sbs if compact else rows
+    for name, D in (("selection_kv_cache", Dkv), ("selection_k_rope", Dr)):
+        t = payload[name]
+        c(
+            t.size(0) == nb and t.size(1) == sbs and t.size(2) == D,
+            op,
+            f"{name} must have shape [{nb}, {sbs}, {D}] (blocks = "
+            f"{'ceil(rows/selection_block_size)' if compact else 'rows'}) for {mode}, got {_shape(t)}",
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (test oracle)
+# --------------------------------------------------------------------------------------------
+
+def reference_dsa_serve(
+    plan: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    pool_kv_cache: torch.Tensor,
+    pool_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_k_rope: torch.Tensor,
+    raw_seq: int = 1,
+    topk: int = 2048,
+    selection_block_size: int = 128,
+    compact_layout: int = 1,
+) -> None:
+    """Pure-torch §3.2: a straight gather by kind, written into the selection tensors in place.
+
+    Rows are moved as raw 16-bit patterns (int16 views), so NaN payloads stay bit-identical.
+    """
+    rows = plan.size(0)
+    F = full_kv_cache.size(1)
+    PS = pool_kv_cache.size(1)
+    kind = plan[:, 0].long()
+    v = plan[:, 1].long()
+    b = torch.arange(rows) // (raw_seq * topk)
+    from_pool = ((kind == KIND_POOL_HIT) & (v >= 0) & (v < PS)).unsqueeze(1)
+    from_full = (((kind == KIND_FULL_OLD_MISS) | (kind == KIND_DECODE_WINDOW)) & (v >= 0) & (v < F)).unsqueeze(1)
+    pool_row = b * PS + v.clamp(0, PS - 1)
+    full_row = b * F + v.clamp(0, F - 1)
+    for full, pool, sel in (
+        (full_kv_cache, pool_kv_cache, selection_kv_cache),
+        (full_k_rope, pool_k_rope, selection_k_rope),
+    ):
+        D = sel.size(2)
+        f16 = full.view(torch.int16).reshape(-1, D)
+        p16 = pool.view(torch.int16).reshape(-1, D)
+        out = torch.where(from_pool, p16.index_select(0, pool_row),
+                          torch.where(from_full, f16.index_select(0, full_row), torch.zeros((), dtype=torch.int16)))
+        if compact_layout == 1:
+            sel.view(torch.int16).copy_(out.view(sel.shape))  # rows == nb*sbs (validated)
+        else:
+            sel.view(torch.int16)[:rows, 0].copy_(out)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU kernels
+# --------------------------------------------------------------------------------------------
+
+def _run_in_place(
+    plan: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    pool_kv_cache: torch.Tensor,
+    pool_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_k_rope: torch.Tensor,
+    raw_seq: int,
+    topk: int,
+    selection_block_size: int,
+    compact_layout: int,
+) -> None:
+    args = (raw_seq, topk, selection_block_size, compact_layout)
+    if L.cpu_kernel_mode() == "reference":
+        reference_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
+                            selection_kv_cache, selection_k_rope, *args)
+        return
+    # The C++ kernel addresses rows by byte offset, so it needs dense row-major tensors; a
+    # non-contiguous selection is served into a dense temporary and copied back.
+    outs = [t if t.is_contiguous() else t.contiguous() for t in (selection_kv_cache, selection_k_rope)]
+    L.cpu_op(OP)(
+        plan.contiguous(), full_kv_cache.contiguous(), full_k_rope.contiguous(),
+        pool_kv_cache.contiguous(), pool_k_rope.contiguous(), outs[0], outs[1], *args,
+    )
+    for dst, src in zip((selection_kv_cache, selection_k_rope), outs):
+        if dst is not src:
+            dst.copy_(src)
+
+
+def _serve_cpu(
+    plan: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    pool_kv_cache: torch.Tensor,
+    pool_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_k_rope: torch.Tensor,
+    raw_seq: int = 1,
+    topk: int = 2048,
+    selection_block_size: int = 128,
+    compact_layout: int = 1,
+) -> None:
+    validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
+                       selection_kv_cache, selection_k_rope, raw_seq, topk, selection_block_size,
+                       compact_layout)
+    _run_in_place(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
+                  selection_kv_cache, selection_k_rope, raw_seq, topk, selection_block_size,
+                  compact_layout)
+
+
+def _serve_functional_cpu(
+    plan: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    pool_kv_cache: torch.Tensor,
+    pool_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_k_rope: torch.Tensor,
+    raw_seq: int = 1,
+    topk: int = 2048,
+    selection_block_size: int = 128,
+    compact_layout: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
+                       selection_kv_cache, selection_k_rope, raw_seq, topk, selection_block_size,
+                       compact_layout, op=FUNCTIONAL_OP)
+    if compact_layout == 1:
+        # Compact mode overwrites every element (validation pins nb*sbs == rows), so no clone.
+        kv, rope = torch.empty_like(selection_kv_cache), torch.empty_like(selection_k_rope)
+    else:
+        # Legacy mode writes entry 0 of each block only; the rest keeps the input (the NPU leaves
+        # it uninitialised).
+        kv, rope = selection_kv_cache.clone(), selection_k_rope.clone()
+    _run_in_place(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, kv, rope,
+                  raw_seq, topk, selection_block_size, compact_layout)
+    return kv, rope
+
+
+# --------------------------------------------------------------------------------------------
+# Fake kernels
+# --------------------------------------------------------------------------------------------
+
+def _serve_fake(
+    plan: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    pool_kv_cache: torch.Tensor,
+    pool_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_k_rope: torch.Tensor,
+    raw_seq: int = 1,
+    topk: int = 2048,
+    selection_block_size: int = 128,
+    compact_layout: int = 1,
+) -> None:
+    validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
+                       selection_kv_cache, selection_k_rope, raw_seq, topk, selection_block_size,
+                       compact_layout)
+    return None
+
+
+def _serve_functional_fake(
+    plan: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    pool_kv_cache: torch.Tensor,
+    pool_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_k_rope: torch.Tensor,
+    raw_seq: int = 1,
+    topk: int = 2048,
+    selection_block_size: int = 128,
+    compact_layout: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
+                       selection_kv_cache, selection_k_rope, raw_seq, topk, selection_block_size,
+                       compact_layout, op=FUNCTIONAL_OP)
+    return torch.empty_like(selection_kv_cache), torch.empty_like(selection_k_rope)
+
+
+L.register_fake(OP, _serve_fake)
+L.register_fake(FUNCTIONAL_OP, _serve_functional_fake)
+L.impl(OP, "CPU", _serve_cpu)
+L.impl(FUNCTIONAL_OP, "CPU", _serve_functional_cpu)
+L.register_functionalization(OP, FUNCTIONAL_OP, ["selection_kv_cache", "selection_k_rope"])

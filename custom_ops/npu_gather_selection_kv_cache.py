@@ -1,7 +1,42 @@
-"""custom::npu_gather_selection_kv_cache (+ _functional) — baseline gather with a reuse ledger (spec/ops.md §1)."""
+"""custom::npu_gather_selection_kv_cache (+ _functional) — baseline gather with a reuse ledger (spec/ops.md §1).
+
+Per query row ``r = b*S + s`` the status row is a ledger of what the selection buffer of row ``r``
+holds (entry ``p < K``: id at selection position ``p``; entry ``K``: the length written last time).
+The op gathers the valid top-k ids of the row into the selection buffer, reusing entries that the
+ledger says are already there.
+
+Reference choices (spec/ops.md §1, the intended behaviour, not the [NPU] deviations):
+
+* ``K > 32`` (``bsz == 1``): §1.4 exactly. When an id occurs several times in the old ledger, the
+  lowest position is the one that may be kept (the spec leaves this open).
+* ``K <= 32``: §1.5 as written (scan stops at the first negative id, hits only at old positions
+  ``< old_actual // bsz``, no ``max_reuse`` limit, max block swapped to position ``n-1``), with the
+  per-batch arrays indexed by ``b`` and ``Lr = L[b] - (S-1-s)`` for every ``S`` (the NPU indexes them
+  by ``r``, which is only correct for ``S = 1``; for ``S = 1`` both agree).
+* ``full_q_actual_seq`` is validated but not read (as on the NPU's K > 32 path).
+* Empty rows (``L[b] <= 0`` or ``Lr <= 0``) write nothing and report ``actual_seq = 0``; rows
+  ``>= B*S`` of the returned ``actual_seq`` are 0 (the NPU leaves both uninitialised).
+* Data-dependent bounds (every block-table entry the op would dereference) are checked before
+  anything is written; a bad entry raises ``RuntimeError`` naming the table.
+* A selection block table that maps two positions onto the same storage gives undefined content
+  (never out of bounds); GLM's table is the identity.
+
+CPU kernel: ``csrc/npu_gather_selection_kv_cache.cpp`` (``at::parallel_for`` over query rows), or
+:func:`reference_npu_gather_selection_kv_cache` when ``OFFLOAD_PASSES_CPU_KERNELS=reference``.
+"""
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
+import torch
+
 from . import _library as L
+
+log = logging.getLogger("offload_passes.custom_ops.npu_gather_selection_kv_cache")
+
+OP = "npu_gather_selection_kv_cache"
+FUNCTIONAL_OP = "npu_gather_selection_kv_cache_functional"
 
 SCHEMA = (
     "npu_gather_selection_kv_cache(Tensor(a!) selection_k_rope, Tensor(b!) selection_kv_cache, "
@@ -19,3 +54,503 @@ FUNCTIONAL_SCHEMA = (
 )
 L.define(SCHEMA)
 L.define(FUNCTIONAL_SCHEMA)
+
+#: Limits of tiling/gather_selection_kv_cache.
+MAX_TOPK = 2048
+SMALL_TOPK = 32  # K <= 32 uses the block-size path (§1.5); above it bsz must be 1 (§1.4)
+DEFAULT_BLOCK_SIZE = 64  # replaces selection_topk_block_size <= 0
+MAX_KV_DIM = 656
+MAX_SEQ_EXCLUSIVE = 8
+PAYLOAD_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
+
+
+@dataclass(frozen=True)
+class GatherGeometry:
+    """Sizes resolved by validation (``bsz`` after the ``<= 0 -> 64`` replacement)."""
+
+    B: int
+    S: int
+    K: int
+    bsz: int
+    no_rope: bool
+
+
+def _shape(t: torch.Tensor) -> list:
+    return list(t.shape)
+
+
+def validate_npu_gather_selection_kv_cache(
+    selection_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_kv_block_table: torch.Tensor,
+    selection_kv_block_status: torch.Tensor,
+    selection_topk_indices: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_kv_block_table: torch.Tensor,
+    full_kv_actual_seq: torch.Tensor,
+    full_q_actual_seq: torch.Tensor,
+    selection_topk_block_size: int = 64,
+    *,
+    op: str = OP,
+) -> GatherGeometry:
+    """Every check of spec/ops.md §1.2 (plus shape agreements the copies rely on)."""
+    c = L.check
+    sel_rope, sel_kv, sbt, status, topk = (
+        selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
+        selection_topk_indices,
+    )
+    full_rope, full_kv, fbt = full_k_rope, full_kv_cache, full_kv_block_table
+    # dtypes
+    dt = sel_kv.dtype
+    c(dt in PAYLOAD_DTYPES, op, f"selection_kv_cache dtype must be float16, bfloat16 or int8, got {dt}")
+    for name, t in (("selection_k_rope", sel_rope), ("full_k_rope", full_rope), ("full_kv_cache", full_kv)):
+        c(t.dtype == dt, op, f"{name} dtype must equal selection_kv_cache dtype {dt}, got {t.dtype}")
+    for name, t in (
+        ("selection_kv_block_table", sbt), ("selection_kv_block_status", status),
+        ("selection_topk_indices", topk), ("full_kv_block_table", fbt),
+        ("full_kv_actual_seq", full_kv_actual_seq), ("full_q_actual_seq", full_q_actual_seq),
+    ):
+        c(t.dtype == torch.int32, op, f"{name} must be int32, got {t.dtype}")
+    # selection payload
+    c(sel_kv.dim() == 3, op, f"selection_kv_cache must be 3-D, got shape {_shape(sel_kv)}")
+    c(sel_rope.dim() in (1, 3), op, f"selection_k_rope must be 3-D or 1-D empty, got shape {_shape(sel_rope)}")
+    no_rope = sel_rope.dim() == 1
+    if no_rope:
+        c(sel_rope.numel() == 0, op, f"selection_k_rope must be empty when 1-D (no-rope mode), got shape {_shape(sel_rope)}")
+    else:
+        c(
+            sel_rope.size(0) == sel_kv.size(0) and sel_rope.size(1) == sel_kv.size(1),
+            op,
+            f"selection_k_rope dims 0,1 must equal selection_kv_cache's {_shape(sel_kv)[:2]}, got {_shape(sel_rope)}",
+        )
+    bsz = selection_topk_block_size if selection_topk_block_size > 0 else DEFAULT_BLOCK_SIZE
+    SBS = sel_kv.size(1)
+    c(SBS > 0, op, f"selection_kv_cache.size(1) (block size) must be > 0, got {SBS}")
+    c(SBS % bsz == 0, op, f"selection_kv_cache.size(1) ({SBS}) must be a multiple of selection_topk_block_size {bsz}")
+    # full payload
+    c(full_kv.dim() == 3, op, f"full_kv_cache must be 3-D, got shape {_shape(full_kv)}")
+    FBS = full_kv.size(1)
+    c(FBS > 0, op, f"full_kv_cache.size(1) (block size) must be > 0, got {FBS}")
+    c(FBS % bsz == 0, op, f"full_kv_cache.size(1) ({FBS}) must be a multiple of selection_topk_block_size {bsz}")
+    c(full_rope.dim() in (1, 3), op, f"full_k_rope must be 3-D or 1-D empty, got shape {_shape(full_rope)}")
+    if full_rope.dim() == 1:
+        c(full_rope.numel() == 0, op, f"full_k_rope must be empty when 1-D (no-rope mode), got shape {_shape(full_rope)}")
+    else:
+        c(
+            full_rope.size(0) == full_kv.size(0) and full_rope.size(1) == FBS,
+            op,
+            f"full_k_rope dims 0,1 must equal full_kv_cache's {_shape(full_kv)[:2]}, got {_shape(full_rope)}",
+        )
+    c(
+        (full_rope.dim() == 1) == no_rope,
+        op,
+        f"full_k_rope and selection_k_rope must both be 3-D or both 1-D empty, got {_shape(full_rope)} and {_shape(sel_rope)}",
+    )
+    c(
+        full_kv.size(2) == sel_kv.size(2),
+        op,
+        f"full_kv_cache.size(2) must equal selection_kv_cache.size(2) {sel_kv.size(2)}, got {full_kv.size(2)}",
+    )
+    if not no_rope:
+        c(
+            full_rope.size(2) == sel_rope.size(2),
+            op,
+            f"full_k_rope.size(2) must equal selection_k_rope.size(2) {sel_rope.size(2)}, got {full_rope.size(2)}",
+        )
+    # indices and ledger
+    c(
+        topk.dim() in (3, 4) and status.dim() == topk.dim(),
+        op,
+        f"selection_topk_indices and selection_kv_block_status must both be 3-D (TND) or both 4-D (BSND), "
+        f"got {_shape(topk)} and {_shape(status)}",
+    )
+    K = topk.size(-1)
+    c(
+        _shape(status)[:-1] == _shape(topk)[:-1] and status.size(-1) == K + 1,
+        op,
+        f"selection_kv_block_status must have shape {_shape(topk)[:-1] + [K + 1]} (last dim K+1), got {_shape(status)}",
+    )
+    H = topk.size(-2)
+    c(H == 1, op, f"selection_topk_indices head dim (H) must be 1, got {H}")
+    c(0 < K <= MAX_TOPK, op, f"selection_topk_indices last dim (K) must be in [1, {MAX_TOPK}], got {K}")
+    c(
+        K <= SMALL_TOPK or bsz == 1,
+        op,
+        f"selection_topk_block_size must be 1 when K > {SMALL_TOPK}, got {bsz} (K = {K})",
+    )
+    c(fbt.dim() == 2, op, f"full_kv_block_table must be 2-D [B, maxblk], got shape {_shape(fbt)}")
+    if topk.dim() == 4:
+        B, S = topk.size(0), topk.size(1)
+        c(fbt.size(0) == B, op, f"full_kv_block_table.size(0) must equal B {B} (BSND), got {fbt.size(0)}")
+    else:
+        B, T = fbt.size(0), topk.size(0)
+        c(B > 0, op, f"full_kv_block_table.size(0) (B) must be > 0 (TND), got {B}")
+        c(T % B == 0, op, f"selection_topk_indices.size(0) (T = {T}) must be a multiple of B {B} (TND)")
+        S = T // B
+    c(B > 0, op, f"batch B must be > 0, got {B}")
+    c(0 < S < MAX_SEQ_EXCLUSIVE, op, f"S (query tokens per batch row) must be in [1, {MAX_SEQ_EXCLUSIVE - 1}], got {S}")
+    # selection block table
+    c(sbt.dim() == 2, op, f"selection_kv_block_table must be 2-D, got shape {_shape(sbt)}")
+    rows = B * S * H
+    c(sbt.size(0) >= rows, op, f"selection_kv_block_table.size(0) must be >= B*S*H = {rows}, got {sbt.size(0)}")
+    s_maxblk = sbt.size(1)
+    need_blk = (K * bsz + SBS - 1) // SBS
+    c(
+        s_maxblk >= need_blk,
+        op,
+        f"selection_kv_block_table.size(1) must be >= ceil(K*bsz/block_size) = {need_blk}, got {s_maxblk}",
+    )
+    c(
+        sel_kv.size(0) >= rows * s_maxblk,
+        op,
+        f"selection_kv_cache.size(0) (blocks) must be >= B*S*H*maxblk = {rows * s_maxblk}, got {sel_kv.size(0)}",
+    )
+    Dkv = sel_kv.size(2)
+    c(Dkv <= MAX_KV_DIM, op, f"selection_kv_cache.size(2) (kv dim) must be <= {MAX_KV_DIM}, got {Dkv}")
+    for name, t in (("full_kv_actual_seq", full_kv_actual_seq), ("full_q_actual_seq", full_q_actual_seq)):
+        c(t.dim() == 1 and t.size(0) == B, op, f"{name} must be 1-D of length B {B}, got shape {_shape(t)}")
+    return GatherGeometry(B=B, S=S, K=K, bsz=bsz, no_rope=no_rope)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (test oracle)
+# --------------------------------------------------------------------------------------------
+
+def _check_tables(rows_active: list, sbt: torch.Tensor, fbt: torch.Tensor, topk2: torch.Tensor,
+                  L_: torch.Tensor, geo: GatherGeometry, n_sel_blocks: int, n_full_blocks: int,
+                  FBS: int, SBS: int, op: str) -> None:
+    """Every block-table entry the op may dereference must be in range (checked before writing)."""
+    need_blk = (geo.K * geo.bsz + SBS - 1) // SBS
+    for r, b, max_sel in rows_active:
+        ent = sbt[r, :need_blk]
+        bad = (ent < 0) | (ent >= n_sel_blocks)
+        L.check(
+            not bool(bad.any()), op,
+            f"selection_kv_block_table[{r}] has an entry outside [0, {n_sel_blocks}) in its first {need_blk} columns",
+        )
+        row = topk2[r]
+        ids = row[(row >= 0) & (row <= max_sel)].long()
+        if ids.numel() == 0:
+            continue
+        col = ids * geo.bsz // FBS
+        L.check(
+            bool((col < fbt.size(1)).all()), op,
+            f"full_kv_block_table[{b}] has {fbt.size(1)} columns, too few for id {int(ids.max())} "
+            f"(full_kv_actual_seq[{b}] = {int(L_[b])})",
+        )
+        blk = fbt[b, col]
+        L.check(
+            bool(((blk >= 0) & (blk < n_full_blocks)).all()), op,
+            f"full_kv_block_table[{b}] has an entry outside [0, {n_full_blocks}) for a valid id",
+        )
+
+
+def reference_npu_gather_selection_kv_cache(
+    selection_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_kv_block_table: torch.Tensor,
+    selection_kv_block_status: torch.Tensor,
+    selection_topk_indices: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_kv_block_table: torch.Tensor,
+    full_kv_actual_seq: torch.Tensor,
+    full_q_actual_seq: torch.Tensor,
+    selection_topk_block_size: int = 64,
+) -> torch.Tensor:
+    """Pure-torch §1.4 / §1.5 (see module doc for the choices). Mutates selection and status in place."""
+    geo = validate_npu_gather_selection_kv_cache(
+        selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
+        selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
+        full_q_actual_seq, selection_topk_block_size,
+    )
+    B, S, K, bsz = geo.B, geo.S, geo.K, geo.bsz
+    R = B * S
+    sbt, fbt = selection_kv_block_table, full_kv_block_table
+    topk2 = selection_topk_indices.reshape(R, K)
+    # Work on a view when possible so the ledger is updated in place; else copy back at the end.
+    st_contig = selection_kv_block_status.is_contiguous()
+    status2 = (selection_kv_block_status.view(R, K + 1) if st_contig
+               else selection_kv_block_status.reshape(R, K + 1).clone())
+    SBS, FBS = selection_kv_cache.size(1), full_kv_cache.size(1)
+    actual_seq = torch.zeros(sbt.size(0), dtype=torch.int32)
+
+    active = []
+    for r in range(R):
+        b, s = divmod(r, S)
+        Lb = int(full_kv_actual_seq[b])
+        Lr = Lb - (S - 1 - s)
+        if Lb <= 0 or Lr <= 0:
+            continue
+        active.append((r, b, (Lr + bsz - 1) // bsz - 1))
+    _check_tables(active, sbt, fbt, topk2, full_kv_actual_seq, geo, selection_kv_cache.size(0),
+                  full_kv_cache.size(0), FBS, SBS, OP)
+
+    payload = [(selection_kv_cache, full_kv_cache)]
+    if not geo.no_rope:
+        payload.append((selection_k_rope, full_k_rope))
+    for r, b, max_sel in active:
+        s = r % S
+        Lr = int(full_kv_actual_seq[b]) - (S - 1 - s)
+        if K > SMALL_TOPK:
+            act = _ledger_row_vec(r, b, s, max_sel, topk2[r], status2[r], sbt, fbt, payload, SBS, FBS)
+        else:
+            act = _ledger_row_small(r, b, Lr, max_sel, bsz, topk2[r], status2[r], sbt, fbt, payload, SBS, FBS)
+        actual_seq[r] = act
+    if not st_contig:
+        selection_kv_block_status.copy_(status2.view(selection_kv_block_status.shape))
+    return actual_seq
+
+
+def _ledger_row_vec(r: int, b: int, s: int, max_sel: int, row: torch.Tensor, status: torch.Tensor,
+                    sbt: torch.Tensor, fbt: torch.Tensor, payload: list, SBS: int, FBS: int) -> int:
+    """§1.4 for one row (bsz == 1, so one id = one token), vectorised over the K entries."""
+    K = row.numel()
+    max_reuse = max(max_sel - s - 1, 0)
+    ids = row[(row >= 0) & (row <= max_sel)].long()  # all K scanned, negatives anywhere dropped
+    n = ids.numel()
+    old = status[:K].long().clone()
+    # Lowest old position of each id (stable sort keeps equal values in position order).
+    vals, order = torch.sort(old, stable=True)
+    pos = torch.searchsorted(vals, ids).clamp(max=K - 1)
+    found = (vals[pos] == ids) & (ids <= max_reuse)
+    first = order[pos]
+    keep = torch.full((K,), -1, dtype=torch.long)  # old position -> j kept there (last j wins)
+    j_all = torch.arange(n)
+    keep.scatter_reduce_(0, first[found], j_all[found], reduce="amax")
+    moved_from = torch.full((n,), -1, dtype=torch.long)
+    kept_pos = torch.nonzero(keep >= 0).flatten()
+    top = int(kept_pos.max()) if kept_pos.numel() else -1
+    if top + 1 - n > 0:  # kept entries at/after position n are evicted and moved below n
+        ev = kept_pos[kept_pos >= n]
+        moved_from[keep[ev]] = ev
+        keep[ev] = -1
+    is_kept = torch.zeros(n, dtype=torch.bool)
+    is_kept[keep[keep >= 0]] = True
+    todo = torch.nonzero(~is_kept).flatten()        # ids to write, in order
+    dst = torch.nonzero(keep < 0).flatten()[: todo.numel()]  # ascending free positions (all < n)
+    src_pos = moved_from[todo]
+    mv = src_pos >= 0
+    x = ids[todo]
+    for sel, full in payload:
+        data = full[fbt[b, x // FBS].long(), x % FBS]
+        if bool(mv.any()):
+            sp = src_pos[mv]
+            data[mv] = sel[sbt[r, sp // SBS].long(), sp % SBS]
+        sel[sbt[r, dst // SBS].long(), dst % SBS] = data
+    status[dst] = x.to(torch.int32)
+    status[n:K] = -1
+    status[K] = n
+    return n
+
+
+def _ledger_row_small(r: int, b: int, Lr: int, max_sel: int, bsz: int, row: torch.Tensor,
+                      status: torch.Tensor, sbt: torch.Tensor, fbt: torch.Tensor, payload: list,
+                      SBS: int, FBS: int) -> int:
+    """§1.5 for one row (K <= 32, any bsz): plain Python, block by block."""
+    K = row.numel()
+    ids = []
+    for x in row.tolist():
+        if x < 0:
+            break  # scanning stops at the first negative id
+        if x <= max_sel:
+            ids.append(x)
+    n = len(ids)
+    old = status.tolist()
+    old_actual = old[K]
+    eligible = min(old_actual // bsz, K) if old_actual > 0 else 0  # full blocks of the last write
+    first_at = {}
+    for p in range(eligible):
+        first_at.setdefault(old[p], p)
+    keep = {}
+    for j, x in enumerate(ids):
+        if x in first_at:
+            keep[first_at[x]] = j
+    moved = {}
+    top = max(keep) if keep else -1
+    if top + 1 - n > 0:
+        for p in range(top, n - 1, -1):
+            if p in keep:
+                moved[keep.pop(p)] = p
+    kept_j = set(keep.values())
+    tail_len = Lr - max_sel * bsz
+
+    def blen(x: int) -> int:
+        return tail_len if x == max_sel else bsz
+
+    def sel_loc(p: int) -> tuple:
+        tok = p * bsz
+        return int(sbt[r, tok // SBS]), tok % SBS
+
+    free = [p for p in range(K) if p not in keep]
+    fi = 0
+    actual = 0
+    new_status = old[:K]
+    for j, x in enumerate(ids):
+        actual += blen(x)
+        if j in kept_j:
+            continue
+        dst = free[fi]
+        fi += 1
+        db, do = sel_loc(dst)
+        ln = blen(x)
+        for sel, full in payload:
+            if j in moved:
+                sb_, so = sel_loc(moved[j])
+                src = sel[sb_, so:so + ln].clone()
+            else:
+                tok = x * bsz
+                src = full[int(fbt[b, tok // FBS]), tok % FBS:tok % FBS + ln]
+            sel[db, do:do + ln] = src
+        new_status[dst] = x
+    if n > 0:
+        mx = max(ids)
+        if new_status[n - 1] != mx:  # the max (possibly partial) block must end the selection
+            pm = new_status[:n].index(mx)
+            ln = blen(mx)
+            (ab, ao), (zb, zo) = sel_loc(pm), sel_loc(n - 1)
+            for sel, _ in payload:
+                blk_max = sel[ab, ao:ao + ln].clone()
+                blk_last = sel[zb, zo:zo + bsz].clone()
+                sel[zb, zo:zo + ln] = blk_max
+                sel[ab, ao:ao + bsz] = blk_last
+            new_status[pm], new_status[n - 1] = new_status[n - 1], new_status[pm]
+    for p in range(n, K):
+        new_status[p] = -1
+    status[:K] = torch.tensor(new_status, dtype=torch.int32)
+    status[K] = actual
+    return actual
+
+
+# --------------------------------------------------------------------------------------------
+# CPU kernels
+# --------------------------------------------------------------------------------------------
+
+def _run_in_place(sel_rope: torch.Tensor, sel_kv: torch.Tensor, sbt: torch.Tensor, status: torch.Tensor,
+                  topk: torch.Tensor, full_rope: torch.Tensor, full_kv: torch.Tensor, fbt: torch.Tensor,
+                  kv_len: torch.Tensor, q_len: torch.Tensor, bsz_arg: int, geo: GatherGeometry) -> torch.Tensor:
+    if L.cpu_kernel_mode() == "reference":
+        return reference_npu_gather_selection_kv_cache(
+            sel_rope, sel_kv, sbt, status, topk, full_rope, full_kv, fbt, kv_len, q_len, bsz_arg)
+    # Dense temporaries for non-contiguous mutated tensors, copied back afterwards.
+    outs = [t if t.is_contiguous() else t.contiguous() for t in (sel_rope, sel_kv, status)]
+    act = L.cpu_op(OP)(
+        outs[0], outs[1], sbt.contiguous(), outs[2], topk.contiguous(), full_rope.contiguous(),
+        full_kv.contiguous(), fbt.contiguous(), kv_len.contiguous(), geo.B, geo.S, geo.bsz,
+    )
+    for dst, src in zip((sel_rope, sel_kv, status), outs):
+        if dst is not src:
+            dst.copy_(src)
+    return act
+
+
+def _gather_cpu(
+    selection_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_kv_block_table: torch.Tensor,
+    selection_kv_block_status: torch.Tensor,
+    selection_topk_indices: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_kv_block_table: torch.Tensor,
+    full_kv_actual_seq: torch.Tensor,
+    full_q_actual_seq: torch.Tensor,
+    selection_topk_block_size: int = 64,
+) -> torch.Tensor:
+    geo = validate_npu_gather_selection_kv_cache(
+        selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
+        selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
+        full_q_actual_seq, selection_topk_block_size,
+    )
+    return _run_in_place(selection_k_rope, selection_kv_cache, selection_kv_block_table,
+                         selection_kv_block_status, selection_topk_indices, full_k_rope, full_kv_cache,
+                         full_kv_block_table, full_kv_actual_seq, full_q_actual_seq,
+                         selection_topk_block_size, geo)
+
+
+def _gather_functional_cpu(
+    selection_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_kv_block_table: torch.Tensor,
+    selection_kv_block_status: torch.Tensor,
+    selection_topk_indices: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_kv_block_table: torch.Tensor,
+    full_kv_actual_seq: torch.Tensor,
+    full_q_actual_seq: torch.Tensor,
+    selection_topk_block_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    geo = validate_npu_gather_selection_kv_cache(
+        selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
+        selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
+        full_q_actual_seq, selection_topk_block_size, op=FUNCTIONAL_OP,
+    )
+    # The ledger keeps stale rows and reuses hits, so the outputs must start from the inputs.
+    rope, kv, table, status = (selection_k_rope.clone(), selection_kv_cache.clone(),
+                               selection_kv_block_table.clone(), selection_kv_block_status.clone())
+    act = _run_in_place(rope, kv, table, status, selection_topk_indices, full_k_rope, full_kv_cache,
+                        full_kv_block_table, full_kv_actual_seq, full_q_actual_seq,
+                        selection_topk_block_size, geo)
+    return act, rope, kv, table, status
+
+
+# --------------------------------------------------------------------------------------------
+# Fake kernels
+# --------------------------------------------------------------------------------------------
+
+def _gather_fake(
+    selection_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_kv_block_table: torch.Tensor,
+    selection_kv_block_status: torch.Tensor,
+    selection_topk_indices: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_kv_block_table: torch.Tensor,
+    full_kv_actual_seq: torch.Tensor,
+    full_q_actual_seq: torch.Tensor,
+    selection_topk_block_size: int = 64,
+) -> torch.Tensor:
+    validate_npu_gather_selection_kv_cache(
+        selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
+        selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
+        full_q_actual_seq, selection_topk_block_size,
+    )
+    return selection_kv_block_table.new_empty([selection_kv_block_table.size(0)], dtype=torch.int32)
+
+
+def _gather_functional_fake(
+    selection_k_rope: torch.Tensor,
+    selection_kv_cache: torch.Tensor,
+    selection_kv_block_table: torch.Tensor,
+    selection_kv_block_status: torch.Tensor,
+    selection_topk_indices: torch.Tensor,
+    full_k_rope: torch.Tensor,
+    full_kv_cache: torch.Tensor,
+    full_kv_block_table: torch.Tensor,
+    full_kv_actual_seq: torch.Tensor,
+    full_q_actual_seq: torch.Tensor,
+    selection_topk_block_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    validate_npu_gather_selection_kv_cache(
+        selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
+        selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
+        full_q_actual_seq, selection_topk_block_size, op=FUNCTIONAL_OP,
+    )
+    act = selection_kv_block_table.new_empty([selection_kv_block_table.size(0)], dtype=torch.int32)
+    return (act, torch.empty_like(selection_k_rope), torch.empty_like(selection_kv_cache),
+            torch.empty_like(selection_kv_block_table), torch.empty_like(selection_kv_block_status))
+
+
+L.register_fake(OP, _gather_fake)
+L.register_fake(FUNCTIONAL_OP, _gather_functional_fake)
+L.impl(OP, "CPU", _gather_cpu)
+L.impl(FUNCTIONAL_OP, "CPU", _gather_functional_cpu)
+L.register_functionalization(
+    OP,
+    FUNCTIONAL_OP,
+    ["selection_k_rope", "selection_kv_cache", "selection_kv_block_table", "selection_kv_block_status"],
+    num_leading_outputs=1,
+)

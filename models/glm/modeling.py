@@ -1,0 +1,557 @@
+"""GLM-5.2 (HF ``glm_moe_dsa``) written the way the NPU recipe writes its decode step.
+
+Module / parameter names follow HF's checkpoint layout (``model.layers.{i}.self_attn.q_a_proj.weight``,
+``...self_attn.indexer.wq_b.weight``, ``...mlp.experts.{e}.gate_proj.weight``, ``lm_head.weight``), so
+``state_dict()`` keys are the safetensors names.
+
+Decode step (``GlmMoeDsaForCausalLM.forward(input_ids [B,S], positions [B,S])``), per layer, is the
+contract of docs/ARCHITECTURE.md §3:
+
+* MLA in absorbed form: ``q_nope`` is multiplied into the latent space (``kv_b_proj``'s K half), the
+  attention runs on the latent cache (``kv_lora_rank``) + the rope cache (``qk_rope_head_dim``), the
+  latent output is mapped back with ``kv_b_proj``'s V half, then ``o_proj``.
+* This step's latent/rope KV and indexer key are written into the full paged caches first (PA_BSND,
+  ``[cache_len*B, BS, 1, D]``, identity block table), so the decode-window ids are readable.
+* "full" layers run the lightning indexer (``[T,1,K]`` int32, viewed ``[B,S,1,K]``); "shared" layers
+  reuse that very tensor.
+* non-offload: SFA on the paged full cache with the indexer's ids.
+  offload (``enable_offload``): ``custom.npu_gather_selection_kv_cache`` into per-layer selection
+  buffers (ledger in ``sel_status``), then SFA on the selection with
+  ``where(arange(K) < act[:, None], arange(K), -1)``.
+
+Every cache is a registered (non-persistent) module buffer, so Dynamo lifts it as a graph input.
+Prefill (``prefill``) uses a dense causal path (SDPA) and only fills the caches.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import npu_ops
+from .config import ModelConfig, RunnerConfig
+
+log = logging.getLogger("offload_passes.models.modeling")
+
+
+# ------------------------------------------------------------------------------------------ basics
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _linear(i: int, o: int, dtype: torch.dtype, device=None) -> nn.Linear:
+    return nn.Linear(i, o, bias=False, dtype=dtype, device=device)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[..., rope_dim]`` (fp32, half-duplicated as HF's ``rotate_half`` convention)."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate ``x [..., tokens, heads, d]`` with ``cos/sin [..., tokens, d]``.
+
+    ``interleave`` = HF ``apply_rotary_pos_emb_interleave``: pairs ``(x0,x1),(x2,x3)...`` are first
+    de-interleaved to ``[x0,x2,...,x1,x3,...]`` and the result stays in that order (as in HF, the
+    cache then holds the de-interleaved layout; dot products are unchanged).
+    """
+    dtype = x.dtype
+    h = x.float()
+    d = h.size(-1)
+    if interleave:
+        h = h.unflatten(-1, (d // 2, 2)).transpose(-1, -2).reshape(h.shape)
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    rot = torch.cat((-h[..., d // 2:], h[..., : d // 2]), dim=-1)
+    return (h * c + rot * s).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------ MLP / MoE
+
+
+class GlmMoeDsaMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.gate_proj = _linear(hidden, inter, dtype, device)
+        self.up_proj = _linear(hidden, inter, dtype, device)
+        self.down_proj = _linear(inter, hidden, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GlmMoeDsaTopkRouter(nn.Module):
+    """Sigmoid router with the ``noaux_tc`` correction bias and group-limited selection (DeepSeek-V3)."""
+
+    def __init__(self, cfg: ModelConfig, device=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32,
+                                               device=device))
+        # Persistent: checkpoints carry ``mlp.gate.e_score_correction_bias``.
+        self.register_buffer("e_score_correction_bias",
+                             torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the dense routing matrix ``[T, E]`` (fp32; zero for unselected experts)."""
+        cfg = self.cfg
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        choice = scores + self.e_score_correction_bias
+        E, G = cfg.n_routed_experts, cfg.n_group
+        if G > 1:
+            group_scores = choice.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
+            group_idx = group_scores.topk(cfg.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0)
+            expert_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+            choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        # The router's torch.topk: not a DSA top-k producer (it never reaches a gather / SFA).
+        idx = torch.topk(choice, k=cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+        w = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        w = w * cfg.routed_scaling_factor
+        return torch.zeros_like(scores).scatter(1, idx, w)
+
+
+class GlmMoeDsaMoE(nn.Module):
+    """Routed experts + shared expert. Every expert runs densely on all tokens and is weighted by the
+    routing matrix: no data-dependent shapes, so the decode step traces without graph breaks."""
+
+    def __init__(self, cfg: ModelConfig, device=None) -> None:
+        super().__init__()
+        dt = cfg.dtype
+        self.gate = GlmMoeDsaTopkRouter(cfg, device)
+        self.experts = nn.ModuleList(
+            GlmMoeDsaMLP(cfg.hidden_size, cfg.moe_intermediate_size, dt, device) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = (
+            GlmMoeDsaMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dt, device)
+            if cfg.n_shared_experts > 0 else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        route = self.gate(x)  # [T, E]
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(self.experts):
+            acc = acc + route[:, e : e + 1] * expert(x).float()
+        out = acc.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+
+# ------------------------------------------------------------------------------------------ indexer
+
+
+class GlmMoeDsaIndexer(nn.Module):
+    """Lightning indexer of a "full" layer (HF names ``wq_b``, ``wk``, ``k_norm``, ``weights_proj``) and
+    its own paged key cache ``key_cache [cache_len*B, BS, 1, index_head_dim]``."""
+
+    def __init__(self, cfg: ModelConfig, runner: RunnerConfig, device=None) -> None:
+        super().__init__()
+        dt = cfg.dtype
+        self.cfg = cfg
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.wq_b = _linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dt, device)
+        self.wk = _linear(cfg.hidden_size, self.head_dim, dt, device)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=dt, device=device)
+        self.weights_proj = _linear(cfg.hidden_size, self.n_heads, dt, device)
+        # HF scales the head weights by n_heads^-0.5 and the scores by head_dim^-0.5; ReLU is
+        # positively homogeneous, so folding both into the weights keeps the top-k identical.
+        self.weight_scale = (self.n_heads ** -0.5) * (self.head_dim ** -0.5)
+        blocks = runner.cache_len * runner.batch_size
+        self.register_buffer(
+            "key_cache", torch.zeros(blocks, runner.pa_block_size, 1, self.head_dim, dtype=dt, device=device),
+            persistent=False,
+        )
+
+    def _qk(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q ``[..., Hi, Di]``, k ``[..., Di]`` with RoPE on the first ``rope_dim`` dims (HF order)."""
+        q = self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim))
+        q_pe, q_nope = q.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        q = torch.cat((apply_rope(q_pe, cos, sin, self.cfg.indexer_rope_interleave), q_nope), dim=-1)
+        k = self.k_norm(self.wk(x))
+        k_pe, k_nope = k.unsqueeze(-2).split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        k = torch.cat((apply_rope(k_pe, cos, sin, self.cfg.indexer_rope_interleave), k_nope), dim=-1).squeeze(-2)
+        return q, k
+
+    def decode(self, x, q_resid, cos, sin, slots, block_table, kv_len, cu_q) -> torch.Tensor:
+        """Write this step's keys, then score the whole history: top-k ``[T, 1, K]`` int32, -1 padded."""
+        q, k = self._qk(x, q_resid, cos, sin)
+        self.key_cache.view(-1, self.head_dim).index_copy_(0, slots, k)
+        weights = self.weights_proj(x) * self.weight_scale
+        topk, _ = npu_ops.lightning_indexer(
+            q, self.key_cache, weights,
+            actual_seq_lengths_query=cu_q, actual_seq_lengths_key=kv_len, block_table=block_table,
+            layout_query="TND", layout_key="PA_BSND", sparse_count=self.topk, sparse_mode=3,
+        )
+        return topk
+
+    def prefill(self, x, q_resid, cos, sin, slots, valid) -> None:
+        _, k = self._qk(x, q_resid, cos, sin)
+        self.key_cache.view(-1, self.head_dim).index_copy_(0, slots, k[valid])
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+
+class GlmMoeDsaAttention(nn.Module):
+    """MLA with DSA. Buffers (all ``persistent=False``):
+
+    * ``kv_cache [cache_len*B, BS, 1, kv_lora_rank]``, ``k_rope_cache [cache_len*B, BS, 1, rope]``: the full
+      paged cache (host-side in the offload recipe; pinned when CUDA is present);
+    * offload only: ``sel_kv [B*S*K/BS, BS, kv_lora_rank]``, ``sel_rope [.., BS, rope]`` (selection
+      buffers), ``sel_block_table [B*S, K/BS]`` (identity), ``sel_status [B, S, 1, K+1]`` (ledger, -1).
+    """
+
+    def __init__(self, cfg: ModelConfig, runner: RunnerConfig, layer_idx: int, device=None) -> None:
+        super().__init__()
+        dt = cfg.dtype
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.v_head_dim = cfg.v_head_dim
+        self.scale = cfg.softmax_scale
+        self.topk = cfg.index_topk
+        self.enable_offload = runner.enable_offload
+        self.block_size = runner.pa_block_size
+        self._batch = runner.batch_size
+
+        self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank, dt, device)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt, device)
+        self.q_b_proj = _linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim, dt, device)
+        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dt, device)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dt, device)
+        self.kv_b_proj = _linear(cfg.kv_lora_rank, self.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dt,
+                                 device)
+        self.o_proj = _linear(self.num_heads * cfg.v_head_dim, cfg.hidden_size, dt, device)
+        self.indexer = (
+            GlmMoeDsaIndexer(cfg, runner, device) if cfg.indexer_types[layer_idx] == "full" else None
+        )
+
+        B, S, BS, K = runner.batch_size, runner.seq_per_step, runner.pa_block_size, cfg.index_topk
+        full_blocks = runner.cache_len * B
+        pin = runner.enable_offload and torch.cuda.is_available() and (device is None or str(device) == "cpu")
+        kv = torch.zeros(full_blocks, BS, 1, self.kv_lora_rank, dtype=dt, device=device)
+        rope = torch.zeros(full_blocks, BS, 1, self.rope_dim, dtype=dt, device=device)
+        if pin:  # host-side full cache, as the recipe keeps it in swapped host memory
+            kv, rope = kv.pin_memory(), rope.pin_memory()
+        self.register_buffer("kv_cache", kv, persistent=False)
+        self.register_buffer("k_rope_cache", rope, persistent=False)
+        if self.enable_offload:
+            sel_blocks_per_row = K // BS
+            sel_blocks = B * S * sel_blocks_per_row
+            self.register_buffer(
+                "sel_kv", torch.zeros(sel_blocks, BS, self.kv_lora_rank, dtype=dt, device=device), persistent=False
+            )
+            self.register_buffer(
+                "sel_rope", torch.zeros(sel_blocks, BS, self.rope_dim, dtype=dt, device=device), persistent=False
+            )
+            self.register_buffer(
+                "sel_block_table",
+                torch.arange(sel_blocks, dtype=torch.int32, device=device).view(B * S, sel_blocks_per_row),
+                persistent=False,
+            )
+            self.register_buffer(
+                "sel_status", torch.full((B, S, 1, K + 1), -1, dtype=torch.int32, device=device), persistent=False
+            )
+
+    # -------------------------------------------------------------- helpers
+    def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj`` split per head: W_UK ``[H, nope, C]`` and W_UV ``[H, V, C]``."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def _q_and_latent(self, x, cos, sin):
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin, self.cfg.rope_interleave)
+        ckv = self.kv_a_proj_with_mqa(x)
+        c, k_pe = ckv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c = self.kv_a_layernorm(c)
+        k_pe = apply_rope(k_pe.unsqueeze(-2), cos, sin, self.cfg.rope_interleave).squeeze(-2)
+        return q_resid, q_nope, q_pe, c, k_pe
+
+    # -------------------------------------------------------------- decode (the graph the pass sees)
+    def decode(
+        self,
+        x: torch.Tensor,            # [T, hidden]
+        cos: torch.Tensor,          # [T, rope]
+        sin: torch.Tensor,
+        slots: torch.Tensor,        # [T] int64 flat cache rows of this step's tokens
+        block_table: torch.Tensor,  # [B, cache_len] int32
+        kv_len: torch.Tensor,       # [B] int32, including this step's S tokens
+        cu_q: torch.Tensor,         # [B] int32 cumulative query lengths (S, 2S, ...)
+        prev_topk: Optional[torch.Tensor],  # [T, 1, K] of the group owner (shared layers)
+        batch: int,
+        seq: int,
+    ):
+        T = x.size(0)
+        K = self.topk
+        q_resid, q_nope, q_pe, c, k_pe = self._q_and_latent(x, cos, sin)
+        # This step's KV goes into the full cache before any read (decode-window ids must be readable).
+        self.kv_cache.view(-1, self.kv_lora_rank).index_copy_(0, slots, c)
+        self.k_rope_cache.view(-1, self.rope_dim).index_copy_(0, slots, k_pe)
+
+        if self.indexer is not None:
+            topk = self.indexer.decode(x, q_resid, cos, sin, slots, block_table, kv_len, cu_q)
+        else:
+            topk = prev_topk
+        w_uk, w_uv = self._absorb_weights()
+        q_abs = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, C]
+
+        act = None
+        if self.enable_offload:
+            topk4 = topk.view(batch, seq, 1, K)
+            full_blocks = self.kv_cache.size(0)
+            act = npu_ops.gather_selection_kv_cache(
+                self.sel_rope, self.sel_kv, self.sel_block_table, self.sel_status, topk4,
+                self.k_rope_cache.view(full_blocks, self.block_size, self.rope_dim),
+                self.kv_cache.view(full_blocks, self.block_size, self.kv_lora_rank),
+                block_table, kv_len, cu_q, selection_topk_block_size=1,
+            )
+            ar = torch.arange(K, dtype=torch.int32, device=x.device)
+            sparse_indices = torch.where(ar < act[:, None], ar, -1).view(T, 1, K)
+            sel_kv4 = self.sel_kv.unsqueeze(2)
+            out, _, _ = npu_ops.sparse_flash_attention(
+                q_abs, sel_kv4, sel_kv4, sparse_indices, self.scale,
+                block_table=self.sel_block_table,
+                actual_seq_lengths_query=torch.arange(1, T + 1, dtype=torch.int32, device=x.device),
+                actual_seq_lengths_kv=act, query_rope=q_pe, key_rope=self.sel_rope.unsqueeze(2),
+                sparse_block_size=1, layout_query="TND", layout_kv="PA_BSND", sparse_mode=3, attention_mode=2,
+            )
+        else:
+            out, _, _ = npu_ops.sparse_flash_attention(
+                q_abs, self.kv_cache, self.kv_cache, topk, self.scale,
+                block_table=block_table, actual_seq_lengths_query=cu_q, actual_seq_lengths_kv=kv_len,
+                query_rope=q_pe, key_rope=self.k_rope_cache,
+                sparse_block_size=1, layout_query="TND", layout_kv="PA_BSND", sparse_mode=3, attention_mode=2,
+            )
+        o = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, V]
+        return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim)), topk, out, act
+
+    # -------------------------------------------------------------- prefill (dense causal, eager only)
+    def prefill(self, x, cos, sin, slots, valid) -> torch.Tensor:
+        """``x [R, P, hidden]``; writes caches for ``valid`` tokens (flat rows ``slots``)."""
+        R, P, _ = x.shape
+        q_resid, q_nope, q_pe, c, k_pe = self._q_and_latent(x, cos, sin)
+        self.kv_cache.view(-1, self.kv_lora_rank).index_copy_(0, slots, c[valid])
+        self.k_rope_cache.view(-1, self.rope_dim).index_copy_(0, slots, k_pe[valid])
+        if self.indexer is not None:
+            self.indexer.prefill(x, q_resid, cos, sin, slots, valid)
+        kv = self.kv_b_proj(c).unflatten(-1, (self.num_heads, self.nope_dim + self.v_head_dim))
+        k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1).transpose(1, 2)  # [R, H, P, qk]
+        k = torch.cat((k_nope, k_pe.unsqueeze(2).expand(R, P, self.num_heads, self.rope_dim)), dim=-1).transpose(1, 2)
+        # Right padding: causality alone keeps every valid query away from padded keys.
+        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
+        return self.o_proj(o.transpose(1, 2).reshape(R, P, self.num_heads * self.v_head_dim))
+
+    @torch.no_grad()
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        """Forget batch rows: zero their full/indexer caches and selection rows, ledger back to -1."""
+        for b in rows:
+            blocks_per_row = self.kv_cache.size(0) // self._batch
+            self.kv_cache[b * blocks_per_row : (b + 1) * blocks_per_row].zero_()
+            self.k_rope_cache[b * blocks_per_row : (b + 1) * blocks_per_row].zero_()
+            if self.indexer is not None:
+                self.indexer.key_cache[b * blocks_per_row : (b + 1) * blocks_per_row].zero_()
+            if self.enable_offload:
+                per_row = self.sel_kv.size(0) // self._batch
+                self.sel_kv[b * per_row : (b + 1) * per_row].zero_()
+                self.sel_rope[b * per_row : (b + 1) * per_row].zero_()
+                self.sel_status[b].fill_(-1)
+
+
+# ------------------------------------------------------------------------------------------ layers / model
+
+
+class GlmMoeDsaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, runner: RunnerConfig, layer_idx: int, device=None) -> None:
+        super().__init__()
+        dt = cfg.dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, device)
+        self.self_attn = GlmMoeDsaAttention(cfg, runner, layer_idx, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, device)
+        self.mlp = (
+            GlmMoeDsaMoE(cfg, device) if cfg.is_moe_layer(layer_idx)
+            else GlmMoeDsaMLP(cfg.hidden_size, cfg.intermediate_size, dt, device)
+        )
+
+    def decode(self, x, cos, sin, slots, block_table, kv_len, cu_q, prev_topk, batch, seq):
+        h, topk, attn, act = self.self_attn.decode(
+            self.input_layernorm(x), cos, sin, slots, block_table, kv_len, cu_q, prev_topk, batch, seq
+        )
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, topk, attn, act
+
+    def prefill(self, x, cos, sin, slots, valid):
+        x = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, slots, valid)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GlmMoeDsaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, runner: RunnerConfig, device=None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, device=device)
+        self.layers = nn.ModuleList(
+            GlmMoeDsaDecoderLayer(cfg, runner, i, device) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
+
+
+class GlmMoeDsaForCausalLM(nn.Module):
+    """GLM-5.2 decode model. ``forward(input_ids [B,S] int64, positions [B,S] int64)`` is one decode step.
+
+    ``positions[b, s]`` is the absolute position of token s of row b; this step's kv length is
+    ``positions[:, -1] + 1``. Returns logits ``[B, S, vocab]``; with ``return_internals = True`` returns
+    ``(logits, attn, topk, act)``: per-layer SFA outputs ``[T, H, kv_lora_rank]``, the indexer top-k
+    ``[T, 1, K]`` of each full layer (in layer order), and per-layer gather lengths ``[T]`` (offload
+    only, else empty).
+    """
+
+    def __init__(self, cfg: ModelConfig, runner: RunnerConfig, device=None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.runner = runner
+        self.model = GlmMoeDsaModel(cfg, runner, device)
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, cfg.dtype, device)
+        self.return_internals = False
+        B = runner.batch_size
+        self.batch_size = B
+        self.seq_per_step = runner.seq_per_step
+        self.block_size = runner.pa_block_size
+        self.register_buffer(
+            "block_table",
+            torch.arange(B * runner.cache_len, dtype=torch.int32, device=device).view(B, runner.cache_len),
+            persistent=False,
+        )
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.qk_rope_head_dim, 2, dtype=torch.float32,
+                                                      device=device) / cfg.qk_rope_head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    # -------------------------------------------------------------- decode step
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        B, S = self.batch_size, self.seq_per_step
+        if tuple(input_ids.shape) != (B, S) or tuple(positions.shape) != (B, S):
+            raise RuntimeError(
+                f"decode step: input_ids and positions must be [batch_size={B}, 1+next_n={S}], got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        T = B * S
+        BS = self.block_size
+        pos = positions.reshape(T).to(torch.int64)
+        kv_len = (positions[:, -1] + 1).to(torch.int32)
+        cu_q = torch.arange(1, B + 1, dtype=torch.int32, device=input_ids.device) * S
+        rows = torch.arange(B, device=input_ids.device).repeat_interleave(S)
+        slots = self.block_table[rows, torch.div(pos, BS, rounding_mode="floor")].to(torch.int64) * BS + pos % BS
+        cos, sin = rope_cos_sin(pos, self.inv_freq)
+
+        x = self.model.embed_tokens(input_ids.reshape(T))
+        topk = None
+        attn_outs, topks, acts = [], [], []
+        for layer in self.model.layers:
+            x, new_topk, attn, act = layer.decode(x, cos, sin, slots, self.block_table, kv_len, cu_q, topk, B, S)
+            if new_topk is not topk:
+                topks.append(new_topk)
+            topk = new_topk
+            attn_outs.append(attn)
+            if act is not None:
+                acts.append(act)
+        logits = self.lm_head(self.model.norm(x)).view(B, S, -1)
+        if self.return_internals:
+            return logits, tuple(attn_outs), tuple(topks), tuple(acts)
+        return logits
+
+    # -------------------------------------------------------------- prefill
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, rows: Optional[Sequence[int]] = None
+    ) -> torch.Tensor:
+        """Dense causal prefill of ``input_ids [R, P]`` (right padded to P; row r has ``lengths[r]`` tokens)
+        into batch rows ``rows`` (default ``0..B-1``). Fills every cache; returns last-token logits ``[R, V]``."""
+        rows = list(range(self.batch_size)) if rows is None else list(rows)
+        R, P = input_ids.shape
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        if len(rows) != R or lengths.shape != (R,):
+            raise RuntimeError(f"prefill: rows ({len(rows)}) and lengths {tuple(lengths.shape)} must match "
+                               f"input_ids rows R={R}")
+        if any(not 0 <= r < self.batch_size for r in rows):
+            raise RuntimeError(f"prefill: rows must be in [0, batch_size={self.batch_size}), got {rows}")
+        cap = self.block_table.size(1) * self.block_size
+        if int(lengths.min()) < 1 or int(lengths.max()) > P or int(lengths.max()) > cap:
+            raise RuntimeError(f"prefill: lengths must be in [1, min(P={P}, pa_max_length={cap})], "
+                               f"got {lengths.tolist()}")
+        self.reset_rows(rows)
+        pos = torch.arange(P, dtype=torch.int64).expand(R, P)
+        valid = pos < lengths.unsqueeze(1)
+        row_ids = torch.as_tensor(rows, dtype=torch.int64).unsqueeze(1).expand(R, P)
+        BS = self.block_size
+        slots = (self.block_table[row_ids[valid], pos[valid] // BS].to(torch.int64) * BS + pos[valid] % BS)
+        cos, sin = rope_cos_sin(pos, self.inv_freq)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer.prefill(x, cos, sin, slots, valid)
+        last = x[torch.arange(R), lengths - 1]
+        return self.lm_head(self.model.norm(last))
+
+    # -------------------------------------------------------------- state
+    @torch.no_grad()
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        """A batch row starts a new request: clear its caches and its gather ledger."""
+        for layer in self.model.layers:
+            layer.self_attn.reset_rows(rows)
+
+    def reset_caches(self) -> None:
+        self.reset_rows(range(self.batch_size))
+
+    def index_groups(self) -> list[list[int]]:
+        return self.config.index_groups()
+
+    def cache_buffers(self) -> dict[str, torch.Tensor]:
+        """All cache / ledger / table buffers by qualified name."""
+        return {n: b for n, b in self.named_buffers() if n not in ("inv_freq",) and "e_score" not in n}
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes: parameters, full caches, indexer caches, selection buffers + ledgers, tables."""
+        out = {"parameters": 0, "full_kv_cache": 0, "indexer_key_cache": 0, "selection": 0, "tables": 0}
+        for p in self.parameters():
+            out["parameters"] += p.numel() * p.element_size()
+        for n, b in self.named_buffers():
+            nb = b.numel() * b.element_size()
+            if n.endswith(("kv_cache", "k_rope_cache")) and "indexer" not in n:
+                out["full_kv_cache"] += nb
+            elif n.endswith("key_cache"):
+                out["indexer_key_cache"] += nb
+            elif n.endswith(("sel_kv", "sel_rope", "sel_status")):
+                out["selection"] += nb
+            elif n.endswith(("block_table", "sel_block_table")):
+                out["tables"] += nb
+            else:
+                out["parameters"] += nb
+        out["total"] = sum(out.values())
+        return out

@@ -1,0 +1,65 @@
+"""The one place that decides which op namespace the model calls.
+
+* ``torch.ops.npu.npu_lightning_indexer`` / ``npu_sparse_flash_attention`` when torch_npu imports, an
+  NPU is available and those ops exist (the real recipe);
+* else ``torch.ops.offload_ref.*``: the CPU references registered by ``offload_passes.custom_ops``.
+
+``OFFLOAD_PASSES_MODEL_OPS=ref|npu`` forces the choice (``npu`` raises if it is not usable). The
+gather is always ``torch.ops.custom.npu_gather_selection_kv_cache`` (CANN's custom-op namespace; our
+package registers CPU kernels for it).
+
+The model calls the op *packets* directly, so a Dynamo graph shows e.g.
+``torch.ops.offload_ref.npu_lightning_indexer.default`` nodes the offload pass can match.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+import offload_passes.custom_ops  # noqa: F401  (registers custom:: and offload_ref:: ops)
+
+log = logging.getLogger("offload_passes.models.npu_ops")
+
+
+def _npu_namespace_usable() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import torch_npu  # noqa: F401
+
+        if not torch.npu.is_available():  # type: ignore[attr-defined]
+            return False
+        ns = torch.ops.npu
+        ns.npu_lightning_indexer  # noqa: B018 - attribute lookup raises if missing
+        ns.npu_sparse_flash_attention  # noqa: B018
+        return True
+    except Exception as e:  # torch_npu without CANN / device: stay on the references
+        log.debug("torch_npu not usable (%s); using offload_ref ops", e)
+        return False
+
+
+def _choose() -> str:
+    forced = os.environ.get("OFFLOAD_PASSES_MODEL_OPS", "").strip().lower()
+    if forced == "ref":
+        return "offload_ref"
+    if forced == "npu":
+        if not _npu_namespace_usable():
+            raise RuntimeError("OFFLOAD_PASSES_MODEL_OPS=npu but torch_npu / an NPU / its ops are not available")
+        return "npu"
+    if forced:
+        raise RuntimeError(f"OFFLOAD_PASSES_MODEL_OPS must be 'ref' or 'npu', got {forced!r}")
+    return "npu" if _npu_namespace_usable() else "offload_ref"
+
+
+#: ``"npu"`` or ``"offload_ref"``.
+OPS_NAMESPACE: str = _choose()
+_ns = getattr(torch.ops, OPS_NAMESPACE)
+
+lightning_indexer = _ns.npu_lightning_indexer
+sparse_flash_attention = _ns.npu_sparse_flash_attention
+gather_selection_kv_cache = torch.ops.custom.npu_gather_selection_kv_cache
+
+log.debug("GLM model uses torch.ops.%s for the indexer and SFA", OPS_NAMESPACE)

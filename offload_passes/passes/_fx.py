@@ -1,0 +1,153 @@
+"""Small FX helpers shared by the passes (op names, schema binding, view chains, example values)."""
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import fx
+
+# Ops that only reinterpret a tensor (no data movement): followed when tracing data flow.
+VIEW_METHODS = {"view", "reshape", "unsqueeze", "squeeze", "contiguous", "flatten", "view_as", "reshape_as"}
+VIEW_FUNCTIONS = {torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten}
+VIEW_ATEN = {"aten::view", "aten::reshape", "aten::_unsafe_view", "aten::unsqueeze", "aten::squeeze",
+             "aten::alias", "aten::flatten"}
+# Casts that keep integer values (full_kv_actual_seq may be cast per layer by the model).
+CAST_METHODS = {"to", "int", "long", "type"}
+
+
+def op_name(node: fx.Node) -> Optional[str]:
+    """``"ns::name"`` of an OpOverload / OpOverloadPacket call, else None."""
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name
+    return None
+
+
+def is_op(node: fx.Node, short: str, namespaces: Iterable[str] | None = None) -> bool:
+    name = op_name(node)
+    if name is None:
+        return False
+    ns, _, nm = name.partition("::")
+    return nm == short and (namespaces is None or ns in namespaces)
+
+
+def schema_of(node: fx.Node) -> torch.FunctionSchema:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        t = getattr(t, t.overloads()[0])
+    return t._schema
+
+
+def bind(node: fx.Node) -> dict[str, Any]:
+    """Argument name -> value (fx.Node, constant or default) following the op's schema."""
+    schema = schema_of(node)
+    out: dict[str, Any] = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+        else:
+            out[arg.name] = None
+    return out
+
+
+def is_view(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in VIEW_METHODS
+    if node.op == "call_function":
+        if node.target in VIEW_FUNCTIONS:
+            return True
+        return op_name(node) in VIEW_ATEN
+    return False
+
+
+def is_cast(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target in CAST_METHODS or op_name(node) in (
+        "aten::_to_copy", "aten::to")
+
+
+def strip_views(node: Any, casts: bool = False) -> Any:
+    """Follow reinterpreting ops (and integer casts with ``casts``) back to the producing node."""
+    while isinstance(node, fx.Node) and (is_view(node) or (casts and is_cast(node))):
+        node = node.args[0]
+    return node
+
+
+def getitem_of(node: Any) -> Optional[tuple[fx.Node, int]]:
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem:
+        src, idx = node.args
+        if isinstance(src, fx.Node) and isinstance(idx, int):
+            return src, idx
+    return None
+
+
+def view_users(node: fx.Node) -> list[fx.Node]:
+    """Non-view users of ``node`` reached through chains of views."""
+    out, todo, seen = [], list(node.users), set()
+    while todo:
+        u = todo.pop(0)
+        if u in seen:
+            continue
+        seen.add(u)
+        if is_view(u) and u.args and u.args[0] is not None:
+            todo.extend(u.users)
+        else:
+            out.append(u)
+    return out
+
+
+def ancestors(node: fx.Node, limit: int = 64) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
+
+
+def example(node: Any) -> Optional[torch.Tensor]:
+    """The (fake) example value of a node (Dynamo: ``example_value``, AOT/Inductor: ``val``)."""
+    if not isinstance(node, fx.Node):
+        return None
+    v = node.meta.get("example_value", node.meta.get("val"))
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def placeholders(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def count_ops(graph: fx.Graph) -> dict[str, int]:
+    """Counts of our ops and the decode-path ops, keyed by the short op name."""
+    interesting = {"dsa_plan", "dsa_serve", "dsa_install", "dsa_serve_functional", "dsa_install_functional",
+                   "npu_gather_selection_kv_cache", "npu_gather_selection_kv_cache_functional",
+                   "npu_lightning_indexer", "npu_sparse_flash_attention"}
+    c: Counter = Counter()
+    for n in graph.nodes:
+        name = op_name(n)
+        if name:
+            short = name.split("::")[-1]
+            if short in interesting:
+                c[short] += 1
+    return {k: c.get(k, 0) for k in sorted(interesting)}
+
+
+def graph_code(gm_or_graph: Any) -> str:
+    if isinstance(gm_or_graph, fx.GraphModule):
+        try:
+            return gm_or_graph.print_readable(print_output=False)
+        except Exception:  # pragma: no cover - print_readable on odd modules
+            return gm_or_graph.code
+    return gm_or_graph.python_code("self").src

@@ -1,0 +1,211 @@
+"""Pass 3 — the plan step: per group, decide pool size / sets / id_range and check every precondition.
+
+Anything unmet becomes a ``Refusal`` (reason code + detail naming the argument and the limit); the
+backend then compiles the graph unmodified (or raises under ``strict``). Shapes come from the nodes'
+example values; the identity paged layouts (full and selection block tables) are checked on the real
+example inputs, which is why those tables must be graph inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import fx
+
+from ..options import OffloadOptions
+from ._fx import example, placeholders, strip_views
+from .detect import Refusal, Site
+from .group import Group, GroupReport
+
+MAX_TOPK = 2048
+MAX_RAW_SEQ = 4
+MAX_DKV = 512
+MAX_DR = 128
+KV_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class SiteGeometry:
+    layer: int
+    full_kv: fx.Node
+    full_rope: fx.Node
+    sel_kv: fx.Node
+    sel_rope: fx.Node
+    sel_table: fx.Node
+    status: fx.Node
+    F: int  # tokens per batch row of the full cache (maxblk * FBS)
+    Dkv: int
+    Dr: int
+    dtype: torch.dtype
+
+
+@dataclass
+class GroupPlan:
+    group_id: int
+    owner_layer: int
+    last_layer: int
+    layers: list[int]
+    B: int
+    S: int
+    K: int
+    BS: int  # selection block size
+    pool_size: int
+    num_sets: int
+    id_range: int
+    lengths: fx.Node  # full_kv_actual_seq of the owner's gather
+    topk: fx.Node
+    topk_node: str
+    geometry: dict[int, SiteGeometry] = field(repr=False)
+
+    def to_dict(self) -> dict:
+        return {"group_id": self.group_id, "owner_layer": self.owner_layer, "layers": list(self.layers),
+                "topk_node": self.topk_node, "K": self.K, "S": self.S, "B": self.B, "BS": self.BS,
+                "pool_size": self.pool_size, "num_sets": self.num_sets, "id_range": self.id_range}
+
+
+@dataclass
+class PlanReport:
+    groups: list[GroupPlan]
+    refusals: list[Refusal]
+
+    @property
+    def ok(self) -> bool:
+        return not self.refusals
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class _Checker:
+    def __init__(self, layer: Optional[int]):
+        self.layer = layer
+        self.refusals: list[Refusal] = []
+
+    def __call__(self, cond: bool, reason: str, detail: str) -> bool:
+        if not cond:
+            self.refusals.append(Refusal(reason, detail, self.layer))
+        return cond
+
+
+def _real(node: Any, real_inputs: dict[fx.Node, torch.Tensor]) -> Optional[torch.Tensor]:
+    root = strip_views(node)
+    t = real_inputs.get(root)
+    if t is None or not isinstance(node, fx.Node):
+        return None
+    ex = example(node)
+    if ex is not None and tuple(ex.shape) != tuple(t.shape):
+        try:
+            t = t.reshape(ex.shape)
+        except RuntimeError:
+            return None
+    return t
+
+
+def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Optional[tuple]:
+    a = site.args
+    chk(a["selection_topk_block_size"] == 1, "gather_block_size",
+        f"selection_topk_block_size={a['selection_topk_block_size']} (only 1, the K > 32 ledger path, is supported)")
+    tk, fkv, frp = example(site.topk), example(a["full_kv_cache"]), example(a["full_k_rope"])
+    skv, srp, stb = example(a["selection_kv_cache"]), example(a["selection_k_rope"]), example(a["selection_kv_block_table"])
+    sts, fbt, L = example(a["selection_kv_block_status"]), example(a["full_kv_block_table"]), example(a["full_kv_actual_seq"])
+    if any(t is None for t in (tk, fkv, frp, skv, srp, stb, sts, fbt, L)):
+        chk(False, "no_example_values", f"{site.gather.name}: tensor shapes unknown")
+        return None
+    if not chk(fkv.dtype in KV_DTYPES and srp.dim() == 3 and frp.dim() == 3, "quantised_kv",
+               f"full_kv_cache dtype {fkv.dtype}, selection_k_rope {tuple(srp.shape)}: only unquantised "
+               f"float16/bfloat16 KV with a rope cache is offloaded (int8 KV keeps the gather path)"):
+        return None
+    if not chk(fkv.dim() == 3 and skv.dim() == 3 and fbt.dim() == 2, "paged_layout",
+               f"full_kv_cache {tuple(fkv.shape)} must be [blocks, block_size, Dkv] with a 2-D block table"):
+        return None
+    K = tk.size(-1)
+    chk(K % 64 == 0, "topk_alignment", f"top-k width K={K} must be a multiple of 64")
+    chk(0 < K <= MAX_TOPK, "topk_limit", f"top-k width K={K} must be <= {MAX_TOPK}")
+    B, maxblk = fbt.shape
+    T = tk.numel() // max(K, 1)
+    S = T // max(B, 1)
+    chk(tk.dim() in (3, 4) and T == B * S and (tk.dim() == 3 or (tk.size(0) == B and tk.size(2) == 1)),
+        "topk_layout", f"selection_topk_indices {tuple(tk.shape)} is not [B, S, 1, K] / [B*S, 1, K] with B={B}")
+    chk(1 <= S <= MAX_RAW_SEQ, "raw_seq", f"raw_seq S={S} must be in [1, {MAX_RAW_SEQ}]")
+    if opts.next_n is not None:
+        chk(S == opts.next_n + 1, "next_n", f"graph has raw_seq S={S}, config next_n={opts.next_n}")
+    F_blocks, FBS, Dkv = fkv.shape
+    Dr = frp.size(-1)
+    chk(tuple(frp.shape[:2]) == (F_blocks, FBS), "paged_layout",
+        f"full_k_rope {tuple(frp.shape)} must match full_kv_cache blocks {(F_blocks, FBS)}")
+    chk(F_blocks == B * maxblk, "paged_layout",
+        f"full_kv_cache has {F_blocks} blocks, identity layout needs B*maxblk = {B}*{maxblk}")
+    t = _real(a["full_kv_block_table"], real)
+    if chk(t is not None, "paged_layout", "full_kv_block_table is not a graph input; cannot verify identity layout"):
+        ident = torch.arange(B * maxblk, dtype=t.dtype).view(B, maxblk)
+        chk(bool(torch.equal(t, ident)), "paged_layout",
+            "full_kv_block_table is not the identity layout arange(B*maxblk).view(B, maxblk)")
+    if opts.pa_block_size is not None:
+        chk(FBS == opts.pa_block_size, "pa_block_size", f"graph block size {FBS} != config pa_block_size {opts.pa_block_size}")
+    chk(0 < Dkv <= MAX_DKV, "dims", f"Dkv={Dkv} must be in (0, {MAX_DKV}]")
+    chk(0 < Dr <= MAX_DR, "dims", f"Dr={Dr} must be in (0, {MAX_DR}]")
+    nb, SBS = skv.size(0), skv.size(1)
+    chk(_pow2(SBS) and 16 <= SBS <= 128, "selection_layout", f"selection block size {SBS} must be a power of two in [16, 128]")
+    chk(K % SBS == 0, "selection_layout", f"K={K} must be a multiple of the selection block size {SBS}")
+    chk(nb * SBS == B * S * K, "selection_layout",
+        f"selection_kv_cache {tuple(skv.shape)} must hold exactly B*S*K = {B * S * K} rows")
+    chk(tuple(srp.shape) == (nb, SBS, Dr) and tuple(skv.shape) == (nb, SBS, Dkv), "selection_layout",
+        f"selection buffers {tuple(skv.shape)} / {tuple(srp.shape)} do not match Dkv={Dkv}, Dr={Dr}")
+    chk(skv.dtype == fkv.dtype == frp.dtype == srp.dtype, "kv_dtype", "selection and full caches differ in dtype")
+    chk(stb.dim() == 2 and stb.size(0) == B * S, "selection_layout",
+        f"selection_kv_block_table {tuple(stb.shape)} must have B*S = {B * S} rows")
+    st = _real(a["selection_kv_block_table"], real)
+    if chk(st is not None, "selection_layout", "selection_kv_block_table is not a graph input"):
+        smax = K // SBS if SBS else 0
+        ok = st.dim() == 2 and st.size(1) >= smax and bool(torch.equal(
+            st[:, :smax], torch.arange(B * S * smax, dtype=st.dtype).view(B * S, smax)))
+        chk(ok, "selection_layout", "selection_kv_block_table is not the identity layout")
+    chk(sts.numel() == B * S * (K + 1), "selection_layout", f"selection_kv_block_status {tuple(sts.shape)} != [B, S, 1, K+1]")
+    chk(L.dim() == 1 and L.size(0) == B and L.dtype == torch.int32, "lengths",
+        f"full_kv_actual_seq {tuple(L.shape)} {L.dtype} must be int32 [B={B}]")
+    for name in ("selection_kv_cache", "selection_k_rope", "selection_kv_block_status", "selection_kv_block_table"):
+        chk(isinstance(a[name], fx.Node) and a[name].op == "placeholder", "selection_not_input",
+            f"{name} of {site.gather.name} is not a graph input (in-place serve needs the buffer itself)")
+    geo = SiteGeometry(site.layer, a["full_kv_cache"], a["full_k_rope"], a["selection_kv_cache"],
+                       a["selection_k_rope"], a["selection_kv_block_table"], a["selection_kv_block_status"],
+                       maxblk * FBS, Dkv, Dr, fkv.dtype)
+    return geo, (B, S, K, SBS)
+
+
+def plan(gm: fx.GraphModule, groups: GroupReport, example_inputs: Sequence[Any],
+         opts: OffloadOptions) -> PlanReport:
+    real = {p: t for p, t in zip(placeholders(gm.graph), example_inputs) if isinstance(t, torch.Tensor)}
+    out: list[GroupPlan] = []
+    refusals: list[Refusal] = []
+    PS = opts.resolved_pool_size
+    for g in groups.groups:
+        geos: dict[int, SiteGeometry] = {}
+        dims = set()
+        for s in g.sites:
+            chk = _Checker(s.layer)
+            r = _site(s, opts, real, chk)
+            refusals.extend(chk.refusals)
+            if r is not None:
+                geos[s.layer] = r[0]
+                dims.add(r[1])
+        chk = _Checker(g.owner.layer)
+        if len(dims) > 1:
+            chk(False, "group_inconsistent", f"group {g.group_id}: sites disagree on (B, S, K, BS): {sorted(dims)}")
+        roots = {strip_views(s.args["full_kv_actual_seq"], casts=True) for s in g.sites}
+        chk(len(roots) == 1, "group_inconsistent", f"group {g.group_id}: sites use different cache lengths")
+        refusals.extend(chk.refusals)
+        if len(geos) != len(g.sites) or len(dims) != 1:
+            continue
+        B, S, K, SBS = dims.pop()
+        F = max(geo.F for geo in geos.values())
+        IR = opts.id_range if opts.id_range is not None else max(131072, F)
+        chk = _Checker(g.owner.layer)
+        chk(PS % SBS == 0, "pool_size", f"pool_size={PS} must be a multiple of the selection block size {SBS}")
+        chk(PS % 16 == 0 and _pow2(PS // 16) and PS <= 16384, "pool_size",
+            f"pool_size={PS}: needs PS % 16 == 0, PS/16 a power of two, PS <= 16384")
+        refusals.extend(chk.refusals)
+        out.append(GroupPlan(g.group_id, g.owner.layer, g.last.layer, g.layers, B, S, K, SBS, PS, PS // 16, IR,
+                             g.owner.args["full_kv_actual_seq"], g.owner.topk, g.producer.name, geos))
+    return PlanReport(out, refusals)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs offload_passes (editable) with its test extras, the CPU build of torch 2.13.0, Graphviz's
+# `dot` (for offload-inspect --svg/--png) and the TorchAir / npugraph_ex Python sources used by the
+# converter tests (extracted from the torch-npu wheel, never installed into site-packages).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export TORCH_DEVICE_BACKEND_AUTOLOAD=0
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[test,viz]"
+if ! command -v dot >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq graphviz >/dev/null) || echo "setup: could not install graphviz; offload-inspect --svg/--png will ask for --dot" >&2
+  else
+    echo "setup: install Graphviz (dot) for offload-inspect --svg/--png" >&2
+  fi
+fi
+python -m offload_passes.tools.torchair_env --ensure

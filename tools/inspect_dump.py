@@ -1,0 +1,233 @@
+"""``offload-inspect DUMP_DIR``: read the dumps and JSON report the offload backend writes.
+
+Usage::
+
+    offload-inspect DIR                      # summary: groups, per-layer ops, state, refusals, timings
+    offload-inspect DIR --layer 3            # layer 3 before/after, side by side (--diff: unified diff)
+    offload-inspect DIR --svg g.svg          # group structure + plan -> serve -> install flow (graphviz)
+    offload-inspect DIR --png g.png | --dot g.dot
+    offload-inspect DIR --json [--layer 3]   # everything above as one JSON object
+    python -m offload_passes.tools.inspect_dump DIR ...
+
+The dump format is docs/ARCHITECTURE.md §5. Exit status: 0 ok, 2 bad input (missing or foreign
+directory, unknown layer / graph, rendering impossible).
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .inspect_dump_report import Dump, DumpError, GraphDump, layer_ranges, load_dump, summarize
+
+MiB = 1 << 20
+
+
+def _fmt_bytes(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    if n >= MiB:
+        return f"{n / MiB:.2f} MiB"
+    if n >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n} B"
+
+
+def _table(rows: list[list[Any]], header: list[str]) -> list[str]:
+    cells = [[str(c) for c in header]] + [[("-" if c is None else str(c)) for c in r] for r in rows]
+    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    out = ["  " + "  ".join(c.ljust(w[i]) for i, c in enumerate(cells[0])).rstrip()]
+    out.append("  " + "  ".join("-" * w[i] for i in range(len(header))))
+    out += ["  " + "  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in cells[1:]]
+    return out
+
+
+# Short names keep a 78-row table readable; the legend under the table spells them out.
+_SHORT = {"npu_lightning_indexer": "indexer", "npu_gather_selection_kv_cache": "gather",
+          "npu_sparse_flash_attention": "sfa", "dsa_plan": "plan", "dsa_serve": "serve", "dsa_install": "install"}
+_ORDER = ["indexer", "plan", "gather", "serve", "sfa", "install"]
+
+
+def _short_ops(c: dict[str, int]) -> str:
+    """Registered ops (torch.ops.<ns>.*) of one layer, short names in pipeline order; other calls counted."""
+    names: dict[str, int] = {}
+    other = 0
+    for k, v in c.items():
+        ns, _, op = k.partition(".")
+        if ns in ("torch", "aten", "prims", "_operator"):
+            other += v
+            continue
+        base = op[: -len("_functional")] if op.endswith("_functional") else op
+        short = _SHORT.get(base, op) + ("_f" if op.endswith("_functional") else "")
+        names[short] = names.get(short, 0) + v
+    def rank(s: str) -> tuple[int, str]:
+        b = s.removesuffix("_f")
+        return (_ORDER.index(b) if b in _ORDER else len(_ORDER), s)
+
+    keys = sorted(names, key=rank)
+    parts = [k + (f"x{names[k]}" if names[k] > 1 else "") for k in keys]
+    if other:
+        parts.append(f"+{other} other")
+    return " ".join(parts) or "-"
+
+
+def render_summary(s: dict[str, Any]) -> str:
+    L: list[str] = []
+    status = "rewritten" if s["rewritten"] else "NOT rewritten"
+    L.append(f"graph {s['graph_id']}: {status}, mode {s['mode']}, {len(s['groups'])} groups, {len(s['layers'])} layers")
+    if s["options"]:
+        L.append("  options: " + ", ".join(f"{k}={v}" for k, v in sorted(s["options"].items())))
+    L.append("")
+    L.append("groups")
+    L += _table([[g.get("group_id"), g.get("owner_layer"), layer_ranges([int(x) for x in g["layers"]]),
+                  len(g["layers"]), g.get("topk_node"), g.get("K"), g.get("S"), g.get("B"), g.get("pool_size"),
+                  g.get("num_sets"), g.get("id_range")] for g in s["groups"]],
+                ["group", "owner", "layers", "n", "topk node", "K", "S", "B", "pool", "sets", "id_range"])
+    L.append("")
+    L.append("layers (nodes and DSA ops, before -> after)")
+    L += _table([[x["layer"], x["group_id"], x["role"], f"{x['nodes_before']} -> {x['nodes_after']}",
+                  _short_ops(x["ops_before"]), _short_ops(x["ops_after"])] for x in s["layers"]],
+                ["layer", "group", "role", "nodes", "ops before", "ops after"])
+    L.append("  (indexer/gather/sfa = npu_lightning_indexer / npu_gather_selection_kv_cache / "
+             "npu_sparse_flash_attention; plan/serve/install = dsa_*; _f = functional twin)")
+    if s["ops"]:
+        L.append("")
+        L.append("ops (whole graph, before -> after)")
+        L += _table([[o["op"], o["before"], o["after"], f"{o['after'] - o['before']:+d}"] for o in s["ops"]],
+                    ["op", "before", "after", "delta"])
+    L.append("")
+    L.append(f"state: {len(s['state'])} tensors, {_fmt_bytes(s['state_total_bytes'])} ({s['state_total_bytes']:,} B)")
+    if s["state_by_kind"]:
+        L += _table([[a["kind"], "[" + ", ".join(map(str, a["shape"])) + "]", a["dtype"], a["count"],
+                      _fmt_bytes(a["bytes"] // max(a["count"], 1)), _fmt_bytes(a["bytes"])] for a in s["state_by_kind"]],
+                    ["kind", "shape", "dtype", "count", "bytes each", "bytes total"])
+    L.append("")
+    if s["refusals"]:
+        L.append(f"refusals ({len(s['refusals'])})")
+        L += _table([[r.get("layer"), r.get("reason"), r.get("detail")] for r in s["refusals"]],
+                    ["layer", "reason", "detail"])
+    else:
+        L.append("refusals: none")
+    L.append("")
+    t = s["timings"]
+    if t:
+        total = t.get("total_s")
+        L.append("pass timings")
+        L += _table([[k, f"{float(v) * 1e3:.1f} ms", (f"{100 * float(v) / total:.0f} %" if total else "")]
+                     for k, v in t.items()], ["pass", "time", "share"])
+    L.append("")
+    L.append("dumps: " + ", ".join(Path(p["file"]).name + ("" if p["exists"] else " (MISSING)") for p in s["passes"]))
+    return "\n".join(L)
+
+
+def render_layer(view: dict[str, Any], style: str, width: int | None = None) -> str:
+    b, a = view["before"], view["after"]
+    head = [f"graph {view['graph_id']} layer {view['layer']}: before = {b['file']} ({len(b['lines'])} nodes), "
+            f"after = {a['file']} ({len(a['lines'])} nodes)"]
+    for side in ("before", "after"):
+        if view[side]["missing"]:
+            head.append(f"  note: {side} nodes not found in the dump: {', '.join(view[side]['missing'])}")
+    if style == "unified":
+        diff = difflib.unified_diff(b["lines"], a["lines"], fromfile=f"{b['file']} (layer {view['layer']})",
+                                    tofile=f"{a['file']} (layer {view['layer']})", lineterm="", n=3)
+        return "\n".join(head + list(diff))
+    w = width or shutil.get_terminal_size((200, 40)).columns
+    col = max(30, (w - 3) // 2)
+
+    def cut(s: str) -> str:
+        return s if len(s) <= col else s[:col - 1] + "…"
+
+    out = head + [f"{('before: ' + str(b['file'])).ljust(col)} | after: {a['file']}", "-" * col + "-+-" + "-" * col]
+    sm = difflib.SequenceMatcher(a=b["lines"], b=a["lines"], autojunk=False)
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        left, right = b["lines"][i1:i2], a["lines"][j1:j2]
+        mark = {"equal": " ", "replace": "|", "delete": "<", "insert": ">"}[tag]
+        for k in range(max(len(left), len(right))):
+            lt = cut(left[k]) if k < len(left) else ""
+            rt = cut(right[k]) if k < len(right) else ""
+            m = mark if (lt and rt) or tag != "replace" else ("<" if lt else ">")
+            out.append(f"{lt.ljust(col)} {m} {rt}".rstrip())
+    return "\n".join(out)
+
+
+def _pick_graph_for_layer(dump: Dump, graph_id: str | None, layer: int) -> GraphDump:
+    if graph_id is not None:
+        g = dump.graph(graph_id)
+    else:
+        have = [g for g in dump.graphs if layer in g.layers()]
+        g = have[0] if have else dump.graph(None)
+    layers = g.layers()
+    if layer not in layers:
+        rng = layer_ranges(layers) if layers else "none"
+        raise DumpError(f"--layer {layer}: graph {g.graph_id} has no such layer (layers: {rng})")
+    return g
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="offload-inspect",
+                                 description="Inspect an offload_passes dump directory (report.json + per-pass graphs).")
+    ap.add_argument("dump_dir", metavar="DUMP_DIR")
+    ap.add_argument("--graph", default=None, help="graph id (default: every graph in the summary; the largest for --layer/pictures)")
+    ap.add_argument("--layer", type=int, default=None, help="show layer N's subgraph before and after")
+    ap.add_argument("--diff", action="store_true", help="with --layer: unified diff instead of side by side")
+    ap.add_argument("--width", type=int, default=None, help="with --layer: total width of the side-by-side view")
+    ap.add_argument("--svg", type=Path, default=None, help="write the group picture as SVG (needs graphviz 'dot')")
+    ap.add_argument("--png", type=Path, default=None, help="write the group picture as PNG (needs graphviz 'dot')")
+    ap.add_argument("--dot", type=Path, default=None, help="write the group picture's DOT source")
+    ap.add_argument("--json", action="store_true", help="print everything as one JSON object")
+    return ap
+
+
+def run(args: argparse.Namespace) -> str:
+    dump = load_dump(args.dump_dir)
+    if not dump.graphs:
+        raise DumpError(f"{dump.path / 'report.json'}: the report lists no graphs")
+    graphs = [dump.graph(args.graph)] if args.graph else dump.graphs
+    view = None
+    if args.layer is not None:
+        g = _pick_graph_for_layer(dump, args.graph, args.layer)
+        view = g.layer_view(args.layer)
+    pictures = [(p, f) for p, f in ((args.svg, "svg"), (args.png, "png"), (args.dot, "dot")) if p is not None]
+    if pictures:
+        from .inspect_dump_graphviz import build_dot, render
+        pg = dump.graph(args.graph)
+        if not pg.groups:
+            raise DumpError(f"graph {pg.graph_id}: no groups to draw (nothing detected)")
+        dot = build_dot(pg)
+        for path, fmt in pictures:
+            render(dot, path, fmt)
+    if args.json:
+        doc = {"dump_dir": str(dump.path), "format": "offload_passes.report", "version": dump.version,
+               "graphs": [summarize(g) for g in graphs]}
+        if view is not None:
+            doc["layer_view"] = view
+        if pictures:
+            doc["pictures"] = {fmt: str(p) for p, fmt in pictures}
+        return json.dumps(doc, indent=2, default=str)
+    parts: list[str] = []
+    if view is not None:
+        parts.append(render_layer(view, "unified" if args.diff else "side", args.width))
+    elif not pictures:
+        parts += [render_summary(summarize(g)) for g in graphs]
+    for p, fmt in pictures:
+        parts.append(f"wrote {fmt}: {p}")
+    return "\n\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        text = run(args)
+    except DumpError as e:
+        print(f"offload-inspect: error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

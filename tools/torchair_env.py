@@ -1,0 +1,254 @@
+"""Test environment for the GE-converter / npugraph_ex tests: TorchAir and npugraph_ex as plain Python.
+
+The ``torch-npu`` wheel bundles TorchAir and npugraph_ex as pure-Python packages under
+``torch_npu/dynamo/`` (plus four CANN-linked ``.so`` files in ``torchair/core``). The converter and
+reinplace tests run against exactly that Python code, with only the CANN-linked modules replaced by
+labelled test stand-ins (``tests/converters/standins/``). This module obtains that code **without
+installing torch_npu**:
+
+1. ``pip download --no-deps torch-npu==<version>`` into ``<cache>/wheels`` (nothing is installed;
+   ``import torch`` keeps working without ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``);
+2. extract only ``torch_npu/dynamo/torchair/**`` and ``torch_npu/dynamo/npugraph_ex/**`` (no ``.so``)
+   into ``<cache>/torch_npu-<version>/site/`` as the top-level packages ``torchair`` and
+   ``npugraph_ex``;
+3. :func:`site_dir` / :func:`activate` put that folder on ``sys.path``.
+
+Cache folder: ``$OFFLOAD_PASSES_TORCHAIR_DIR`` or ``~/.cache/offload_passes/torchair``.
+Runtime requirements of the extracted packages: ``protobuf>=3.13`` and ``packaging``
+(:data:`REQUIREMENTS`).
+
+Command line (also used by ``.ci/run``)::
+
+    python -m offload_passes.tools.torchair_env            # download + extract if needed, print the folder
+    python -m offload_passes.tools.torchair_env --check    # exit 1 (no download) when not prepared
+    python -m offload_passes.tools.torchair_env --wheel torch_npu-2.13.0-...whl   # use a local wheel
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+log = logging.getLogger("offload_passes.tools.torchair_env")
+
+ENV_DIR = "OFFLOAD_PASSES_TORCHAIR_DIR"
+ENV_VERSION = "OFFLOAD_PASSES_TORCH_NPU_VERSION"
+#: Packages taken from ``torch_npu/dynamo/`` of the wheel.
+PACKAGES = ("torchair", "npugraph_ex")
+#: pip requirements of the extracted packages (TorchAir asserts protobuf >= 3.13 and imports packaging).
+REQUIREMENTS = ("protobuf>=3.13", "packaging")
+_WHEEL_PREFIX = "torch_npu/dynamo/"
+_MARKER = ".offload_passes_torchair.json"
+#: Bump when the extraction layout changes, so stale caches are rebuilt.
+_LAYOUT_VERSION = 1
+
+
+class TorchAirEnvError(RuntimeError):
+    """The TorchAir test environment could not be prepared (message says why and what to do)."""
+
+
+def default_torch_npu_version() -> str:
+    """torch_npu release matching the installed torch (``2.13.x`` -> ``2.13.0``); env override."""
+    override = os.environ.get(ENV_VERSION, "").strip()
+    if override:
+        return override
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return f"{major}.{minor}.0"
+
+
+def cache_root(cache: Optional[os.PathLike] = None) -> Path:
+    if cache is not None:
+        return Path(cache).expanduser()
+    env = os.environ.get(ENV_DIR, "").strip()
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "offload_passes" / "torchair"
+
+
+def _version_dir(version: str, cache: Optional[os.PathLike]) -> Path:
+    return cache_root(cache) / f"torch_npu-{version}"
+
+
+def site_dir(version: Optional[str] = None, cache: Optional[os.PathLike] = None) -> Optional[Path]:
+    """The folder to put on ``sys.path`` if the packages are extracted, else ``None`` (never downloads)."""
+    version = version or default_torch_npu_version()
+    site = _version_dir(version, cache) / "site"
+    marker = site / _MARKER
+    if not marker.is_file():
+        return None
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if info.get("layout") != _LAYOUT_VERSION or info.get("version") != version:
+        return None
+    if not all((site / p / "__init__.py").is_file() for p in PACKAGES):
+        return None
+    return site
+
+
+def missing_requirements() -> list:
+    """Requirements from :data:`REQUIREMENTS` that are not importable here."""
+    missing = []
+    if importlib.util.find_spec("google.protobuf") is None:
+        missing.append(REQUIREMENTS[0])
+    if importlib.util.find_spec("packaging") is None:
+        missing.append(REQUIREMENTS[1])
+    return missing
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _download(version: str, dest: Path) -> Path:
+    """``pip download --no-deps torch-npu==version``; returns the wheel path."""
+    dest.mkdir(parents=True, exist_ok=True)
+    existing = sorted(dest.glob(f"torch_npu-{version}-*.whl"))
+    if existing:
+        return existing[0]
+    base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
+    # The bundled Python sources are identical for every platform tag; if this platform has no
+    # wheel (e.g. macOS), fall back to the manylinux x86_64 one for the running CPython.
+    py = f"{sys.version_info.major}{sys.version_info.minor}"
+    attempts = [
+        base + [f"torch-npu=={version}"],
+        base + ["--platform", "manylinux_2_28_x86_64", "--python-version", py,
+                "--implementation", "cp", f"torch-npu=={version}"],
+    ]
+    errors = []
+    for cmd in attempts:
+        log.info("running %s", " ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        found = sorted(dest.glob(f"torch_npu-{version}-*.whl"))
+        if proc.returncode == 0 and found:
+            return found[0]
+        errors.append((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+    raise TorchAirEnvError(
+        f"cannot download torch-npu=={version} with pip (no network / no such release?). "
+        f"Last pip messages: {errors[-1]}. Alternatives: pass --wheel <path to a torch_npu-{version} wheel>, "
+        f"or set {ENV_DIR} to a folder prepared on another machine."
+    )
+
+
+def _extract(wheel: Path, site_tmp: Path) -> int:
+    count = 0
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            if not name.startswith(_WHEEL_PREFIX) or info.is_dir():
+                continue
+            rel = name[len(_WHEEL_PREFIX):]
+            parts = rel.split("/")
+            # only the two pure-Python packages; never the CANN-linked .so (stand-ins replace them)
+            if parts[0] not in PACKAGES or name.endswith(".so") or ".." in parts:
+                continue
+            target = site_tmp.joinpath(*parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            count += 1
+    missing = [p for p in PACKAGES if not (site_tmp / p / "__init__.py").is_file()]
+    if missing:
+        raise TorchAirEnvError(f"wheel {wheel.name} has no torch_npu/dynamo/{missing[0]}/__init__.py")
+    return count
+
+
+def ensure(
+    version: Optional[str] = None,
+    cache: Optional[os.PathLike] = None,
+    wheel: Optional[os.PathLike] = None,
+) -> Path:
+    """Prepare (idempotently) and return the folder holding ``torchair/`` and ``npugraph_ex/``.
+
+    Downloads the wheel only when the extracted packages are missing. Raises
+    :class:`TorchAirEnvError` with instructions when that is impossible.
+    """
+    version = version or default_torch_npu_version()
+    ready = site_dir(version, cache)
+    if ready is not None:
+        return ready
+    vdir = _version_dir(version, cache)
+    vdir.mkdir(parents=True, exist_ok=True)
+    whl = Path(wheel) if wheel is not None else _download(version, vdir / "wheels")
+    if not whl.is_file():
+        raise TorchAirEnvError(f"wheel not found: {whl}")
+    tmp = Path(tempfile.mkdtemp(prefix="site-", dir=vdir))
+    try:
+        count = _extract(whl, tmp)
+        marker = {
+            "layout": _LAYOUT_VERSION,
+            "version": version,
+            "wheel": whl.name,
+            "sha256": _sha256(whl),
+            "files": count,
+            "packages": list(PACKAGES),
+        }
+        (tmp / _MARKER).write_text(json.dumps(marker, indent=1))
+        site = vdir / "site"
+        if site.exists():  # stale or half-written: replace as a whole
+            shutil.rmtree(site)
+        os.replace(tmp, site)  # atomic on one filesystem: readers see all or nothing
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("extracted %d files of %s into %s", count, whl.name, site)
+    return site
+
+
+def activate(site: os.PathLike) -> Path:
+    """Put ``site`` first on ``sys.path`` so ``import torchair`` / ``import npugraph_ex`` find it."""
+    site = str(Path(site).resolve())
+    if site not in sys.path:
+        sys.path.insert(0, site)
+    return Path(site)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m offload_passes.tools.torchair_env",
+        description="Prepare TorchAir/npugraph_ex (Python only, from the torch-npu wheel) for the CPU tests.",
+    )
+    p.add_argument("--version", default=None, help="torch-npu version (default: matches torch, e.g. 2.13.0)")
+    p.add_argument("--dir", default=None, help=f"cache folder (default: ${ENV_DIR} or ~/.cache/offload_passes/torchair)")
+    p.add_argument("--wheel", default=None, help="use this local torch_npu wheel instead of downloading")
+    p.add_argument("--check", action="store_true", help="do not download; exit 1 if not prepared")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    version = args.version or default_torch_npu_version()
+    if args.check:
+        site = site_dir(version, args.dir)
+        if site is None:
+            print(f"not prepared: torchair/npugraph_ex of torch-npu=={version} under {cache_root(args.dir)}")
+            return 1
+    else:
+        try:
+            site = ensure(version, args.dir, args.wheel)
+        except TorchAirEnvError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    print(site)
+    missing = missing_requirements()
+    if missing:
+        print(f"warning: also needed: pip install {' '.join(repr(m) for m in missing)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
