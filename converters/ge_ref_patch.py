@@ -132,6 +132,11 @@ def drop_dsa_copies(graph) -> int:
             if any(o.name not in before for o in readers if o is not op):
                 continue  # someone may read the old value after the DSA node writes
             op.input[in_i] = copied
+            # keep the ordering the copy carried (e.g. a record/wait control edge attached to the first
+            # op a converter emitted, which is this TensorMove)
+            for ctrl in [t for t in tm.input if t.endswith(":-1")]:
+                if ctrl not in op.input:
+                    op.input.append(ctrl)
             graph.op.remove(tm)
             removed += 1
     return removed

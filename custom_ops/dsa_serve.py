@@ -10,6 +10,7 @@ CPU kernel: ``csrc/dsa_serve.cpp`` (byte copies of whole rows, ``at::parallel_fo
 from __future__ import annotations
 
 import logging
+from typing import Callable
 import torch
 
 from . import _library as L
@@ -50,6 +51,12 @@ def _shape(t: torch.Tensor) -> list:
     return list(t.shape)
 
 
+def _check(cond: bool, op: str, msg: Callable[[], str]) -> None:
+    """``_library.check`` with a lazily formatted message (validation runs on every call)."""
+    if not cond:
+        L.check(False, op, msg() if callable(msg) else msg)
+
+
 def validate_dsa_serve(
     plan: torch.Tensor,
     full_kv_cache: torch.Tensor,
@@ -66,12 +73,12 @@ def validate_dsa_serve(
     op: str = OP,
 ) -> None:
     """Every check of spec/ops.md §3.1; raises ``RuntimeError("custom::dsa_serve: ...")``."""
-    c = L.check
-    c(compact_layout in (0, 1), op, f"compact_layout must be 0 or 1, got {compact_layout}")
+    c = _check
+    c(compact_layout in (0, 1), op, lambda: f"compact_layout must be 0 or 1, got {compact_layout}")
     compact = compact_layout == 1
     lim = PROD_LIMITS if compact else LEGACY_LIMITS
     mode = f"compact_layout={compact_layout}"
-    c(plan.dtype == torch.int32, op, f"plan must be int32, got {plan.dtype}")
+    c(plan.dtype == torch.int32, op, lambda: f"plan must be int32, got {plan.dtype}")
     payload = {
         "full_kv_cache": full_kv_cache,
         "full_k_rope": full_k_rope,
@@ -81,64 +88,64 @@ def validate_dsa_serve(
         "selection_k_rope": selection_k_rope,
     }
     dt = full_kv_cache.dtype
-    c(dt in PAYLOAD_DTYPES, op, f"full_kv_cache dtype must be float16 or bfloat16, got {dt}")
+    c(dt in PAYLOAD_DTYPES, op, lambda: f"full_kv_cache dtype must be float16 or bfloat16, got {dt}")
     for name, t in payload.items():
-        c(t.dtype == dt, op, f"{name} dtype must equal full_kv_cache dtype {dt}, got {t.dtype}")
-    c(0 < raw_seq <= lim["raw_seq"], op, f"raw_seq must be in [1, {lim['raw_seq']}], got {raw_seq}")
-    c(0 < topk <= lim["topk"], op, f"topk must be in [1, {lim['topk']}] for {mode}, got {topk}")
-    c(topk % TOPK_GRANULARITY == 0, op, f"topk must be a multiple of {TOPK_GRANULARITY}, got {topk}")
+        c(t.dtype == dt, op, lambda: f"{name} dtype must equal full_kv_cache dtype {dt}, got {t.dtype}")
+    c(0 < raw_seq <= lim["raw_seq"], op, lambda: f"raw_seq must be in [1, {lim['raw_seq']}], got {raw_seq}")
+    c(0 < topk <= lim["topk"], op, lambda: f"topk must be in [1, {lim['topk']}] for {mode}, got {topk}")
+    c(topk % TOPK_GRANULARITY == 0, op, lambda: f"topk must be a multiple of {TOPK_GRANULARITY}, got {topk}")
     sbs = selection_block_size
     c(
         MIN_SELECTION_BLOCK_SIZE <= sbs <= MAX_SELECTION_BLOCK_SIZE and (sbs & (sbs - 1)) == 0,
         op,
-        f"selection_block_size must be a power of two in [{MIN_SELECTION_BLOCK_SIZE}, "
+        lambda: f"selection_block_size must be a power of two in [{MIN_SELECTION_BLOCK_SIZE}, "
         f"{MAX_SELECTION_BLOCK_SIZE}], got {sbs}",
     )
     c(
         not compact or topk % sbs == 0,
         op,
-        f"topk must be a multiple of selection_block_size ({sbs}) for {mode}, got {topk}",
+        lambda: f"topk must be a multiple of selection_block_size ({sbs}) for {mode}, got {topk}",
     )
-    c(plan.dim() == 2 and plan.size(1) == 2, op, f"plan must be 2-D [rows, 2], got shape {_shape(plan)}")
+    c(plan.dim() == 2 and plan.size(1) == 2, op, lambda: f"plan must be 2-D [rows, 2], got shape {_shape(plan)}")
     rows = plan.size(0)
-    c(rows > 0, op, f"plan rows must be > 0, got {rows}")
+    c(rows > 0, op, lambda: f"plan rows must be > 0, got {rows}")
     if not compact:
-        c(rows <= lim["rows"], op, f"plan rows must be <= {lim['rows']} for {mode}, got {rows}")
+        c(rows <= lim["rows"], op, lambda: f"plan rows must be <= {lim['rows']} for {mode}, got {rows}")
     for name, t in payload.items():
-        c(t.dim() == 3, op, f"{name} must be 3-D, got shape {_shape(t)}")
+        c(t.dim() == 3, op, lambda: f"{name} must be 3-D, got shape {_shape(t)}")
     B = full_kv_cache.size(0)
-    c(B > 0, op, f"full_kv_cache.size(0) (batch) must be > 0, got {B}")
+    c(B > 0, op, lambda: f"full_kv_cache.size(0) (batch) must be > 0, got {B}")
     if not compact:
-        c(B <= lim["batch"], op, f"full_kv_cache.size(0) (batch) must be <= {lim['batch']} for {mode}, got {B}")
+        c(B <= lim["batch"], op, lambda: f"full_kv_cache.size(0) (batch) must be <= {lim['batch']} for {mode}, got {B}")
     c(
         rows == B * raw_seq * topk,
         op,
-        f"plan rows must equal batch*raw_seq*topk = {B}*{raw_seq}*{topk}, got {rows}",
+        lambda: f"plan rows must equal batch*raw_seq*topk = {B}*{raw_seq}*{topk}, got {rows}",
     )
     for name in ("full_k_rope", "pool_kv_cache", "pool_k_rope"):
         t = payload[name]
-        c(t.size(0) == B, op, f"{name}.size(0) must equal batch {B}, got {t.size(0)}")
+        c(t.size(0) == B, op, lambda: f"{name}.size(0) must equal batch {B}, got {t.size(0)}")
     F = full_kv_cache.size(1)
-    c(F > 0, op, f"full_kv_cache.size(1) (full_seq) must be > 0, got {F}")
+    c(F > 0, op, lambda: f"full_kv_cache.size(1) (full_seq) must be > 0, got {F}")
     if not compact:
-        c(F <= lim["full_seq"], op, f"full_kv_cache.size(1) (full_seq) must be <= {lim['full_seq']} for {mode}, got {F}")
-    c(full_k_rope.size(1) == F, op, f"full_k_rope.size(1) must equal full_seq {F}, got {full_k_rope.size(1)}")
+        c(F <= lim["full_seq"], op, lambda: f"full_kv_cache.size(1) (full_seq) must be <= {lim['full_seq']} for {mode}, got {F}")
+    c(full_k_rope.size(1) == F, op, lambda: f"full_k_rope.size(1) must equal full_seq {F}, got {full_k_rope.size(1)}")
     PS = pool_kv_cache.size(1)
-    c(0 < PS <= lim["pool_size"], op, f"pool_kv_cache.size(1) (pool_size) must be in [1, {lim['pool_size']}] for {mode}, got {PS}")
-    c(pool_k_rope.size(1) == PS, op, f"pool_k_rope.size(1) must equal pool_size {PS}, got {pool_k_rope.size(1)}")
+    c(0 < PS <= lim["pool_size"], op, lambda: f"pool_kv_cache.size(1) (pool_size) must be in [1, {lim['pool_size']}] for {mode}, got {PS}")
+    c(pool_k_rope.size(1) == PS, op, lambda: f"pool_k_rope.size(1) must equal pool_size {PS}, got {pool_k_rope.size(1)}")
     Dkv = full_kv_cache.size(2)
-    c(0 < Dkv <= MAX_KV_DIM, op, f"full_kv_cache.size(2) (kv dim) must be in [1, {MAX_KV_DIM}], got {Dkv}")
-    c(pool_kv_cache.size(2) == Dkv, op, f"pool_kv_cache.size(2) must equal kv dim {Dkv}, got {pool_kv_cache.size(2)}")
+    c(0 < Dkv <= MAX_KV_DIM, op, lambda: f"full_kv_cache.size(2) (kv dim) must be in [1, {MAX_KV_DIM}], got {Dkv}")
+    c(pool_kv_cache.size(2) == Dkv, op, lambda: f"pool_kv_cache.size(2) must equal kv dim {Dkv}, got {pool_kv_cache.size(2)}")
     Dr = full_k_rope.size(2)
-    c(0 < Dr <= MAX_ROPE_DIM, op, f"full_k_rope.size(2) (rope dim) must be in [1, {MAX_ROPE_DIM}], got {Dr}")
-    c(pool_k_rope.size(2) == Dr, op, f"pool_k_rope.size(2) must equal rope dim {Dr}, got {pool_k_rope.size(2)}")
+    c(0 < Dr <= MAX_ROPE_DIM, op, lambda: f"full_k_rope.size(2) (rope dim) must be in [1, {MAX_ROPE_DIM}], got {Dr}")
+    c(pool_k_rope.size(2) == Dr, op, lambda: f"pool_k_rope.size(2) must equal rope dim {Dr}, got {pool_k_rope.size(2)}")
     nb = (rows + sbs - 1) // sbs if compact else rows
     for name, D in (("selection_kv_cache", Dkv), ("selection_k_rope", Dr)):
         t = payload[name]
         c(
             t.size(0) == nb and t.size(1) == sbs and t.size(2) == D,
             op,
-            f"{name} must have shape [{nb}, {sbs}, {D}] (blocks = "
+            lambda: f"{name} must have shape [{nb}, {sbs}, {D}] (blocks = "
             f"{'ceil(rows/selection_block_size)' if compact else 'rows'}) for {mode}, got {_shape(t)}",
         )
 
@@ -193,6 +200,31 @@ def reference_dsa_serve(
 # CPU kernels
 # --------------------------------------------------------------------------------------------
 
+_CPP: list = []  # the built offload_cpu OpOverload, resolved once (cpu_op's lookup costs ~tens of us)
+
+
+def _cpp_kernel():
+    if not _CPP:
+        _CPP.append(L.cpu_op(OP).default)
+    return _CPP[0]
+
+
+# Validation depends only on shapes, dtypes and the int arguments, and costs more than the kernel
+# launch on small inputs; the CPU kernels remember signatures that passed (fake kernels always check).
+_VALIDATED: dict = {}
+_VALIDATED_MAX = 1024
+
+
+def _validate_cpu(tensors: tuple, ints: tuple, op: str) -> None:
+    key = (op, ints) + tuple((t.shape, t.dtype) for t in tensors)
+    if key in _VALIDATED:
+        return
+    validate_dsa_serve(*tensors, *ints, op=op)
+    if len(_VALIDATED) >= _VALIDATED_MAX:
+        _VALIDATED.clear()
+    _VALIDATED[key] = True
+
+
 def _run_in_place(
     plan: torch.Tensor,
     full_kv_cache: torch.Tensor,
@@ -214,7 +246,7 @@ def _run_in_place(
     # The C++ kernel addresses rows by byte offset, so it needs dense row-major tensors; a
     # non-contiguous selection is served into a dense temporary and copied back.
     outs = [t if t.is_contiguous() else t.contiguous() for t in (selection_kv_cache, selection_k_rope)]
-    L.cpu_op(OP)(
+    _cpp_kernel()(
         plan.contiguous(), full_kv_cache.contiguous(), full_k_rope.contiguous(),
         pool_kv_cache.contiguous(), pool_k_rope.contiguous(), outs[0], outs[1], *args,
     )
@@ -236,9 +268,8 @@ def _serve_cpu(
     selection_block_size: int = 128,
     compact_layout: int = 1,
 ) -> None:
-    validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
-                       selection_kv_cache, selection_k_rope, raw_seq, topk, selection_block_size,
-                       compact_layout)
+    _validate_cpu((plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
+                   selection_k_rope), (raw_seq, topk, selection_block_size, compact_layout), OP)
     _run_in_place(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
                   selection_kv_cache, selection_k_rope, raw_seq, topk, selection_block_size,
                   compact_layout)
@@ -257,9 +288,8 @@ def _serve_functional_cpu(
     selection_block_size: int = 128,
     compact_layout: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
-                       selection_kv_cache, selection_k_rope, raw_seq, topk, selection_block_size,
-                       compact_layout, op=FUNCTIONAL_OP)
+    _validate_cpu((plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
+                   selection_k_rope), (raw_seq, topk, selection_block_size, compact_layout), FUNCTIONAL_OP)
     if compact_layout == 1:
         # Compact mode overwrites every element (validation pins nb*sbs == rows), so no clone.
         kv, rope = torch.empty_like(selection_kv_cache), torch.empty_like(selection_k_rope)

@@ -212,7 +212,8 @@ def _validate(query, key, value, sparse_indices, kw) -> dict:
 def _fake(query, key, value, sparse_indices, scale_value, **kwargs):
     _validate(query, key, value, sparse_indices, kwargs)
     empty = query.new_empty((0,), dtype=torch.float32)
-    return torch.empty_like(query), empty, empty.clone()
+    # The CPU kernel returns a fresh contiguous tensor whatever the query's strides.
+    return query.new_empty(query.shape), empty, empty.clone()
 
 
 def reference_npu_sparse_flash_attention(

@@ -84,14 +84,14 @@ def build(
     Weights: seeded random (``runner_config.seed``) unless ``weights`` names a safetensors directory.
     """
     cfg: GlmConfig = load_config(preset_or_yaml, **overrides)
-    model = GlmMoeDsaForCausalLM(cfg.model, cfg.runner, device=device)
+    model = GlmMoeDsaForCausalLM(cfg.model, cfg.runner, device=device,
+                                 seed=None if weights is not None else cfg.runner.seed)
     model.eval()
+    model.requires_grad_(False)  # inference model: no autograd state in eager or in traced graphs
     if str(device) == "meta":
         return Built(model=model, config=cfg.model, runner=cfg.runner, driver=None)
     if weights is not None:
         load_safetensors(model, weights)
-    else:
-        init_weights(model, seed=cfg.runner.seed)
     return Built(model=model, config=cfg.model, runner=cfg.runner, driver=Driver(model, cfg.runner))
 
 

@@ -40,7 +40,6 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-import torch
 from torch import fx
 
 from .dump import Dumper
@@ -185,7 +184,7 @@ class OffloadBackend:
     """A Dynamo backend instance: ``torch.compile(model, backend=OffloadBackend(pool_size=...))``.
 
     Exposes ``state`` (the state of the most recently run rewritten graph), ``states`` (all live
-    ones), ``reports`` (GraphReport dicts), ``reset(rows=None)``.
+    ones), ``reports`` (GraphReport dicts), ``reset_state(rows=None)``.
     """
 
     def __init__(self, options: OffloadOptions | Mapping | str | Path | None = None, **kw: Any):
@@ -213,7 +212,9 @@ class OffloadBackend:
             st = states[-1] if states else None
         return st
 
-    def reset(self, rows: Optional[Sequence[int]] = None) -> None:
+    def reset_state(self, rows: Optional[Sequence[int]] = None) -> None:
+        """``OffloadState.reset(rows)`` on every live state. (Not named ``reset``: Dynamo calls
+        ``backend.reset()`` from ``torch._dynamo.reset()``.)"""
         for st in self.states:
             st.reset(rows)
 

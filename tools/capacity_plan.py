@@ -50,6 +50,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -79,7 +80,7 @@ class Budget:
     next_n: int = 3                        # MTP draft tokens: S = 1 + next_n query rows per request
     pool_sizes: tuple[int, ...] = (8192, 16384)   # pool entries per layer: 8192, 16384 with enlarge_pool_size
     pa_block_size: int = 128
-    kv_dtype_bytes: int = 2                # bf16 latent KV
+    kv_dtype_bytes: int = 2                # bf16 latent KV (the W8A8C16 deployment); 4 = f32
     indexer_dtype_bytes: int = 2           # bf16 indexer keys
     indexer_scale_bytes: int = 0           # per token per indexer layer when the indexer cache is quantised
     weight_bytes: float = 1.0              # W8A8
@@ -100,6 +101,9 @@ class Budget:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.kv_dtype_bytes not in (2, 4):
+            raise ValueError(f"kv_dtype_bytes must be 2 (f16/bf16) or 4 (f32), got {self.kv_dtype_bytes}: the int8 "
+                             "(C8) cache layout is not modeled, and the pass refuses quantised KV")
         if not 0 <= self.next_n <= 3:
             raise ValueError(f"next_n must be in [0, 3] (raw_seq = 1 + next_n <= 4), got {self.next_n}")
         if self.hbm_per_device_gib <= 0:
@@ -355,7 +359,7 @@ def plan(shape: ModelShape, budget: Budget, batch: int | None = None,
         modes.append((f"shared-indexer offload, pool {PS}", idx_cache + sel_layer * n_attn + pool_req + plan_scratch,
                       staging, full_kv, pool_req, pool_ok,
                       "basic + pools + pool metadata + plan scratch" if pool_ok else
-                      "refused by the pass: the pool ops need 2-byte (f16/bf16) KV"))
+                      "refused by the pass: dsa_serve / dsa_install take f16/bf16 KV only"))
     steps = out.sections.setdefault("largest batch", [])
     for name, dev, fixed, host, pool_req, applicable, note in modes:
         per_rank = math.floor((free - fixed) / dev) if free > fixed else 0
@@ -397,6 +401,7 @@ def plan(shape: ModelShape, budget: Budget, batch: int | None = None,
                 "pool_hbm_per_rank": per * m.pool_per_request,
                 "fits": bool(need <= free and fits_host and m.applicable),
             })
+    log.debug("offload-plan %s: %s", shape.name, {m.mode: m.max_global for m in out.modes})
     return out
 
 
@@ -499,7 +504,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"offload-plan: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result.to_json(), indent=2) if args.json else render(result))
+    try:
+        print(json.dumps(result.to_json(), indent=2) if args.json else render(result))
+    except BrokenPipeError:  # `offload-plan | head`: the reader left, not an error
+        sys.stderr = open(os.devnull, "w")
     return 0
 
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -77,23 +79,32 @@ def _short_ops(c: dict[str, int]) -> str:
 
 def render_summary(s: dict[str, Any]) -> str:
     L: list[str] = []
-    status = "rewritten" if s["rewritten"] else "NOT rewritten"
+    if s["rewritten"]:
+        status = "rewritten"
+    elif not s["groups"] and not s["refusals"] and not s["layers"]:
+        status = "not rewritten (no DSA sites: passed through)"
+    else:
+        status = "NOT rewritten"
     L.append(f"graph {s['graph_id']}: {status}, mode {s['mode']}, {len(s['groups'])} groups, {len(s['layers'])} layers")
     if s["options"]:
         L.append("  options: " + ", ".join(f"{k}={v}" for k, v in sorted(s["options"].items())))
     L.append("")
-    L.append("groups")
-    L += _table([[g.get("group_id"), g.get("owner_layer"), layer_ranges([int(x) for x in g["layers"]]),
+    if not s["groups"]:
+        L.append("groups: none")
+    else:
+        L.append("groups")
+    L += [] if not s["groups"] else _table([[g.get("group_id"), g.get("owner_layer"), layer_ranges([int(x) for x in g["layers"]]),
                   len(g["layers"]), g.get("topk_node"), g.get("K"), g.get("S"), g.get("B"), g.get("pool_size"),
                   g.get("num_sets"), g.get("id_range")] for g in s["groups"]],
                 ["group", "owner", "layers", "n", "topk node", "K", "S", "B", "pool", "sets", "id_range"])
     L.append("")
-    L.append("layers (nodes and DSA ops, before -> after)")
-    L += _table([[x["layer"], x["group_id"], x["role"], f"{x['nodes_before']} -> {x['nodes_after']}",
+    L.append("layers (nodes and DSA ops, before -> after)" if s["layers"] else "layers: none")
+    L += [] if not s["layers"] else _table([[x["layer"], x["group_id"], x["role"], f"{x['nodes_before']} -> {x['nodes_after']}",
                   _short_ops(x["ops_before"]), _short_ops(x["ops_after"])] for x in s["layers"]],
                 ["layer", "group", "role", "nodes", "ops before", "ops after"])
-    L.append("  (indexer/gather/sfa = npu_lightning_indexer / npu_gather_selection_kv_cache / "
-             "npu_sparse_flash_attention; plan/serve/install = dsa_*; _f = functional twin)")
+    if s["layers"]:
+        L.append("  (indexer/gather/sfa = npu_lightning_indexer / npu_gather_selection_kv_cache / "
+                 "npu_sparse_flash_attention; plan/serve/install = dsa_*; _f = functional twin)")
     if s["ops"]:
         L.append("")
         L.append("ops (whole graph, before -> after)")
@@ -119,8 +130,8 @@ def render_summary(s: dict[str, Any]) -> str:
         L.append("pass timings")
         L += _table([[k, f"{float(v) * 1e3:.1f} ms", (f"{100 * float(v) / total:.0f} %" if total else "")]
                      for k, v in t.items()], ["pass", "time", "share"])
-    L.append("")
-    L.append("dumps: " + ", ".join(Path(p["file"]).name + ("" if p["exists"] else " (MISSING)") for p in s["passes"]))
+        L.append("")
+    L.append("dumps: " + (", ".join(Path(p["file"]).name for p in s["passes"]) or "(no NN_<stage>.py files)"))
     return "\n".join(L)
 
 
@@ -128,29 +139,47 @@ def render_layer(view: dict[str, Any], style: str, width: int | None = None) -> 
     b, a = view["before"], view["after"]
     head = [f"graph {view['graph_id']} layer {view['layer']}: before = {b['file']} ({len(b['lines'])} nodes), "
             f"after = {a['file']} ({len(a['lines'])} nodes)"]
+    if view.get("derived"):
+        head.append("  note: report.json lists no nodes for this layer (graph not rewritten); showing the "
+                    "layer's top-k producer, gather and attention found in the graph by site order")
     for side in ("before", "after"):
+        if view.get("derived"):
+            continue
         if view[side]["missing"]:
             head.append(f"  note: {side} nodes not found in the dump: {', '.join(view[side]['missing'])}")
+        elif not view[side]["nodes"]:
+            why = "" if view.get("rewritten", True) else " (the graph was not rewritten)"
+            head.append(f"  note: report.json lists no {side} nodes for this layer{why}")
     if style == "unified":
+        if b["lines"] == a["lines"]:
+            return "\n".join(head + ["(unchanged)"] + [" " + ln for ln in b["lines"]])
         diff = difflib.unified_diff(b["lines"], a["lines"], fromfile=f"{b['file']} (layer {view['layer']})",
                                     tofile=f"{a['file']} (layer {view['layer']})", lineterm="", n=3)
         return "\n".join(head + list(diff))
     w = width or shutil.get_terminal_size((200, 40)).columns
     col = max(30, (w - 3) // 2)
 
-    def cut(s: str) -> str:
-        return s if len(s) <= col else s[:col - 1] + "…"
+    def wrap(s: str) -> list[str]:
+        # wrap, never cut: the arguments (buffers, metadata_update, ...) are the point of the view
+        return textwrap.wrap(s, col, subsequent_indent="    ", break_on_hyphens=False) or [""]
 
     out = head + [f"{('before: ' + str(b['file'])).ljust(col)} | after: {a['file']}", "-" * col + "-+-" + "-" * col]
-    sm = difflib.SequenceMatcher(a=b["lines"], b=a["lines"], autojunk=False)
+    # align rows by node name (a node kept by the rewrite sits on one row, "|" when its call changed)
+    sm = difflib.SequenceMatcher(a=b["ordered"], b=a["ordered"], autojunk=False)
     for tag, i1, i2, j1, j2 in sm.get_opcodes():
         left, right = b["lines"][i1:i2], a["lines"][j1:j2]
         mark = {"equal": " ", "replace": "|", "delete": "<", "insert": ">"}[tag]
         for k in range(max(len(left), len(right))):
-            lt = cut(left[k]) if k < len(left) else ""
-            rt = cut(right[k]) if k < len(right) else ""
-            m = mark if (lt and rt) or tag != "replace" else ("<" if lt else ">")
-            out.append(f"{lt.ljust(col)} {m} {rt}".rstrip())
+            lw = wrap(left[k]) if k < len(left) else [""]
+            rw = wrap(right[k]) if k < len(right) else [""]
+            if tag == "equal":
+                m = " " if left[k] == right[k] else "|"
+            else:
+                m = mark if (k < len(left) and k < len(right)) or tag != "replace" else ("<" if k < len(left) else ">")
+            for r in range(max(len(lw), len(rw))):
+                lt = lw[r] if r < len(lw) else ""
+                rt = rw[r] if r < len(rw) else ""
+                out.append(f"{lt.ljust(col)} {m if r == 0 else ' '} {rt}".rstrip())
     return "\n".join(out)
 
 
@@ -225,7 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DumpError as e:
         print(f"offload-inspect: error: {e}", file=sys.stderr)
         return 2
-    print(text)
+    try:
+        print(text)
+    except BrokenPipeError:  # `offload-inspect DIR | head`: the reader left, not an error
+        sys.stderr = open(os.devnull, "w")
     return 0
 
 

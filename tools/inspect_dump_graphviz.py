@@ -34,10 +34,10 @@ def build_dot(g: GraphDump, groups_per_row: int = GROUPS_PER_ROW) -> graphviz.Di
         reasons = sorted({str(r.get("reason")) for r in (g.report.get("refusals") or [])})
         if reasons:
             title += "\nrefused: " + "; ".join(reasons)
-    dot = graphviz.Digraph(g.graph_id, comment=title)
+    dot = graphviz.Digraph(g.graph_id)
     dot.attr(rankdir="TB", newrank="true", nodesep="0.06", ranksep="0.22", fontname="Helvetica",
-             fontsize="14", label=title + "\nplan gN: dsa_plan (1 per group) -> LN: dsa_serve + attention (1 per layer) "
-             "-> IN: dsa_install chain, metadata_update=0 ... then IN*: owner, metadata_update=1",
+             fontsize="14", label=title + "\nplan gN: dsa_plan (1 per group) -> LN: dsa_serve + attention (1 per layer)"
+             "\n-> IN: dsa_install, metadata_update=0, in order -> IN*: the owner's metadata_update=1 install",
              labelloc="t", compound="true")
     dot.attr("node", shape="box", style="rounded,filled", fontname="Helvetica", fontsize="9",
              height="0.22", width="0.3", margin="0.03,0.01")
@@ -69,12 +69,15 @@ def build_dot(g: GraphDump, groups_per_row: int = GROUPS_PER_ROW) -> graphviz.Di
                 name = f"I{x}"
                 s = site_of.get(x, {})
                 label = f"I{x}" + ("*" if md else "")
-                c.node(name, label, fillcolor=_META if md else _INSTALL, width="0.28",
+                fill = (_META if md else _INSTALL) if rewritten else _OFF
+                c.node(name, label, fillcolor=fill, width="0.28",
                        tooltip=_tip(f"metadata_update={md}", *(s.get("install_nodes") or [])))
                 inst.append(name)
                 # the owner's md=1 install reads the owner's selection buffer, after the whole chain
-                if md:  # not a layout constraint, so the owner install can sit at the chain's end
+                if md and len(layers) > 1:
+                    # reads the owner's selection buffer (dashed, no layout pull), runs after the last layer
                     c.edge(f"L{x}", name, style="dashed", constraint="false")
+                    c.edge(f"L{layers[-1]}", name, style="invis")
                 else:
                     c.edge(f"L{x}", name)
             with c.subgraph() as r:

@@ -145,23 +145,42 @@ class GraphDump:
         order = cands if side == "before" else list(reversed(cands))
         return next(p for p in order if score[id(p)] == top)
 
+    def derived_nodes(self, layer: int) -> list[str]:
+        """Nodes of ``layer`` found without the report: the layer-th gather and attention call of the
+        first graph file (layers are DSA sites in data-flow order), plus the group's top-k producer
+        when the layer owns a group. Used when the report lists no nodes (graphs left unmodified)."""
+        pf = next((p for p in self.passes if p.exists), None)
+        if pf is None:
+            return []
+        gathers = [n for n, ln in pf.nodes.items() if (op_of(ln) or "").endswith(".npu_gather_selection_kv_cache")]
+        sfas = [n for n, ln in pf.nodes.items() if (op_of(ln) or "").endswith(".npu_sparse_flash_attention")]
+        names = []
+        grp = self.group_of_layer().get(layer)
+        if grp is not None and int(grp["owner_layer"]) == layer and grp.get("topk_node") in pf.nodes:
+            names.append(grp["topk_node"])
+        names += [seq[layer] for seq in (gathers, sfas) if layer < len(seq)]
+        return names
+
     def layer_view(self, layer: int) -> dict[str, Any]:
         """Lines of one layer's subgraph before and after, taken from the matching pass files."""
-        view: dict[str, Any] = {"graph_id": self.graph_id, "layer": layer}
+        view: dict[str, Any] = {"graph_id": self.graph_id, "layer": layer, "rewritten": self.rewritten,
+                                "derived": False}
         for side in ("before", "after"):
             names = self.layer_nodes(side).get(layer, [])
+            if not names and not self.rewritten:
+                names = self.derived_nodes(layer)
+                view["derived"] = view["derived"] or bool(names)
             pf = self.best_pass(names, side)
-            lines: list[str] = []
+            ordered: list[str] = []
             missing: list[str] = []
             if pf is not None:
-                order = list(pf.nodes)
                 wanted = set(names)
-                lines = [pf.nodes[n] for n in order if n in wanted]
+                ordered = [n for n in pf.nodes if n in wanted]          # graph order, not report order
                 missing = [n for n in names if n not in pf.nodes]
             else:
                 missing = list(names)
-            view[side] = {"file": None if pf is None else pf.name, "nodes": names, "lines": lines,
-                          "missing": missing}
+            view[side] = {"file": None if pf is None else pf.name, "nodes": names, "ordered": ordered,
+                          "lines": [pf.nodes[n] for n in ordered] if pf is not None else [], "missing": missing}
         return view
 
     def layer_ops(self, layer: int, side: str) -> Counter:

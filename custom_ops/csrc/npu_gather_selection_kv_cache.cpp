@@ -16,6 +16,7 @@
 namespace {
 
 constexpr int64_t kSmallTopk = 32;
+constexpr int64_t kPrefetchAhead = 8;  // ids ahead whose full-cache rows are prefetched
 const char* kOp = "custom::npu_gather_selection_kv_cache: ";
 
 struct Payload {
@@ -49,6 +50,13 @@ struct Ctx {
     for (int i = 0; i < n_pay; ++i) {
       const Payload& P = pay[i];
       std::memcpy(P.sel + d * P.tok_bytes, P.full + s * P.tok_bytes, len * P.tok_bytes);
+    }
+  }
+  void prefetch_full(int64_t b, int64_t x) const {
+    const int64_t s = full_tok(b, x);
+    for (int i = 0; i < n_pay; ++i) {
+      __builtin_prefetch(pay[i].full + s * pay[i].tok_bytes);
+      __builtin_prefetch(pay[i].full + s * pay[i].tok_bytes + 64);
     }
   }
   void copy_within(int64_t r, int64_t dst, int64_t src, int64_t len) const {
@@ -102,9 +110,39 @@ void check_tables(const Ctx& c) {
   }
 }
 
+// Open-addressing map from a non-negative id to the lowest ledger position holding it.
+struct FirstPosTable {
+  std::vector<int32_t> keys, vals;
+  uint32_t mask = 0;
+  void reset(int64_t n) {
+    uint32_t cap = 16;
+    while (cap < 2 * n) cap <<= 1;  // load factor <= 1/2
+    keys.assign(cap, -1);
+    vals.resize(cap);
+    mask = cap - 1;
+  }
+  static uint32_t hash(int32_t x) { return static_cast<uint32_t>(x) * 2654435761u; }
+  void insert_first(int32_t x, int32_t p) {  // callers insert in ascending p: keep the first
+    for (uint32_t h = hash(x) & mask;; h = (h + 1) & mask) {
+      if (keys[h] == x) return;
+      if (keys[h] < 0) {
+        keys[h] = x;
+        vals[h] = p;
+        return;
+      }
+    }
+  }
+  int32_t find(int32_t x) const {
+    for (uint32_t h = hash(x) & mask;; h = (h + 1) & mask) {
+      if (keys[h] == x) return vals[h];
+      if (keys[h] < 0) return -1;
+    }
+  }
+};
+
 struct Scratch {
   std::vector<int32_t> ids, old;
-  std::vector<std::pair<int32_t, int32_t>> sorted;  // (old value, position)
+  FirstPosTable table;
   std::vector<int32_t> keep, moved_from;
   std::vector<char> kept_j;
   std::vector<char> tmp_a, tmp_b;
@@ -122,15 +160,18 @@ void ledger_row_large(const Ctx& c, Scratch& w, int64_t r, int64_t b, int64_t ma
     if (x >= 0 && x <= max_sel) w.ids.push_back(x);  // all K scanned; negatives anywhere dropped
   }
   const int64_t n = static_cast<int64_t>(w.ids.size());
-  w.sorted.resize(K);
-  for (int64_t p = 0; p < K; ++p) w.sorted[p] = {st[p], static_cast<int32_t>(p)};
-  std::sort(w.sorted.begin(), w.sorted.end());  // ties by position: lower_bound finds the lowest one
+  // Only old entries in [0, max_reuse] can be kept: hash them (id -> lowest position), then look
+  // every candidate id up.
+  w.table.reset(K);
+  for (int64_t p = 0; p < K; ++p) {
+    if (st[p] >= 0 && st[p] <= max_reuse) w.table.insert_first(st[p], static_cast<int32_t>(p));
+  }
   w.keep.assign(K, -1);
   for (int64_t j = 0; j < n; ++j) {
     const int32_t x = w.ids[j];
     if (x > max_reuse) continue;
-    auto it = std::lower_bound(w.sorted.begin(), w.sorted.end(), std::make_pair(x, INT32_MIN));
-    if (it != w.sorted.end() && it->first == x) w.keep[it->second] = static_cast<int32_t>(j);
+    const int32_t p = w.table.find(x);
+    if (p >= 0) w.keep[p] = static_cast<int32_t>(j);
   }
   int64_t top = -1;
   for (int64_t p = K - 1; p >= 0; --p) {
@@ -151,6 +192,7 @@ void ledger_row_large(const Ctx& c, Scratch& w, int64_t r, int64_t b, int64_t ma
   }
   int64_t cur = 0;
   for (int64_t j = 0; j < n; ++j) {
+    if (j + kPrefetchAhead < n) c.prefetch_full(b, w.ids[j + kPrefetchAhead]);  // scattered rows
     if (w.kept_j[j]) continue;
     while (w.keep[cur] >= 0) ++cur;  // next free position; always < n
     const int64_t dst = cur++;

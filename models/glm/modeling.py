@@ -24,8 +24,9 @@ Prefill (``prefill``) uses a dense causal path (SDPA) and only fills the caches.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,9 @@ class RMSNorm(nn.Module):
 
 
 def _linear(i: int, o: int, dtype: torch.dtype, device=None) -> nn.Linear:
-    return nn.Linear(i, o, bias=False, dtype=dtype, device=device)
+    # No default (kaiming) init: the model initialises every weight once, seeded (weights.init_weights)
+    # or from a checkpoint; skipping the default halves the build time of the 78-layer preset.
+    return torch.nn.utils.skip_init(nn.Linear, i, o, bias=False, dtype=dtype, device=device or "cpu")
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +103,8 @@ class GlmMoeDsaTopkRouter(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32,
+        # fp32 router weight as in the checkpoints' ``moe_router_dtype``; filled by init / load.
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32,
                                                device=device))
         # Persistent: checkpoints carry ``mlp.gate.e_score_correction_bias``.
         self.register_buffer("e_score_correction_bias",
@@ -150,6 +154,21 @@ class GlmMoeDsaMoE(nn.Module):
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, expert in enumerate(self.experts):
             acc = acc + route[:, e : e + 1] * expert(x).float()
+        out = acc.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def forward_sparse(self, x: torch.Tensor) -> torch.Tensor:
+        """Same result, each expert only on its routed tokens (data-dependent shapes: prefill only)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        route = self.gate(x)
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(self.experts):
+            tok = route[:, e].nonzero().squeeze(1)
+            if tok.numel():
+                acc.index_add_(0, tok, route[tok, e : e + 1] * expert(x[tok]).float())
         out = acc.to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -208,7 +227,7 @@ class GlmMoeDsaIndexer(nn.Module):
 
     def prefill(self, x, q_resid, cos, sin, slots, valid) -> None:
         _, k = self._qk(x, q_resid, cos, sin)
-        self.key_cache.view(-1, self.head_dim).index_copy_(0, slots, k[valid])
+        self.key_cache.view(-1, self.head_dim).index_copy_(0, slots, k[valid].to(self.key_cache.dtype))
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -358,8 +377,9 @@ class GlmMoeDsaAttention(nn.Module):
         """``x [R, P, hidden]``; writes caches for ``valid`` tokens (flat rows ``slots``)."""
         R, P, _ = x.shape
         q_resid, q_nope, q_pe, c, k_pe = self._q_and_latent(x, cos, sin)
-        self.kv_cache.view(-1, self.kv_lora_rank).index_copy_(0, slots, c[valid])
-        self.k_rope_cache.view(-1, self.rope_dim).index_copy_(0, slots, k_pe[valid])
+        # Stored in the cache dtype (prefill may compute in fp32, see GlmMoeDsaForCausalLM.prefill).
+        self.kv_cache.view(-1, self.kv_lora_rank).index_copy_(0, slots, c[valid].to(self.kv_cache.dtype))
+        self.k_rope_cache.view(-1, self.rope_dim).index_copy_(0, slots, k_pe[valid].to(self.k_rope_cache.dtype))
         if self.indexer is not None:
             self.indexer.prefill(x, q_resid, cos, sin, slots, valid)
         kv = self.kv_b_proj(c).unflatten(-1, (self.num_heads, self.nope_dim + self.v_head_dim))
@@ -389,6 +409,23 @@ class GlmMoeDsaAttention(nn.Module):
 # ------------------------------------------------------------------------------------------ layers / model
 
 
+@contextlib.contextmanager
+def _params_as(modules: Sequence[nn.Module], dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """Temporarily run ``modules`` with floating parameters cast to ``dtype`` (None: unchanged)."""
+    saved = []
+    if dtype is not None:
+        for m in modules:
+            for p in m.parameters():
+                if p.is_floating_point() and p.dtype != dtype:
+                    saved.append((p, p.data))
+                    p.data = p.data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, d in saved:
+            p.data = d
+
+
 class GlmMoeDsaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, runner: RunnerConfig, layer_idx: int, device=None) -> None:
         super().__init__()
@@ -411,13 +448,16 @@ class GlmMoeDsaDecoderLayer(nn.Module):
 
     def prefill(self, x, cos, sin, slots, valid):
         x = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, slots, valid)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp.forward_sparse(h) if isinstance(self.mlp, GlmMoeDsaMoE) else self.mlp(h))
 
 
 class GlmMoeDsaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, runner: RunnerConfig, device=None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, device=device)
+        self.embed_tokens = torch.nn.utils.skip_init(
+            nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, device=device or "cpu"
+        )
         self.layers = nn.ModuleList(
             GlmMoeDsaDecoderLayer(cfg, runner, i, device) for i in range(cfg.num_hidden_layers)
         )
@@ -434,7 +474,11 @@ class GlmMoeDsaForCausalLM(nn.Module):
     only, else empty).
     """
 
-    def __init__(self, cfg: ModelConfig, runner: RunnerConfig, device=None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, runner: RunnerConfig, device=None, seed: Optional[int] = 0
+    ) -> None:
+        """``seed``: seeded random weights (``weights.init_weights``); ``None`` leaves the parameters
+        uninitialised for a checkpoint load (``weights.load_safetensors``)."""
         super().__init__()
         self.config = cfg
         self.runner = runner
@@ -453,6 +497,10 @@ class GlmMoeDsaForCausalLM(nn.Module):
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.qk_rope_head_dim, 2, dtype=torch.float32,
                                                       device=device) / cfg.qk_rope_head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+        if seed is not None and str(device) != "meta":
+            from .weights import init_weights
+
+            init_weights(self, seed=seed)
 
     # -------------------------------------------------------------- decode step
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
@@ -490,10 +538,23 @@ class GlmMoeDsaForCausalLM(nn.Module):
     # -------------------------------------------------------------- prefill
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.Tensor, lengths: torch.Tensor, rows: Optional[Sequence[int]] = None
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        rows: Optional[Sequence[int]] = None,
+        compute_dtype: Union[str, torch.dtype, None] = "auto",
     ) -> torch.Tensor:
         """Dense causal prefill of ``input_ids [R, P]`` (right padded to P; row r has ``lengths[r]`` tokens)
-        into batch rows ``rows`` (default ``0..B-1``). Fills every cache; returns last-token logits ``[R, V]``."""
+        into batch rows ``rows`` (default ``0..B-1``). Fills every cache (stored in the model dtype);
+        returns last-token logits ``[R, V]``.
+
+        ``compute_dtype="auto"``: fp32 on the CPU for a bf16/fp16 model (x86 CPUs without bf16 units run
+        bf16 GEMMs several times slower; the 78-layer prefill would take minutes more), else the model
+        dtype. The decode step always computes in the model dtype.
+        """
+        if compute_dtype == "auto":
+            cpu = self.lm_head.weight.device.type == "cpu"
+            compute_dtype = torch.float32 if cpu and self.config.dtype != torch.float32 else None
         rows = list(range(self.batch_size)) if rows is None else list(rows)
         R, P = input_ids.shape
         lengths = torch.as_tensor(lengths, dtype=torch.int64)
@@ -514,10 +575,14 @@ class GlmMoeDsaForCausalLM(nn.Module):
         slots = (self.block_table[row_ids[valid], pos[valid] // BS].to(torch.int64) * BS + pos[valid] % BS)
         cos, sin = rope_cos_sin(pos, self.inv_freq)
         x = self.model.embed_tokens(input_ids)
+        if compute_dtype is not None:
+            x = x.to(compute_dtype)
         for layer in self.model.layers:
-            x = layer.prefill(x, cos, sin, slots, valid)
+            with _params_as([layer], compute_dtype):
+                x = layer.prefill(x, cos, sin, slots, valid)
         last = x[torch.arange(R), lengths - 1]
-        return self.lm_head(self.model.norm(last))
+        with _params_as([self.model.norm, self.lm_head], compute_dtype):
+            return self.lm_head(self.model.norm(last)).to(self.config.dtype)
 
     # -------------------------------------------------------------- state
     @torch.no_grad()

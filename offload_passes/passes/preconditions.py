@@ -16,7 +16,7 @@ from torch import fx
 from ..options import OffloadOptions
 from ._fx import example, placeholders, strip_views
 from .detect import Refusal, Site
-from .group import Group, GroupReport
+from .group import GroupReport
 
 MAX_TOPK = 2048
 MAX_RAW_SEQ = 4

@@ -82,6 +82,12 @@ def torchair_core_double(torchair):
     return sys.modules["torchair.core._torchair"]
 
 
+@pytest.fixture(scope="session")
+def torch_npu_double(torchair_site) -> types.ModuleType:
+    """The module holding the ``torch_npu`` test double (use ``.installed()`` around npugraph_ex code)."""
+    return _load_standin("torch_npu_stub")
+
+
 @pytest.fixture()
 def stub_torch_npu(torchair_site):
     """The ``torch_npu`` / ``torch.npu`` double, installed for one test (npugraph_ex / ACL tests)."""

@@ -152,18 +152,17 @@ def test_compiled_group_step_has_no_copies_of_pools_metadata_or_selection_buffer
     assert list(install_a.input[6:9]) == [f"{install_b.name}:{i}" for i in (2, 3, 4)]
 
 
-@pytest.mark.parametrize("unpatch,expected", [("ref_idx", 14), ("copy_pass", 10)])
+@pytest.mark.parametrize("unpatch,expected", [("both", 14), ("copy_pass", 10)])
 def test_each_patch_is_needed(monkeypatch, unpatch, expected):
-    """Without the ref table GE copies every mutated buffer (14 TensorMoves); with the table but
-    without the copy pass it still copies the install inputs that plan/serve also read (10)."""
+    """Plain TorchAir copies every mutated buffer (14 TensorMoves); with the ref table but without the
+    copy pass it still copies the install inputs that plan/serve also read (10)."""
     from torchair._ge_concrete_graph import fx2ge_converter, graph_pass
 
-    if unpatch == "ref_idx":
+    if unpatch == "both":
         monkeypatch.setattr(graph_pass, "_get_output_to_input_ref_idx",
                             graph_pass._get_output_to_input_ref_idx.__wrapped__)
-    else:
-        monkeypatch.setattr(fx2ge_converter, "optimize_reference_op_redundant_copy",
-                            fx2ge_converter.optimize_reference_op_redundant_copy.__wrapped__)
+    monkeypatch.setattr(fx2ge_converter, "optimize_reference_op_redundant_copy",
+                        fx2ge_converter.optimize_reference_op_redundant_copy.__wrapped__)
     proto = compile_and_capture(group_step, group_inputs())
     moves = _ops(proto, "TensorMove")
     assert len(moves) == expected
@@ -171,3 +170,40 @@ def test_each_patch_is_needed(monkeypatch, unpatch, expected):
         installs = {op.name for op in _ops(proto, "DsaInstall")}
         users = {op.name for op in proto.op if any(i.split(":")[0] in {m.name for m in moves} for i in op.input)}
         assert users == installs
+
+
+def _serve_graph(reader_before: bool, return_old: bool = False):
+    """Data -> TensorMove -> DsaServe(selection) with one more reader of the selection Data."""
+    from torchair._ge_concrete_graph import ge_apis as ge
+    from torchair.ge._ge_graph import DataType, GeGraph
+
+    names = ("plan", "full_kv_cache", "full_k_rope", "pool_kv_cache", "pool_k_rope",
+             "selection_kv_cache", "selection_k_rope")
+    with GeGraph() as g:
+        ins = [ge.Data(index=i, dtype=DataType.DT_FLOAT16, shape=[4], placement="NPU", node_name=n)
+               for i, n in enumerate(names)]
+        if reader_before:  # the reader's value is an input of serve: it certainly runs first
+            ins[0] = ge.Add(ins[0], ge.Identity(ins[5]))
+        torch.ops.custom.dsa_serve_functional.default._ge_converter(*ins, meta_outputs=None)
+        if not reader_before:
+            ge.Identity(ins[5])  # unordered w.r.t. serve: may read after the in-place write
+        net = g._proto.op.add()
+        net.type, net.name = "NetOutput", "NetOutput"
+        if return_old:
+            net.input.append("selection_kv_cache:0")
+    return g._proto
+
+
+@pytest.mark.parametrize("reader_before,return_old,kept", [(True, False, 0), (False, False, 1), (True, True, 1)])
+def test_copy_pass_keeps_copies_it_cannot_prove_safe(reader_before, return_old, kept):
+    from offload_passes.converters.ge_ref_patch import drop_dsa_copies
+
+    proto = _serve_graph(reader_before, return_old)
+    assert len(_ops(proto, "TensorMove")) == 2
+    removed = drop_dsa_copies(proto)
+    assert removed == 2 - kept
+    (serve,) = _ops(proto, "DsaServe")
+    # selection_k_rope has no other reader: always in place
+    assert serve.input[6] == "selection_k_rope:0"
+    assert len(_ops(proto, "TensorMove")) == kept
+    assert (serve.input[5] == "selection_kv_cache:0") == (kept == 0)

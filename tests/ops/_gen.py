@@ -22,9 +22,9 @@ Stable API (other test files import it; extend, do not change signatures):
     Arbitrary int32 metadata (out-of-range values, negatives, inconsistent maps) for robustness tests.
 ``payload(shape, dtype, g) -> Tensor``
     Random f16/bf16 values with (almost surely) distinct bit patterns, never all-zero rows.
-``single_thread()``
-    Context manager running torch single-threaded (small ops are several times faster that way on a
-    loaded 2-core box); the generators above use it internally.
+``single_thread()`` / ``threads(n)``
+    Context managers running torch with 1 / ``n`` intra-op threads (small ops are several times
+    faster single-threaded on a loaded 2-core box); the generators above use it internally.
 """
 from __future__ import annotations
 
@@ -37,13 +37,18 @@ MICROTASKS = 8
 
 
 @contextlib.contextmanager
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def threads(n: int):
+    """Run the block with ``n`` torch intra-op threads, restoring the previous count."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(n)
+        torch.set_num_threads(old)
+
+
+def single_thread():
+    return threads(1)
 
 
 def _single_threaded(fn):

@@ -21,14 +21,18 @@ import torch
 CALLS: List[str] = []
 
 
-class Stream:
+class Stream(torch.Stream):
+    """A CPU ``torch.Stream`` (so ``Tensor.record_stream`` accepts it); ordering is program order."""
+
     _count = 0
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls, device="cpu")
 
     def __init__(self, device=None, priority=0, **kwargs) -> None:
         Stream._count += 1
-        self.stream_id = Stream._count
-        self.device = device
-        self.priority = priority
+        self.number = Stream._count
+        self.requested_priority = priority
 
     def wait_event(self, event) -> None:
         CALLS.append("Stream.wait_event")
@@ -176,6 +180,9 @@ def installed():
     had_npu = hasattr(torch, "npu")
     saved_npu = getattr(torch, "npu", None)
     mod = make_module()
+    # CPU has no streams: Tensor.record_stream (used by npugraph_ex's record_tagged_stream) is a no-op
+    rs_lib = torch.library.Library("aten", "IMPL")
+    rs_lib.impl("record_stream", lambda self, stream: None, "CPU")
     sys.modules["torch_npu"] = mod
     sys.modules["torch_npu.npu"] = mod.npu
     torch.npu = mod.npu
@@ -183,6 +190,7 @@ def installed():
     try:
         yield mod
     finally:
+        rs_lib._destroy()
         for k, v in saved_mod.items():
             if v is None:
                 sys.modules.pop(k, None)

@@ -1,0 +1,91 @@
+"""FX passes that prepare the functional graph for the registry-driven reinplace (npugraph_ex / ACL).
+
+``split_install_chains``: within a group, every ``metadata_update=0`` install is followed by the group's
+``metadata_update=1`` install, and all of them name the shared metadata (``pool_ids``, ``id_to_slot``,
+``lru_counter``) as mutated. Functionalization therefore chains them: the last install reads the
+metadata *outputs* of the previous one, and only the last one gets ``copy_`` epilogues. The reinplace
+registry needs every mutated argument to be a graph input with its own epilogue, so neither install
+is reinplaced and every step copies each pool of the group (verified on CPU with npugraph_ex).
+
+A ``metadata_update=0`` install leaves the metadata bit-identical (spec/ops.md §4.2), so its metadata
+outputs equal its metadata inputs. The pass routes the next install to the graph inputs themselves and
+gives the ``metadata_update=0`` install its own (value-preserving) epilogue right after it. The rewrite
+is applied only when no other node reads the metadata inputs after the first install of the chain
+(other than the chain's installs and epilogues), so the graph's meaning is unchanged either way.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Dict, List
+
+import torch
+from torch import fx
+
+log = logging.getLogger("offload_passes.converters")
+
+_META_OUT = (2, 3, 4)   # dsa_install_functional outputs: pool_kv, pool_rope, pool_ids, id_to_slot, lru
+_META_ARG = (6, 7, 8)   # matching positional arguments
+
+
+def _metadata_update(node: fx.Node) -> int:
+    if len(node.args) > 12:
+        return int(node.args[12])
+    return int(node.kwargs.get("metadata_update", 1))
+
+
+def _getitems(node: fx.Node) -> Dict[int, fx.Node]:
+    return {u.args[1]: u for u in node.users if u.target is operator.getitem}
+
+
+def split_install_chains(gm: fx.GraphModule) -> int:
+    """Rewrite metadata chains of ``dsa_install_functional`` nodes (see module doc). Returns rewrites."""
+    install = torch.ops.custom.dsa_install_functional.default
+    copy_ = torch.ops.aten.copy_.default
+    graph = gm.graph
+    done = 0
+    for node in list(graph.nodes):
+        if node.target is not install or _metadata_update(node) != 0 or len(node.args) < 9:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        meta = [node.args[i] for i in _META_ARG]
+        if not all(isinstance(m, fx.Node) and m.op in ("placeholder", "get_attr") for m in meta):
+            continue
+        gets = _getitems(node)
+        plan: List[tuple] = []  # (next install user, getitem, graph input)
+        ok = True
+        for k, m in zip(_META_OUT, meta):
+            g = gets.get(k)
+            if g is None:
+                continue
+            for u in g.users:
+                if u.target is install and u.args[4 + k] is g and _metadata_update(u) in (0, 1):
+                    plan.append((u, g, m))
+                elif u.target is copy_ and u.args[0] is m:
+                    continue  # already its own epilogue
+                else:
+                    ok = False
+            # nobody but the chain and epilogues may read the graph input after this install
+            for r in m.users:
+                if order[r] > order[node] and r.target not in (install, copy_):
+                    ok = False
+        if not ok or not plan:
+            continue
+        for u, g, m in plan:
+            u.replace_input_with(g, m)
+        last = max(gets.values(), key=lambda n: order[n])
+        anchor = last
+        for k, m in zip(_META_OUT, meta):
+            g = gets.get(k)
+            if g is None or any(u.target is copy_ and u.args[0] is m for u in g.users):
+                continue
+            with graph.inserting_after(anchor):
+                c = graph.call_function(copy_, (m, g))
+            c.meta["val"] = m.meta.get("val")
+            anchor = c
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+        log.debug("split %d dsa_install metadata chains", done)
+    return done

@@ -1,0 +1,77 @@
+"""``@offload(...)``: compile a model class or instance with the ``dsa_offload`` backend.
+
+* On an instance: ``offload(model, pool_size=...)`` / ``offload(pool_size=...)(model)`` returns an
+  ``OffloadedModule`` wrapping ``torch.compile(model, backend=...)``.
+* On a class: ``@offload(pool_size=...) class M(nn.Module)`` returns a subclass whose instances are
+  compiled in place (``nn.Module.compile``) at construction.
+
+Both expose ``offload_state`` (the live ``OffloadState`` of the last graph that ran, or None),
+``offload_backend`` (the ``OffloadBackend``) and ``offload_reports``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .backend import OffloadBackend, make_offload_backend
+from .state import OffloadState
+
+
+class OffloadedModule(nn.Module):
+    """A module compiled with the offload backend (the original stays reachable as ``.module``)."""
+
+    def __init__(self, module: nn.Module, backend: OffloadBackend):
+        super().__init__()
+        self.module = module
+        self.offload_backend = backend
+        self._compiled = torch.compile(module, backend=backend)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(*args, **kwargs)
+
+    @property
+    def offload_state(self) -> Optional[OffloadState]:
+        return self.offload_backend.state
+
+    @property
+    def offload_reports(self) -> list:
+        return self.offload_backend.reports
+
+
+def _wrap_class(cls: type, opts: dict) -> type:
+    class Offloaded(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            # not an nn.Module attribute (no submodule registration): keep it out of state_dict
+            object.__setattr__(self, "offload_backend", make_offload_backend(**opts))
+            self.compile(backend=self.offload_backend)
+
+        @property
+        def offload_state(self) -> Optional[OffloadState]:
+            return self.offload_backend.state
+
+        @property
+        def offload_reports(self) -> list:
+            return self.offload_backend.reports
+
+    Offloaded.__name__ = cls.__name__
+    Offloaded.__qualname__ = cls.__qualname__
+    Offloaded.__module__ = cls.__module__
+    Offloaded.__doc__ = cls.__doc__
+    return Offloaded
+
+
+def offload(target: Any = None, /, **options: Any) -> Any:
+    """Decorate a model class or wrap an instance; options as ``make_offload_backend``."""
+    def apply(t: Any) -> Any:
+        if isinstance(t, type) and issubclass(t, nn.Module):
+            return _wrap_class(t, options)
+        if isinstance(t, nn.Module):
+            return OffloadedModule(t, make_offload_backend(**options))
+        raise TypeError(f"offload: expected an nn.Module class or instance, got {type(t).__name__}")
+
+    if target is None:
+        return apply
+    return apply(target)

@@ -1,0 +1,133 @@
+"""Shared test helpers: run baseline vs compiled, pool invariants (spec §8.4-8.5), graph checks."""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+import synth
+from offload_passes.backend import make_offload_backend
+
+
+def full_row(buf: torch.Tensor, B: int) -> torch.Tensor:
+    """Identity paged cache [blocks, BS, D] viewed as [B, F, D]."""
+    return buf.view(B, -1, buf.size(-1))
+
+
+def check_pool_invariants(state, model: synth.SynthDSA) -> int:
+    """Assert spec §8.4 (metadata consistency) and §8.5 (pool content); return resident entries."""
+    B = model.cfg.B
+    resident = 0
+    for g in state.groups:
+        pid, i2s, lru = g.pool_ids, g.id_to_slot, g.lru_counter
+        PS = pid.size(1)
+        NS = PS // 16
+        assert int(lru.min()) >= 0 and int(lru.max()) <= 15
+        for b in range(B):
+            ids = pid[b]
+            slots = torch.nonzero(ids >= 0).flatten()
+            xs = ids[slots].long()
+            assert xs.unique().numel() == xs.numel(), "an id is resident twice"
+            assert torch.equal(i2s[b, xs].long(), slots), "pool_ids -> id_to_slot not inverse"
+            back = torch.nonzero(i2s[b] >= 0).flatten()
+            assert torch.equal(pid[b, i2s[b, back].long()].long(), back), "id_to_slot -> pool_ids not inverse"
+            assert torch.equal(slots // 16, xs & (NS - 1)), "slot not in the id's set"
+            for l in g.layers:
+                kv, rope = state.pools[l]
+                fk = full_row(getattr(model, f"full_kv_{l}"), B)[b]
+                fr = full_row(getattr(model, f"full_rope_{l}"), B)[b]
+                assert torch.equal(kv[b, slots], fk[xs]), f"pool kv of layer {l} differs from full cache"
+                assert torch.equal(rope[b, slots], fr[xs]), f"pool rope of layer {l} differs from full cache"
+            resident += xs.numel()
+    return resident
+
+
+def run_pair(cfg: synth.SynthConfig, steps: int, backend=None, prefill=(300, 280), check_every: int = 1,
+             compiled=None, pair=None, start_step: int = 0, lengths=None):
+    """Run the unmodified and the compiled model side by side; returns a dict of results."""
+    base, m = pair if pair is not None else synth.make_pair(cfg, list(prefill))
+    backend = backend if backend is not None else make_offload_backend(pool_size=64)
+    c = compiled if compiled is not None else torch.compile(m, backend=backend)
+    L = torch.tensor(list(prefill)) if lengths is None else lengths
+    max_h = max_a = 0.0
+    resident = 0
+    with torch.no_grad():
+        for s in range(start_step, start_step + steps):
+            L = L + cfg.S
+            h0, a0 = base(*base.inputs(L, s))
+            h1, a1 = c(*m.inputs(L, s))
+            max_h = max(max_h, (h0 - h1).abs().max().item())
+            max_a = max(max_a, (a0 - a1).abs().max().item())
+            if backend.state is not None and (s - start_step) % check_every == 0:
+                resident = check_pool_invariants(backend.state, m)
+    # keep the state alive: the backend only holds weak references (the compiled graph owns it)
+    return {"base": base, "model": m, "compiled": c, "backend": backend, "max_h": max_h, "max_a": max_a,
+            "lengths": L, "resident": resident, "state": backend.state}
+
+
+def ops_of(graph: fx.Graph, name: str) -> list[fx.Node]:
+    out = []
+    for n in graph.nodes:
+        t = n.target
+        if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t._schema.name.split("::")[-1] == name:
+            out.append(n)
+    return out
+
+
+def shape_of(n) -> tuple:
+    v = n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def big_shapes(cfg: synth.SynthConfig, pool_size: int) -> set:
+    """Shapes of full caches, selection buffers and pools of the synthetic model."""
+    blocks = cfg.B * cfg.maxblk
+    nb = cfg.B * cfg.S * cfg.K // cfg.BS
+    out = set()
+    for d in (cfg.Dkv, cfg.Dr):
+        out |= {(blocks, cfg.BS, d), (nb, cfg.BS, d), (cfg.B, pool_size, d), (cfg.B, cfg.maxblk * cfg.BS, d)}
+    return out
+
+
+def assert_final_graph(graph: fx.Graph, cfg: synth.SynthConfig, pool_size: int, groups: list[list[int]]):
+    """Structural checks on the post-reinplace graph."""
+    names = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    assert not [t for t in names if "_functional" in t], "functional twins left after reinplace"
+    assert not ops_of(graph, "npu_gather_selection_kv_cache")
+    plans, serves, installs = ops_of(graph, "dsa_plan"), ops_of(graph, "dsa_serve"), ops_of(graph, "dsa_install")
+    sfas = ops_of(graph, "npu_sparse_flash_attention")
+    n_layers = sum(len(g) for g in groups)
+    assert len(plans) == len(groups) and len(serves) == n_layers and len(installs) == n_layers
+    assert len(sfas) == n_layers
+    big = big_shapes(cfg, pool_size)
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if t is torch.ops.aten.copy_.default:
+            assert shape_of(n.args[0]) not in big, f"{n.name} copies a cache/pool/selection buffer"
+        if t in (torch.ops.aten.clone.default, torch.ops.aten.copy.default, torch.ops.aten.index_put.default,
+                 torch.ops.aten.index_copy.default):
+            assert shape_of(n) not in big, f"{n.name} ({t}) materialises a cache/pool/selection buffer"
+    # ordering (program order == execution order on CPU)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for gi, layers in enumerate(groups):
+        pl = plans[gi]
+        g_serves = [serves[l] for l in layers]
+        assert all(order[pl] < order[s] for s in g_serves), "plan after a serve of its group"
+        # installs of this group read this plan's own records (getitem(plan, 1), never a copy)
+        mine = [i for i in installs if i.args[0].target is operator.getitem and i.args[0].args[0] is pl]
+        assert len(mine) == len(layers), "installs do not read their group's records"
+        md1 = [i for i in mine if i.kwargs.get("metadata_update", 1) == 1]
+        md0 = [i for i in mine if i.kwargs.get("metadata_update", 1) == 0]
+        assert len(md1) == 1 and len(md0) == len(layers) - 1
+        last_sfa = sfas[layers[-1]]
+        assert all(order[i] < order[md1[0]] for i in md0), "metadata install before a metadata_update=0 install"
+        assert order[md1[0]] > order[last_sfa], "metadata install before the last layer's attention"
+        for l, s in zip(layers, g_serves):
+            assert order[s] < order[sfas[l]]
+        for i in md0:
+            sel = i.args[1]
+            l = next(l for l in layers if serves[l].args[5] is sel)
+            assert order[i] > order[sfas[l]], "install before its layer's attention"
