@@ -38,7 +38,7 @@ def measure(config: str, layers: int, mode: str) -> dict:
     return {"layers": layers, "groups": len(rep["groups"]), "rewritten": rep["rewritten"],
             "compile_s": compile_s, "backend_s": t["total_s"], "pass_s": t["pass_s"],
             "detect_s": t["detect_s"], "plan_s": t["plan_s"], "rewrite_s": t["rewrite_s"],
-            "reinplace_s": t["reinplace_s"], "aot_s": t.get("aot_s", 0.0),
+            "reinplace_s": t["reinplace_s"], "alloc_s": t.get("alloc_s", 0.0), "aot_s": t.get("aot_s", 0.0),
             "share": t["pass_s"] / compile_s, "refusals": rep["refusals"]}
 
 
@@ -58,7 +58,8 @@ def main() -> None:
         print(f"{a.config} {r['layers']:3d} layers ({r['groups']} groups, rewritten={r['rewritten']}): "
               f"compile {r['compile_s']:.2f} s, backend {r['backend_s']:.2f} s, passes {r['pass_s'] * 1e3:.1f} ms "
               f"(detect {r['detect_s'] * 1e3:.1f}, plan {r['plan_s'] * 1e3:.1f}, rewrite {r['rewrite_s'] * 1e3:.1f}, "
-              f"reinplace {r['reinplace_s'] * 1e3:.1f}) = {r['share']:.2%} of compile")
+              f"reinplace {r['reinplace_s'] * 1e3:.1f}) = {r['share']:.2%} of compile; "
+              f"state allocation {r['alloc_s'] * 1e3:.0f} ms")
     if len(rows) >= 2:
         r0, r1 = rows[0], rows[-1]
         print(f"growth {r0['layers']} -> {r1['layers']} layers (x{r1['layers'] / r0['layers']:.2f}): "

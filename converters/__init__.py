@@ -9,6 +9,7 @@ Importing this package needs neither TorchAir nor torch_npu; :func:`register_all
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 from typing import Dict, List
@@ -18,7 +19,7 @@ from ._specs import ALL_SPECS, CUSTOM_SPECS, REF_IDX, REF_SPECS, GeOpSpec, spec_
 log = logging.getLogger("offload_passes.converters")
 
 __all__ = ["register_all", "register_ge", "register_npugraph_ex", "torchair_available",
-           "npugraph_ex_available", "REF_IDX", "GeOpSpec"]
+           "npugraph_ex_available", "REF_IDX", "GeOpSpec", "ALL_SPECS", "CUSTOM_SPECS", "REF_SPECS", "spec_for"]
 
 
 def torchair_available() -> bool:
@@ -41,7 +42,7 @@ def _require(name: str) -> None:
 
 
 def register_ge() -> List[str]:
-    """GE converters + ref-output patch (``ge_graph`` mode). Idempotent."""
+    """GE converters, DSA ref pairs and DSA copy elimination (``ge_graph`` mode). Idempotent."""
     import offload_passes  # noqa: F401  (op schemas must exist before converters attach to them)
 
     _require("torchair")
@@ -56,29 +57,11 @@ def register_ge() -> List[str]:
 
 def register_npugraph_ex() -> Dict[str, List[str]]:
     """Reinplace pairs in both ``inplaceable_npu_ops`` registries that can be imported. Idempotent."""
-    import offload_passes  # noqa: F401
+    import offload_passes  # noqa: F401  (the ops must exist)
 
-    from .reinplace import REGISTRY_MODULES, register_reinplace
+    from .reinplace import register_reinplace, registry_modules
 
-    mods = []
-    errors = []
-    for name in REGISTRY_MODULES:
-        try:
-            mods.append(importlib.import_module(name))
-        except ImportError as e:
-            errors.append(f"{name}: {e}")
-    if not mods:
-        raise RuntimeError("offload_passes.converters: neither torchair nor npugraph_ex is importable "
-                           f"({'; '.join(errors)})")
-    import sys
-
-    from .reinplace import _ALIASES
-
-    for name in REGISTRY_MODULES:  # torch_npu's own aliases of the same registries, if loaded
-        alias = sys.modules.get(_ALIASES[name])
-        if alias is not None and alias not in mods:
-            mods.append(alias)
-    return register_reinplace(mods)
+    return register_reinplace(registry_modules())
 
 
 def register_all(*, ge: bool = True, npugraph_ex: bool = True) -> Dict[str, object]:

@@ -99,17 +99,23 @@ def _repoint_single_output(node: fx.Node) -> bool:
     return True
 
 
-def _registry_modules(import_missing: bool = True) -> List[object]:
-    mods = []
-    for name in REGISTRY_MODULES:
-        mod = sys.modules.get(name)
-        if mod is None and import_missing:
-            import importlib
+def registry_modules() -> List[object]:
+    """Every importable copy of the two registries (plus torch_npu's aliases of them, if loaded)."""
+    import importlib
 
-            mod = importlib.import_module(name)
-        for m in (mod, sys.modules.get(_ALIASES[name])):
-            if m is not None and m not in mods:
-                mods.append(m)
+    mods, errors = [], []
+    for name in REGISTRY_MODULES:
+        try:
+            mods.append(importlib.import_module(name))
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+    if not mods:
+        raise RuntimeError("offload_passes.converters: neither torchair nor npugraph_ex is importable "
+                           f"({'; '.join(errors)})")
+    for name in REGISTRY_MODULES:
+        alias = sys.modules.get(_ALIASES[name])
+        if alias is not None and alias not in mods:
+            mods.append(alias)
     return mods
 
 
@@ -135,7 +141,7 @@ def register_reinplace(modules: Optional[List[object]] = None) -> Dict[str, List
 
     Returns ``{module name: [functional op names]}``.
     """
-    mods = modules if modules is not None else _registry_modules()
+    mods = modules if modules is not None else registry_modules()
     done: Dict[str, List[str]] = {}
     for mod in mods:
         table, cls, stream_check = _validate(mod)

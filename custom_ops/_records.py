@@ -28,6 +28,7 @@ __all__ = [
     "records_layout",
     "npu_base",
     "decode_records",
+    "record_counts",
     "encode_records",
     "record_cap",
 ]
@@ -99,6 +100,16 @@ def _int32_window(buf: torch.Tensor, base: int, nbytes: int) -> torch.Tensor:
         return window.view(torch.int32)
     except RuntimeError:  # storage offset not a multiple of 4
         return window.clone().view(torch.int32)
+
+
+def record_counts(buf: torch.Tensor, B: int, S: int, K: int, base: int = 0) -> torch.Tensor:
+    """Raw count cell of every microtask, int32 ``[B*S*8]`` (cheap: reads only the counts area).
+
+    ``record_counts(...).clamp(min=0).sum()`` is the step's number of FULL_OLD_MISS entries (misses).
+    """
+    lay = records_layout(B, S, K)
+    cells = _int32_window(buf, base + lay.rec_bytes, lay.microtasks * COUNT_BYTES)
+    return cells.view(lay.microtasks, COUNT_BYTES // 4)[:, 0].clone()
 
 
 def decode_records(

@@ -22,7 +22,7 @@ import logging
 import torch
 
 from . import _library as L
-from ._records import records_layout
+from ._records import decode_records, records_layout
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_install")
 
@@ -220,8 +220,6 @@ def _fake_functional(install_records, selection_kv_cache, selection_k_rope, sele
 
 def _install_order(install_records, B, S, K, NS, IR):
     """Valid records in install order: ``(b, set, id, seq, pos)`` int64 rows, before dedupe."""
-    from ._records import decode_records
-
     recs, _ = decode_records(install_records, B, S, K, base=0, clamp_to_cap=True)
     mt, st, x, sq, pos = recs.unbind(1)
     ok = (x >= 0) & (x < IR) & (st >= 0) & (st < NS) & (sq >= 0) & (sq < S) & (pos >= 0) & (pos < K)

@@ -93,7 +93,8 @@ def validate_dsa_serve(
         c(t.dtype == dt, op, lambda: f"{name} dtype must equal full_kv_cache dtype {dt}, got {t.dtype}")
     c(0 < raw_seq <= lim["raw_seq"], op, lambda: f"raw_seq must be in [1, {lim['raw_seq']}], got {raw_seq}")
     c(0 < topk <= lim["topk"], op, lambda: f"topk must be in [1, {lim['topk']}] for {mode}, got {topk}")
-    c(topk % TOPK_GRANULARITY == 0, op, lambda: f"topk must be a multiple of {TOPK_GRANULARITY}, got {topk}")
+    c(topk % TOPK_GRANULARITY == 0, op,
+      lambda: f"topk must be a multiple of {TOPK_GRANULARITY}, got {topk}")
     sbs = selection_block_size
     c(
         MIN_SELECTION_BLOCK_SIZE <= sbs <= MAX_SELECTION_BLOCK_SIZE and (sbs & (sbs - 1)) == 0,
@@ -106,7 +107,8 @@ def validate_dsa_serve(
         op,
         lambda: f"topk must be a multiple of selection_block_size ({sbs}) for {mode}, got {topk}",
     )
-    c(plan.dim() == 2 and plan.size(1) == 2, op, lambda: f"plan must be 2-D [rows, 2], got shape {_shape(plan)}")
+    c(plan.dim() == 2 and plan.size(1) == 2, op,
+      lambda: f"plan must be 2-D [rows, 2], got shape {_shape(plan)}")
     rows = plan.size(0)
     c(rows > 0, op, lambda: f"plan rows must be > 0, got {rows}")
     if not compact:
@@ -116,7 +118,8 @@ def validate_dsa_serve(
     B = full_kv_cache.size(0)
     c(B > 0, op, lambda: f"full_kv_cache.size(0) (batch) must be > 0, got {B}")
     if not compact:
-        c(B <= lim["batch"], op, lambda: f"full_kv_cache.size(0) (batch) must be <= {lim['batch']} for {mode}, got {B}")
+        c(B <= lim["batch"], op,
+          lambda: f"full_kv_cache.size(0) (batch) must be <= {lim['batch']} for {mode}, got {B}")
     c(
         rows == B * raw_seq * topk,
         op,
@@ -128,17 +131,25 @@ def validate_dsa_serve(
     F = full_kv_cache.size(1)
     c(F > 0, op, lambda: f"full_kv_cache.size(1) (full_seq) must be > 0, got {F}")
     if not compact:
-        c(F <= lim["full_seq"], op, lambda: f"full_kv_cache.size(1) (full_seq) must be <= {lim['full_seq']} for {mode}, got {F}")
-    c(full_k_rope.size(1) == F, op, lambda: f"full_k_rope.size(1) must equal full_seq {F}, got {full_k_rope.size(1)}")
+        c(F <= lim["full_seq"], op,
+          lambda: f"full_kv_cache.size(1) (full_seq) must be <= {lim['full_seq']} for {mode}, got {F}")
+    c(full_k_rope.size(1) == F, op,
+      lambda: f"full_k_rope.size(1) must equal full_seq {F}, got {full_k_rope.size(1)}")
     PS = pool_kv_cache.size(1)
-    c(0 < PS <= lim["pool_size"], op, lambda: f"pool_kv_cache.size(1) (pool_size) must be in [1, {lim['pool_size']}] for {mode}, got {PS}")
-    c(pool_k_rope.size(1) == PS, op, lambda: f"pool_k_rope.size(1) must equal pool_size {PS}, got {pool_k_rope.size(1)}")
+    c(0 < PS <= lim["pool_size"], op,
+      lambda: f"pool_kv_cache.size(1) (pool_size) must be in [1, {lim['pool_size']}] for {mode}, got {PS}")
+    c(pool_k_rope.size(1) == PS, op,
+      lambda: f"pool_k_rope.size(1) must equal pool_size {PS}, got {pool_k_rope.size(1)}")
     Dkv = full_kv_cache.size(2)
-    c(0 < Dkv <= MAX_KV_DIM, op, lambda: f"full_kv_cache.size(2) (kv dim) must be in [1, {MAX_KV_DIM}], got {Dkv}")
-    c(pool_kv_cache.size(2) == Dkv, op, lambda: f"pool_kv_cache.size(2) must equal kv dim {Dkv}, got {pool_kv_cache.size(2)}")
+    c(0 < Dkv <= MAX_KV_DIM, op,
+      lambda: f"full_kv_cache.size(2) (kv dim) must be in [1, {MAX_KV_DIM}], got {Dkv}")
+    c(pool_kv_cache.size(2) == Dkv, op,
+      lambda: f"pool_kv_cache.size(2) must equal kv dim {Dkv}, got {pool_kv_cache.size(2)}")
     Dr = full_k_rope.size(2)
-    c(0 < Dr <= MAX_ROPE_DIM, op, lambda: f"full_k_rope.size(2) (rope dim) must be in [1, {MAX_ROPE_DIM}], got {Dr}")
-    c(pool_k_rope.size(2) == Dr, op, lambda: f"pool_k_rope.size(2) must equal rope dim {Dr}, got {pool_k_rope.size(2)}")
+    c(0 < Dr <= MAX_ROPE_DIM, op,
+      lambda: f"full_k_rope.size(2) (rope dim) must be in [1, {MAX_ROPE_DIM}], got {Dr}")
+    c(pool_k_rope.size(2) == Dr, op,
+      lambda: f"pool_k_rope.size(2) must equal rope dim {Dr}, got {pool_k_rope.size(2)}")
     nb = (rows + sbs - 1) // sbs if compact else rows
     for name, D in (("selection_kv_cache", Dkv), ("selection_k_rope", Dr)):
         t = payload[name]
@@ -209,6 +220,20 @@ def _cpp_kernel():
     return _CPP[0]
 
 
+_WARNED_COPY: set = set()
+
+
+def _dense(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A read-only input as a dense tensor. Copying a non-contiguous KV cache every call is a silent
+    bandwidth sink, so it is logged (once per argument)."""
+    if t.is_contiguous():
+        return t
+    if name not in _WARNED_COPY:
+        _WARNED_COPY.add(name)
+        log.warning("custom::%s: %s is not contiguous; the CPU kernel copies it on every call", OP, name)
+    return t.contiguous()
+
+
 # Validation depends only on shapes, dtypes and the int arguments, and costs more than the kernel
 # launch on small inputs; the CPU kernels remember signatures that passed (fake kernels always check).
 _VALIDATED: dict = {}
@@ -247,8 +272,8 @@ def _run_in_place(
     # non-contiguous selection is served into a dense temporary and copied back.
     outs = [t if t.is_contiguous() else t.contiguous() for t in (selection_kv_cache, selection_k_rope)]
     _cpp_kernel()(
-        plan.contiguous(), full_kv_cache.contiguous(), full_k_rope.contiguous(),
-        pool_kv_cache.contiguous(), pool_k_rope.contiguous(), outs[0], outs[1], *args,
+        plan.contiguous(), _dense(full_kv_cache, "full_kv_cache"), _dense(full_k_rope, "full_k_rope"),
+        _dense(pool_kv_cache, "pool_kv_cache"), _dense(pool_k_rope, "pool_k_rope"), outs[0], outs[1], *args,
     )
     for dst, src in zip((selection_kv_cache, selection_k_rope), outs):
         if dst is not src:

@@ -110,9 +110,11 @@ def validate_npu_gather_selection_kv_cache(
     full_rope, full_kv, fbt = full_k_rope, full_kv_cache, full_kv_block_table
     # dtypes
     dt = sel_kv.dtype
-    c(dt in PAYLOAD_DTYPES, op, lambda: f"selection_kv_cache dtype must be float16, bfloat16 or int8, got {dt}")
+    c(dt in PAYLOAD_DTYPES, op,
+      lambda: f"selection_kv_cache dtype must be float16, bfloat16 or int8, got {dt}")
     for name, t in (("selection_k_rope", sel_rope), ("full_k_rope", full_rope), ("full_kv_cache", full_kv)):
-        c(t.dtype == dt, op, lambda: f"{name} dtype must equal selection_kv_cache dtype {dt}, got {t.dtype}")
+        c(t.dtype == dt, op,
+          lambda: f"{name} dtype must equal selection_kv_cache dtype {dt}, got {t.dtype}")
     for name, t in (
         ("selection_kv_block_table", sbt), ("selection_kv_block_status", status),
         ("selection_topk_indices", topk), ("full_kv_block_table", fbt),
@@ -121,66 +123,80 @@ def validate_npu_gather_selection_kv_cache(
         c(t.dtype == torch.int32, op, lambda: f"{name} must be int32, got {t.dtype}")
     # selection payload
     c(sel_kv.dim() == 3, op, lambda: f"selection_kv_cache must be 3-D, got shape {_shape(sel_kv)}")
-    c(sel_rope.dim() in (1, 3), op, lambda: f"selection_k_rope must be 3-D or 1-D empty, got shape {_shape(sel_rope)}")
+    c(sel_rope.dim() in (1, 3), op,
+      lambda: f"selection_k_rope must be 3-D or 1-D empty, got shape {_shape(sel_rope)}")
     no_rope = sel_rope.dim() == 1
     if no_rope:
-        c(sel_rope.numel() == 0, op, lambda: f"selection_k_rope must be empty when 1-D (no-rope mode), got shape {_shape(sel_rope)}")
+        c(sel_rope.numel() == 0, op,
+          lambda: f"selection_k_rope must be empty when 1-D (no-rope mode), got shape {_shape(sel_rope)}")
     else:
         c(
             sel_rope.size(0) == sel_kv.size(0) and sel_rope.size(1) == sel_kv.size(1),
             op,
-            lambda: f"selection_k_rope dims 0,1 must equal selection_kv_cache's {_shape(sel_kv)[:2]}, got {_shape(sel_rope)}",
+            lambda: f"selection_k_rope dims 0,1 must equal selection_kv_cache's {_shape(sel_kv)[:2]}, got "
+                    f"{_shape(sel_rope)}",
         )
     bsz = selection_topk_block_size if selection_topk_block_size > 0 else DEFAULT_BLOCK_SIZE
     SBS = sel_kv.size(1)
     c(SBS > 0, op, lambda: f"selection_kv_cache.size(1) (block size) must be > 0, got {SBS}")
-    c(SBS % bsz == 0, op, lambda: f"selection_kv_cache.size(1) ({SBS}) must be a multiple of selection_topk_block_size {bsz}")
+    c(SBS % bsz == 0, op,
+      lambda: f"selection_kv_cache.size(1) ({SBS}) must be a multiple of selection_topk_block_size {bsz}")
     # full payload
     c(full_kv.dim() == 3, op, lambda: f"full_kv_cache must be 3-D, got shape {_shape(full_kv)}")
     FBS = full_kv.size(1)
     c(FBS > 0, op, lambda: f"full_kv_cache.size(1) (block size) must be > 0, got {FBS}")
-    c(FBS % bsz == 0, op, lambda: f"full_kv_cache.size(1) ({FBS}) must be a multiple of selection_topk_block_size {bsz}")
-    c(full_rope.dim() in (1, 3), op, lambda: f"full_k_rope must be 3-D or 1-D empty, got shape {_shape(full_rope)}")
+    c(FBS % bsz == 0, op,
+      lambda: f"full_kv_cache.size(1) ({FBS}) must be a multiple of selection_topk_block_size {bsz}")
+    c(full_rope.dim() in (1, 3), op,
+      lambda: f"full_k_rope must be 3-D or 1-D empty, got shape {_shape(full_rope)}")
     if full_rope.dim() == 1:
-        c(full_rope.numel() == 0, op, lambda: f"full_k_rope must be empty when 1-D (no-rope mode), got shape {_shape(full_rope)}")
+        c(full_rope.numel() == 0, op,
+          lambda: f"full_k_rope must be empty when 1-D (no-rope mode), got shape {_shape(full_rope)}")
     else:
         c(
             full_rope.size(0) == full_kv.size(0) and full_rope.size(1) == FBS,
             op,
-            lambda: f"full_k_rope dims 0,1 must equal full_kv_cache's {_shape(full_kv)[:2]}, got {_shape(full_rope)}",
+            lambda: f"full_k_rope dims 0,1 must equal full_kv_cache's {_shape(full_kv)[:2]}, got "
+                    f"{_shape(full_rope)}",
         )
     c(
         (full_rope.dim() == 1) == no_rope,
         op,
-        lambda: f"full_k_rope and selection_k_rope must both be 3-D or both 1-D empty, got {_shape(full_rope)} and {_shape(sel_rope)}",
+        lambda: f"full_k_rope and selection_k_rope must both be 3-D or both 1-D empty, got "
+                f"{_shape(full_rope)} and {_shape(sel_rope)}",
     )
     c(
         full_kv.size(2) == sel_kv.size(2),
         op,
-        lambda: f"full_kv_cache.size(2) must equal selection_kv_cache.size(2) {sel_kv.size(2)}, got {full_kv.size(2)}",
+        lambda: f"full_kv_cache.size(2) must equal selection_kv_cache.size(2) {sel_kv.size(2)}, got "
+                f"{full_kv.size(2)}",
     )
     if not no_rope:
         c(
             full_rope.size(2) == sel_rope.size(2),
             op,
-            lambda: f"full_k_rope.size(2) must equal selection_k_rope.size(2) {sel_rope.size(2)}, got {full_rope.size(2)}",
+            lambda: f"full_k_rope.size(2) must equal selection_k_rope.size(2) {sel_rope.size(2)}, got "
+                    f"{full_rope.size(2)}",
         )
     # indices and ledger
     c(
         topk.dim() in (3, 4) and status.dim() == topk.dim(),
         op,
-        lambda: f"selection_topk_indices and selection_kv_block_status must both be 3-D (TND) or both 4-D (BSND), "
+        lambda: f"selection_topk_indices and selection_kv_block_status must both be 3-D (TND) or both 4-D "
+                f"(BSND), "
         f"got {_shape(topk)} and {_shape(status)}",
     )
     K = topk.size(-1)
     c(
         _shape(status)[:-1] == _shape(topk)[:-1] and status.size(-1) == K + 1,
         op,
-        lambda: f"selection_kv_block_status must have shape {_shape(topk)[:-1] + [K + 1]} (last dim K+1), got {_shape(status)}",
+        lambda: f"selection_kv_block_status must have shape {_shape(topk)[:-1] + [K + 1]} (last dim K+1), "
+                f"got {_shape(status)}",
     )
     H = topk.size(-2)
     c(H == 1, op, lambda: f"selection_topk_indices head dim (H) must be 1, got {H}")
-    c(0 < K <= MAX_TOPK, op, lambda: f"selection_topk_indices last dim (K) must be in [1, {MAX_TOPK}], got {K}")
+    c(0 < K <= MAX_TOPK, op,
+      lambda: f"selection_topk_indices last dim (K) must be in [1, {MAX_TOPK}], got {K}")
     c(
         K <= SMALL_TOPK or bsz == 1,
         op,
@@ -189,34 +205,42 @@ def validate_npu_gather_selection_kv_cache(
     c(fbt.dim() == 2, op, lambda: f"full_kv_block_table must be 2-D [B, maxblk], got shape {_shape(fbt)}")
     if topk.dim() == 4:
         B, S = topk.size(0), topk.size(1)
-        c(fbt.size(0) == B, op, lambda: f"full_kv_block_table.size(0) must equal B {B} (BSND), got {fbt.size(0)}")
+        c(fbt.size(0) == B, op,
+          lambda: f"full_kv_block_table.size(0) must equal B {B} (BSND), got {fbt.size(0)}")
     else:
         B, T = fbt.size(0), topk.size(0)
         c(B > 0, op, lambda: f"full_kv_block_table.size(0) (B) must be > 0 (TND), got {B}")
-        c(T % B == 0, op, lambda: f"selection_topk_indices.size(0) (T = {T}) must be a multiple of B {B} (TND)")
+        c(T % B == 0, op,
+          lambda: f"selection_topk_indices.size(0) (T = {T}) must be a multiple of B {B} (TND)")
         S = T // B
     c(B > 0, op, lambda: f"batch B must be > 0, got {B}")
-    c(0 < S < MAX_SEQ_EXCLUSIVE, op, lambda: f"S (query tokens per batch row) must be in [1, {MAX_SEQ_EXCLUSIVE - 1}], got {S}")
+    c(0 < S < MAX_SEQ_EXCLUSIVE, op,
+      lambda: f"S (query tokens per batch row) must be in [1, {MAX_SEQ_EXCLUSIVE - 1}], got {S}")
     # selection block table
     c(sbt.dim() == 2, op, lambda: f"selection_kv_block_table must be 2-D, got shape {_shape(sbt)}")
     rows = B * S * H
-    c(sbt.size(0) >= rows, op, lambda: f"selection_kv_block_table.size(0) must be >= B*S*H = {rows}, got {sbt.size(0)}")
+    c(sbt.size(0) >= rows, op,
+      lambda: f"selection_kv_block_table.size(0) must be >= B*S*H = {rows}, got {sbt.size(0)}")
     s_maxblk = sbt.size(1)
     need_blk = (K * bsz + SBS - 1) // SBS
     c(
         s_maxblk >= need_blk,
         op,
-        lambda: f"selection_kv_block_table.size(1) must be >= ceil(K*bsz/block_size) = {need_blk}, got {s_maxblk}",
+        lambda: f"selection_kv_block_table.size(1) must be >= ceil(K*bsz/block_size) = {need_blk}, got "
+                f"{s_maxblk}",
     )
     c(
         sel_kv.size(0) >= rows * s_maxblk,
         op,
-        lambda: f"selection_kv_cache.size(0) (blocks) must be >= B*S*H*maxblk = {rows * s_maxblk}, got {sel_kv.size(0)}",
+        lambda: f"selection_kv_cache.size(0) (blocks) must be >= B*S*H*maxblk = {rows * s_maxblk}, got "
+                f"{sel_kv.size(0)}",
     )
     Dkv = sel_kv.size(2)
-    c(Dkv <= MAX_KV_DIM, op, lambda: f"selection_kv_cache.size(2) (kv dim) must be <= {MAX_KV_DIM}, got {Dkv}")
+    c(Dkv <= MAX_KV_DIM, op,
+      lambda: f"selection_kv_cache.size(2) (kv dim) must be <= {MAX_KV_DIM}, got {Dkv}")
     for name, t in (("full_kv_actual_seq", full_kv_actual_seq), ("full_q_actual_seq", full_q_actual_seq)):
-        c(t.dim() == 1 and t.size(0) == B, op, lambda: f"{name} must be 1-D of length B {B}, got shape {_shape(t)}")
+        c(t.dim() == 1 and t.size(0) == B, op,
+          lambda: f"{name} must be 1-D of length B {B}, got shape {_shape(t)}")
     return GatherGeometry(B=B, S=S, K=K, bsz=bsz, no_rope=no_rope)
 
 
@@ -234,7 +258,8 @@ def _check_tables(rows_active: list, sbt: torch.Tensor, fbt: torch.Tensor, topk2
         bad = (ent < 0) | (ent >= n_sel_blocks)
         _check(
             not bool(bad.any()), op,
-            lambda: f"selection_kv_block_table[{r}] has an entry outside [0, {n_sel_blocks}) in its first {need_blk} columns",
+            lambda: f"selection_kv_block_table[{r}] has an entry outside [0, {n_sel_blocks}) in its first "
+                    f"{need_blk} columns",
         )
         row = topk2[r]
         ids = row[(row >= 0) & (row <= max_sel)].long()
@@ -443,6 +468,20 @@ def _cpp_kernel():
     return _CPP[0]
 
 
+_WARNED_COPY: set = set()
+
+
+def _dense(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A read-only input as a dense tensor. Copying a non-contiguous KV cache every call is a silent
+    bandwidth sink, so it is logged (once per argument)."""
+    if t.is_contiguous():
+        return t
+    if name not in _WARNED_COPY:
+        _WARNED_COPY.add(name)
+        log.warning("custom::%s: %s is not contiguous; the CPU kernel copies it on every call", OP, name)
+    return t.contiguous()
+
+
 # Validation depends only on shapes, dtypes and the block size; the CPU kernels remember the geometry
 # of signatures that passed (fake kernels always check).
 _VALIDATED: dict = {}
@@ -469,8 +508,8 @@ def _run_in_place(sel_rope: torch.Tensor, sel_kv: torch.Tensor, sbt: torch.Tenso
     # Dense temporaries for non-contiguous mutated tensors, copied back afterwards.
     outs = [t if t.is_contiguous() else t.contiguous() for t in (sel_rope, sel_kv, status)]
     act = _cpp_kernel()(
-        outs[0], outs[1], sbt.contiguous(), outs[2], topk.contiguous(), full_rope.contiguous(),
-        full_kv.contiguous(), fbt.contiguous(), kv_len.contiguous(), geo.B, geo.S, geo.bsz,
+        outs[0], outs[1], sbt.contiguous(), outs[2], topk.contiguous(), _dense(full_rope, "full_k_rope"),
+        _dense(full_kv, "full_kv_cache"), fbt.contiguous(), kv_len.contiguous(), geo.B, geo.S, geo.bsz,
     )
     for dst, src in zip((sel_rope, sel_kv, status), outs):
         if dst is not src:

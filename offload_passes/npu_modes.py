@@ -229,12 +229,26 @@ def lower_npugraph_ex(gm: fx.GraphModule, example_inputs: Sequence[Any], compile
 # ------------------------------------------------------------------------------------------- backend
 
 
+def _with_ge_dump(cfg: Any, folder: Path) -> Any:
+    """TorchAir's own GE graph dump (GraphDef text, written when the graph is first run) into ``folder``."""
+    import torchair
+
+    cfg = cfg if cfg is not None else torchair.CompilerConfig()
+    if cfg.debug.graph_dump.type.value is None:  # never override a dump the user asked for
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg.debug.graph_dump.type = "txt"  # protobuf text of the GraphDef
+        cfg.debug.graph_dump.path = str(folder)
+    return cfg
+
+
 class NpuOffloadBackend:
     """``torch.compile(model, backend=NpuOffloadBackend(exe_mode="ge_graph", pool_size=8192))``.
 
     ``compiler_config``: a ``torchair.CompilerConfig`` (ge_graph) or ``npugraph_ex.CompilerConfig``;
     ``npu_options``: npugraph_ex options; ``side_stream``: move installs to a side stream (default).
-    Exposes ``reports``, ``states``, ``state`` and ``reset(rows=None)`` like the CPU backend.
+    Exposes ``reports``, ``states``, ``state`` and ``reset(rows=None)`` like the CPU backend. With
+    ``dump_dir`` the Dynamo and rewritten graphs and ``report.json`` are written as on CPU, plus (ge_graph)
+    TorchAir's GE graph dump ``<dump_dir>/<graph_id>/dynamo_optimized_*.txt``.
     """
 
     def __init__(self, options: OffloadOptions | Mapping | str | Path | None = None, *,
@@ -262,12 +276,18 @@ class NpuOffloadBackend:
         from . import converters
         from .backend import _new_graph_id, rewrite_for_offload
 
+        from .dump import Dumper
+
         mode = self.options.exe_mode
         if mode == "ge_graph":
             converters.register_ge()
         else:
             converters.register_npugraph_ex()
         graph_id = _new_graph_id()
+        dump_dir = self.options.resolved_dump_dir
+        dumper = Dumper(dump_dir) if dump_dir else None
+        if dumper:
+            dumper.graph(graph_id, "dynamo", gm)
         hook = None
         if self.side_stream:
             hook = ge_install_hook() if mode == "ge_graph" else acl_install_hook(graph_id)
@@ -278,8 +298,15 @@ class NpuOffloadBackend:
         self.reports.append(report)
         if state is not None:
             self.states.append(state)
+        if dumper:
+            if state is not None:
+                dumper.graph(graph_id, "rewrite", gm)
+            dumper.report(report)
         if mode == "ge_graph":
-            return lower_ge_graph(gm, example_inputs, self.compiler_config, **kwargs)
+            cfg = self.compiler_config
+            if dumper:
+                cfg = _with_ge_dump(cfg, Path(dump_dir) / graph_id)
+            return lower_ge_graph(gm, example_inputs, cfg, **kwargs)
         return lower_npugraph_ex(gm, example_inputs, self.compiler_config, self.npu_options, **kwargs)
 
 

@@ -19,7 +19,7 @@ Runtime requirements of the extracted packages: ``protobuf>=3.13`` and ``packagi
 
 Command line (also used by ``.ci/run``)::
 
-    python -m offload_passes.tools.torchair_env            # download + extract if needed, print the folder
+    python -m offload_passes.tools.torchair_env [--ensure] # download + extract if needed, print the folder
     python -m offload_passes.tools.torchair_env --check    # exit 1 (no download) when not prepared
     python -m offload_passes.tools.torchair_env --wheel torch_npu-2.13.0-...whl   # use a local wheel
 """
@@ -229,6 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dir", default=None, help=f"cache folder (default: ${ENV_DIR} or ~/.cache/offload_passes/torchair)")
     p.add_argument("--wheel", default=None, help="use this local torch_npu wheel instead of downloading")
     p.add_argument("--check", action="store_true", help="do not download; exit 1 if not prepared")
+    p.add_argument("--ensure", action="store_true", help="prepare if needed (the default action; explicit form)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     version = args.version or default_torch_npu_version()

@@ -42,7 +42,7 @@ void dsa_install_cpu(const at::Tensor& records_in, const at::Tensor& sel_kv_in,
                      const at::Tensor& sel_rope_in, const at::Tensor& pool_kv_arg,
                      const at::Tensor& pool_rope_arg, const at::Tensor& pool_ids_arg,
                      const at::Tensor& id_to_slot_arg, const at::Tensor& lru_arg, int64_t raw_seq,
-                     int64_t topk, int64_t sbs, int64_t metadata_update) {
+                     int64_t topk, int64_t sbs, int64_t metadata_update, int64_t grain) {
   // Shape guards kept here too so that a direct call can never access memory out of bounds.
   TORCH_CHECK(records_in.scalar_type() == at::kChar && records_in.dim() == 1,
               "offload_cpu::dsa_install: records must be 1-D int8");
@@ -153,7 +153,10 @@ void dsa_install_cpu(const at::Tensor& records_in, const at::Tensor& sel_kv_in,
     }
   };
   if (PS % sbs == 0) {
-    at::parallel_for(0, B, 1, run);
+    // Batch rows per task: by default enough rows for >= 16K potential records per task, so that
+    // small calls run inline; `grain` > 0 overrides (tests use 1).
+    if (grain <= 0) grain = std::max<int64_t>(1, 16384 / (S * K));
+    at::parallel_for(0, B, grain, run);
   } else {
     run(0, B);
   }
@@ -170,7 +173,7 @@ TORCH_LIBRARY_FRAGMENT(offload_cpu, m) {
   m.def("dsa_install(Tensor install_records, Tensor selection_kv_cache, Tensor selection_k_rope, "
         "Tensor(a!) pool_kv_cache, Tensor(b!) pool_k_rope, Tensor(c!) pool_ids, Tensor(d!) id_to_slot, "
         "Tensor(e!) lru_counter, int raw_seq, int topk, int selection_block_size, "
-        "int metadata_update) -> ()");
+        "int metadata_update, int grain=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(offload_cpu, CPU, m) { m.impl("dsa_install", &dsa_install_cpu); }

@@ -25,7 +25,7 @@ inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dsa_plan_cpu(
     const at::Tensor& topk_in, const at::Tensor& seq_in, const at::Tensor& id_to_slot_in,
-    int64_t pool_size, int64_t raw_seq) {
+    int64_t pool_size, int64_t raw_seq, int64_t grain) {
   // Shape guards kept here too so that a direct call can never index out of bounds.
   TORCH_CHECK(topk_in.scalar_type() == at::kInt && seq_in.scalar_type() == at::kInt &&
                   id_to_slot_in.scalar_type() == at::kInt,
@@ -71,7 +71,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dsa_plan_cpu(
   const int64_t stride_w = stride / 4;
   const int64_t cnt_w = rec_bytes / 4;
 
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+  // Rows per task: by default >= 32K top-k entries per task, so that small steps (sub-millisecond
+  // work) run inline instead of paying thread wake-ups; `grain` > 0 overrides (tests use 1).
+  if (grain <= 0) grain = std::max<int64_t>(1, 32768 / K);
+  at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / S;
       const int64_t s = r % S;
@@ -137,7 +140,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dsa_plan_cpu(
 
 TORCH_LIBRARY_FRAGMENT(offload_cpu, m) {
   m.def("dsa_plan(Tensor selection_topk_indices, Tensor full_kv_actual_seq, Tensor id_to_slot, "
-        "int pool_size, int raw_seq) -> (Tensor, Tensor, Tensor)");
+        "int pool_size, int raw_seq, int grain=0) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(offload_cpu, CPU, m) { m.impl("dsa_plan", &dsa_plan_cpu); }

@@ -324,7 +324,7 @@ class GlmMoeDsaAttention(nn.Module):
         block_table: torch.Tensor,  # [B, cache_len] int32
         kv_len: torch.Tensor,       # [B] int32, including this step's S tokens
         cu_q: torch.Tensor,         # [B] int32 cumulative query lengths (S, 2S, ...)
-        prev_topk: Optional[torch.Tensor],  # [T, 1, K] of the group owner (shared layers)
+        prev_topk: Optional[tuple],  # (topk [T,1,K], topk4 [B,S,1,K]) of the group owner (shared layers)
         batch: int,
         seq: int,
     ):
@@ -337,14 +337,17 @@ class GlmMoeDsaAttention(nn.Module):
 
         if self.indexer is not None:
             topk = self.indexer.decode(x, q_resid, cos, sin, slots, block_table, kv_len, cu_q)
+            # Viewed once by the owner: every shared layer of the group reuses this very tensor.
+            topk4 = topk.view(batch, seq, 1, K)
+            pair = (topk, topk4)
         else:
-            topk = prev_topk
+            pair = prev_topk
+            topk, topk4 = pair
         w_uk, w_uv = self._absorb_weights()
         q_abs = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, C]
 
         act = None
         if self.enable_offload:
-            topk4 = topk.view(batch, seq, 1, K)
             full_blocks = self.kv_cache.size(0)
             act = npu_ops.gather_selection_kv_cache(
                 self.sel_rope, self.sel_kv, self.sel_block_table, self.sel_status, topk4,
@@ -370,7 +373,7 @@ class GlmMoeDsaAttention(nn.Module):
                 sparse_block_size=1, layout_query="TND", layout_kv="PA_BSND", sparse_mode=3, attention_mode=2,
             )
         o = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, V]
-        return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim)), topk, out, act
+        return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim)), pair, out, act
 
     # -------------------------------------------------------------- prefill (dense causal, eager only)
     def prefill(self, x, cos, sin, slots, valid) -> torch.Tensor:
@@ -525,7 +528,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x, new_topk, attn, act = layer.decode(x, cos, sin, slots, self.block_table, kv_len, cu_q, topk, B, S)
             if new_topk is not topk:
-                topks.append(new_topk)
+                topks.append(new_topk[0])
             topk = new_topk
             attn_outs.append(attn)
             if act is not None:

@@ -1,10 +1,8 @@
-"""Backend test fixtures: the synthetic DSA model and (until every real kernel lands) stand-in kernels."""
+"""Backend test configuration: the synthetic DSA model (``dsa_synth.py``) and helpers live beside the tests."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-
-import standins  # noqa: E402,F401  (registers only missing kernels)
 
 import torch  # noqa: E402
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import synth
-from helpers import assert_final_graph, run_pair
+import dsa_synth as synth
+from backend_helpers import assert_final_graph, run_pair
 from offload_passes.backend import _inductor_pass, make_offload_backend
 
 PS = 64

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-import synth
-from helpers import assert_final_graph, check_pool_invariants, run_pair
+import dsa_synth as synth
+from backend_helpers import assert_final_graph, check_pool_invariants, run_pair
 from offload_passes.backend import OffloadRefused, make_offload_backend
 
 PS = 64

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-import synth
-from helpers import check_pool_invariants, run_pair
+import dsa_synth as synth
+from backend_helpers import check_pool_invariants, run_pair
 from offload_passes import OffloadOptions, make_offload_backend, offload
 from offload_passes.backend import backend_for_options, dsa_offload_backend
 

@@ -347,3 +347,48 @@ def test_npugraph_ex_compile_reinplaces_and_matches_eager(npugraph_ex_pkg, stub_
     assert seen["after"].count(c.dsa_install.default) == 2 and seen["after"].count(c.dsa_serve.default) == 2
     assert c.dsa_install_functional.default not in seen["after"]
     assert c.dsa_serve_functional.default not in seen["after"] and seen["copies"] == 0
+
+
+def _side_stream(gm, events: bool):
+    """Put each install on a side stream as npu_modes does, with or without the event fence."""
+    import npugraph_ex.ops._tagged_event  # noqa: F401
+    import npugraph_ex.scope  # noqa: F401
+
+    ops = torch.ops.npugraph_ex
+    g = gm.graph
+    installs = [n for n in g.nodes if n.target is c.dsa_install_functional.default]
+    output = next(n for n in g.nodes if n.op == "output")
+    for i, inst in enumerate(installs):
+        last = max((u for u in inst.users), key=lambda u: list(g.nodes).index(u))
+        with g.inserting_before(inst):
+            if events:
+                g.call_function(ops.tagged_event_record.default, (f"t{i}_ready",))
+            g.call_function(ops.scope_enter.default, (["_user_stream_label"], ["side"]))
+            if events:
+                g.call_function(ops.tagged_event_wait.default, (f"t{i}_ready",))
+        with g.inserting_after(last):
+            ex = g.call_function(ops.scope_exit.default, ())
+        if events:
+            with g.inserting_before(ex):
+                g.call_function(ops.tagged_event_record.default, (f"t{i}_done",))
+            with g.inserting_before(output):
+                g.call_function(ops.tagged_event_wait.default, (f"t{i}_done",))
+    gm.recompile()
+
+
+@pytest.mark.parametrize("events", [True, False])
+def test_side_stream_installs_are_reinplaced_only_when_fenced_by_events(npugraph_ex_pkg, stub_torch_npu, events):
+    gm = _functional_graph(group_step, _group_args())
+    split_install_chains(gm)
+    _side_stream(gm, events)
+    _gp(REGISTRIES[0])._reinplace_input_mutated_ops(gm)
+    gm.recompile()
+    t = _targets(gm)
+    if events:
+        assert t.count(c.dsa_install.default) == 2 and t.count(c.dsa_serve.default) == 2
+        assert not [x for x in t if "_functional" in str(x)]
+    else:
+        # unfenced cross-stream users: the pools (read by the serves on the main stream) and the
+        # selection buffers (read by the installs on the side stream) are not written in place
+        assert t.count(c.dsa_install_functional.default) == 2 and c.dsa_install.default not in t
+        assert t.count(c.dsa_serve_functional.default) == 2 and c.dsa_serve.default not in t

@@ -20,8 +20,12 @@ Stable API (other test files import it; extend, do not change signatures):
     last step's top-k) lists ids tried first, so that a following top-k gets pool hits.
 ``garbage_state(B, PS, IR, g) -> (pool_ids, id_to_slot, lru_counter)``
     Arbitrary int32 metadata (out-of-range values, negatives, inconsistent maps) for robustness tests.
+``first_occurrence(x) -> int64 indices``
+    Indices of the first occurrence of each distinct value of a 1-D tensor, in order of appearance
+    (the install dedupe order).
 ``payload(shape, dtype, g) -> Tensor``
-    Random f16/bf16 values with (almost surely) distinct bit patterns, never all-zero rows.
+    Random f16/bf16 values in ``±[0.01, 1.01]`` (no zeros, no NaN): rows are almost surely pairwise
+    distinct, so a row copied from the wrong source is detected.
 ``single_thread()`` / ``threads(n)``
     Context managers running torch with 1 / ``n`` intra-op threads (small ops are several times
     faster single-threaded on a loaded 2-core box); the generators above use it internally.
@@ -168,7 +172,7 @@ def pool_state(
             pref = pref[(pref >= 0) & (pref < top)]
             pref = pref[torch.randperm(pref.numel(), generator=g)]
             ids = torch.cat([pref, ids])
-            ids = ids[_first_occurrence(ids)]
+            ids = ids[first_occurrence(ids)]
         st = ids & (NS - 1)
         order = torch.sort(st, stable=True).indices  # within a set, earlier (preferred) ids first
         ids, st = ids[order], st[order]
@@ -184,7 +188,7 @@ def pool_state(
     return pool_ids, id_to_slot, lru
 
 
-def _first_occurrence(x: torch.Tensor) -> torch.Tensor:
+def first_occurrence(x: torch.Tensor) -> torch.Tensor:
     """Indices of the first occurrence of each value of ``x``, in order of appearance."""
     uniq, inv = torch.unique(x, return_inverse=True)
     first = torch.full((uniq.numel(),), x.numel(), dtype=torch.int64)

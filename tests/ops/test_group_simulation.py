@@ -171,7 +171,7 @@ def check_install_accounting(c: Cfg, tk, L, plan, pid0, lru0, grp: Group):
     installed_total = 0
     for b in range(c.B):
         miss = ids[b][kinds[b] == FULL_OLD_MISS].long()
-        want = miss[G._first_occurrence(miss)]
+        want = miss[G.first_occurrence(miss)]
         per_set = torch.bincount(want & (NS - 1), minlength=NS)
         assert torch.equal(grp.lru[b].long(), (lru0[b].long() + per_set) % 16)
         res = grp.id_to_slot[b, want]

@@ -6,7 +6,7 @@ import operator
 import torch
 from torch import fx
 
-import synth
+import dsa_synth as synth
 from offload_passes.backend import make_offload_backend
 
 
