@@ -54,7 +54,7 @@ setup(
         "safetensors",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "protobuf>=3.13", "packaging"],
         "viz": ["graphviz"],
     },
     entry_points={

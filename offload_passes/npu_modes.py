@@ -46,7 +46,7 @@ NPU_MODES = ("ge_graph", "npugraph_ex")
 #: Stream label of the install side stream (``_user_stream_label``).
 SIDE_STREAM_LABEL = "dsa_offload_install"
 
-__all__ = ["NpuOffloadBackend", "make_npu_backend", "lower_ge_graph", "lower_npugraph_ex",
+__all__ = ["NpuOffloadBackend", "make_npu_backend", "lower_ge_graph", "lower_npugraph_ex", "recipe_compiler_config",
            "acl_install_hook", "ge_install_hook", "NPU_MODES", "SIDE_STREAM_LABEL"]
 
 
@@ -227,6 +227,29 @@ def lower_npugraph_ex(gm: fx.GraphModule, example_inputs: Sequence[Any], compile
 
 
 # ------------------------------------------------------------------------------------------- backend
+
+
+def recipe_compiler_config(mode: str) -> Any:
+    """The compiler settings cann-recipes' GLM-5.2 runner uses for ``mode`` (spec/torchair.md §1).
+
+    ge_graph: ``frozen_parameter``, ``tiling_schedule_optimize``, ``topology_sorting_strategy="StableRDFS"``;
+    npugraph_ex: ``frozen_parameter`` (``clone_input=False`` is applied by :func:`lower_npugraph_ex`).
+    """
+    if mode == "ge_graph":
+        import torchair
+
+        cfg = torchair.CompilerConfig()
+        cfg.experimental_config.frozen_parameter = True
+        cfg.experimental_config.tiling_schedule_optimize = True
+        cfg.experimental_config.topology_sorting_strategy = "StableRDFS"
+        return cfg
+    if mode == "npugraph_ex":
+        import npugraph_ex
+
+        cfg = npugraph_ex.CompilerConfig()
+        cfg.frozen_parameter = True
+        return cfg
+    raise ValueError(f"mode must be one of {NPU_MODES}, got {mode!r}")
 
 
 def _with_ge_dump(cfg: Any, folder: Path) -> Any:

@@ -62,6 +62,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--tol", type=float, default=2e-2, help="max |logits - eager| to pass (default 2e-2)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model / runner overrides")
     ap.add_argument("--no-side-stream", action="store_true", help="keep installs on the main stream")
+    ap.add_argument("--plain-config", action="store_true",
+                    help="default TorchAir / npugraph_ex settings instead of the recipe's (frozen parameters ...)")
     ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the environment, run nothing")
     args = ap.parse_args(argv)
@@ -107,7 +109,8 @@ def environment() -> Dict[str, Any]:
 
 def plan_text(args: argparse.Namespace) -> str:
     lines = [f"atlas_check plan: device {args.device}, {args.warmup} warmup + {args.steps} measured steps, "
-             f"tol {args.tol}, pool_size {args.pool_size or 'default'}, side stream {not args.no_side_stream}"]
+             f"tol {args.tol}, pool_size {args.pool_size or 'default'}, side stream {not args.no_side_stream}, "
+             f"{'plain' if args.plain_config else 'recipe'} compiler config"]
     for m in args.models:
         lines.append(f"  {m}: eager (reference)" + "".join(f", {mode}" for mode in args.modes))
     if args.overrides:
@@ -157,7 +160,7 @@ def run_check(args: argparse.Namespace) -> List[RunResult]:  # pragma: no cover 
     import torch_npu  # noqa: F401  (registers the NPU device and the npu ops)
 
     from offload_passes import models
-    from offload_passes.npu_modes import NpuOffloadBackend
+    from offload_passes.npu_modes import NpuOffloadBackend, recipe_compiler_config
 
     sync = torch.npu.synchronize
     results: List[RunResult] = []
@@ -176,7 +179,8 @@ def run_check(args: argparse.Namespace) -> List[RunResult]:  # pragma: no cover 
                 torch._dynamo.reset()
                 b = copy.deepcopy(base)
                 kw = {"pool_size": args.pool_size} if args.pool_size else {}
-                be = NpuOffloadBackend(exe_mode=mode, side_stream=not args.no_side_stream, **kw)
+                cfg = None if args.plain_config else recipe_compiler_config(mode)
+                be = NpuOffloadBackend(exe_mode=mode, side_stream=not args.no_side_stream, compiler_config=cfg, **kw)
                 step = torch.compile(b.model, backend=be, fullgraph=True, dynamic=False)
                 t0 = time.perf_counter()
                 first, _ = _run_steps(b, step, 1, sync)

@@ -216,7 +216,7 @@ class GlmMoeDsaIndexer(nn.Module):
     def decode(self, x, q_resid, cos, sin, slots, block_table, kv_len, cu_q) -> torch.Tensor:
         """Write this step's keys, then score the whole history: top-k ``[T, 1, K]`` int32, -1 padded."""
         q, k = self._qk(x, q_resid, cos, sin)
-        self.key_cache.view(-1, self.head_dim).index_copy_(0, slots, k)
+        self.key_cache.view(-1, self.head_dim).index_put_((slots,), k)
         weights = self.weights_proj(x) * self.weight_scale
         topk, _ = npu_ops.lightning_indexer(
             q, self.key_cache, weights,
@@ -227,7 +227,7 @@ class GlmMoeDsaIndexer(nn.Module):
 
     def prefill(self, x, q_resid, cos, sin, slots, valid) -> None:
         _, k = self._qk(x, q_resid, cos, sin)
-        self.key_cache.view(-1, self.head_dim).index_copy_(0, slots, k[valid].to(self.key_cache.dtype))
+        self.key_cache.view(-1, self.head_dim).index_put_((slots,), k[valid].to(self.key_cache.dtype))
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -332,8 +332,10 @@ class GlmMoeDsaAttention(nn.Module):
         K = self.topk
         q_resid, q_nope, q_pe, c, k_pe = self._q_and_latent(x, cos, sin)
         # This step's KV goes into the full cache before any read (decode-window ids must be readable).
-        self.kv_cache.view(-1, self.kv_lora_rank).index_copy_(0, slots, c)
-        self.k_rope_cache.view(-1, self.rope_dim).index_copy_(0, slots, k_pe)
+        # index_put_ (not index_copy_): Inductor re-inplaces its functional form, so a compiled step
+        # scatters S rows instead of copying the whole cache.
+        self.kv_cache.view(-1, self.kv_lora_rank).index_put_((slots,), c)
+        self.k_rope_cache.view(-1, self.rope_dim).index_put_((slots,), k_pe)
 
         if self.indexer is not None:
             topk = self.indexer.decode(x, q_resid, cos, sin, slots, block_table, kv_len, cu_q)
@@ -381,8 +383,8 @@ class GlmMoeDsaAttention(nn.Module):
         R, P, _ = x.shape
         q_resid, q_nope, q_pe, c, k_pe = self._q_and_latent(x, cos, sin)
         # Stored in the cache dtype (prefill may compute in fp32, see GlmMoeDsaForCausalLM.prefill).
-        self.kv_cache.view(-1, self.kv_lora_rank).index_copy_(0, slots, c[valid].to(self.kv_cache.dtype))
-        self.k_rope_cache.view(-1, self.rope_dim).index_copy_(0, slots, k_pe[valid].to(self.k_rope_cache.dtype))
+        self.kv_cache.view(-1, self.kv_lora_rank).index_put_((slots,), c[valid].to(self.kv_cache.dtype))
+        self.k_rope_cache.view(-1, self.rope_dim).index_put_((slots,), k_pe[valid].to(self.k_rope_cache.dtype))
         if self.indexer is not None:
             self.indexer.prefill(x, q_resid, cos, sin, slots, valid)
         kv = self.kv_b_proj(c).unflatten(-1, (self.num_heads, self.nope_dim + self.v_head_dim))
@@ -527,7 +529,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         attn_outs, topks, acts = [], [], []
         for layer in self.model.layers:
             x, new_topk, attn, act = layer.decode(x, cos, sin, slots, self.block_table, kv_len, cu_q, topk, B, S)
-            if new_topk is not topk:
+            if layer.self_attn.indexer is not None:  # a full layer: new top-k (static, no tensor test)
                 topks.append(new_topk[0])
             topk = new_topk
             attn_outs.append(attn)

@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    b = models.build(args.preset, **_parse_overrides(args.set))
+    overrides = _parse_overrides(args.set)
+    if args.steps is not None:
+        overrides.setdefault("decode_steps", args.steps)
+    b = models.build(args.preset, **overrides)
     t_build = time.perf_counter() - t0
     m, r = b.model, b.runner
     fp = m.memory_footprint()

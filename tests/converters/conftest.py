@@ -8,7 +8,9 @@ prepared; everything else is a failure.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import signal
 import sys
 import types
 from pathlib import Path
@@ -35,6 +37,19 @@ def _load_standin(name: str) -> types.ModuleType:
     return mod
 
 
+@contextlib.contextmanager
+def _keep_signal_handlers():
+    """TorchAir and npugraph_ex install SIGINT/SIGTERM handlers on import that end up ignoring the
+    signal; keep the test runner's own handlers so Ctrl-C and CI timeouts still stop the run."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            if h is not None:
+                signal.signal(s, h)
+
+
 def _install_torchair_standins() -> types.ModuleType:
     """Put the test doubles of the CANN-linked modules in place, then import TorchAir."""
     if "torchair" in sys.modules and not getattr(sys.modules.get("torchair.core._torchair"), "TEST_DOUBLE", False):
@@ -45,8 +60,9 @@ def _install_torchair_standins() -> types.ModuleType:
         core = _load_standin("torchair_core").make_module()
         sys.modules["torchair.core._torchair"] = core
         sys.modules.update(_load_standin("empty_modules").make_modules())
-    import torchair  # noqa: F401
-    import torchair.core
+    with _keep_signal_handlers():
+        import torchair  # noqa: F401
+        import torchair.core
 
     for name, mod in list(sys.modules.items()):  # bind the doubles as attributes of torchair.core too
         if name.startswith("torchair.core._") and getattr(mod, "TEST_DOUBLE", False):
@@ -100,7 +116,7 @@ def stub_torch_npu(torchair_site):
 def npugraph_ex_pkg(torchair_site):
     """npugraph_ex (test copy). Its modules that import torch_npu are imported under the double."""
     stub = _load_standin("torch_npu_stub")
-    with stub.installed():
+    with stub.installed(), _keep_signal_handlers():
         import npugraph_ex
         import npugraph_ex._acl_concrete_graph.acl_graph  # noqa: F401
         import npugraph_ex._acl_concrete_graph.fx2acl_converter  # noqa: F401

@@ -33,7 +33,8 @@ def test_dry_run_prints_the_plan_and_imports_no_npu_stack(capsys):
     had = "torch_npu" in sys.modules
     assert ac.main(["--dry-run", "--models", "tiny", "--steps", "4", "--pool-size", "16384"]) == 0
     out = capsys.readouterr().out
-    assert "device npu:0, 2 warmup + 4 measured steps, tol 0.02, pool_size 16384, side stream True" in out
+    assert ("device npu:0, 2 warmup + 4 measured steps, tol 0.02, pool_size 16384, side stream True, "
+            "recipe compiler config") in out
     assert "  tiny: eager (reference), ge_graph, npugraph_ex" in out
     assert "environment: python=" in out
     assert ("torch_npu" in sys.modules) == had

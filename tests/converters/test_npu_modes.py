@@ -52,6 +52,21 @@ def test_npu_modes_and_converters_import_without_torchair():
     assert "python -m offload_passes.tools.torchair_env" in out.stdout
 
 
+def test_recipe_compiler_configs(torchair, npugraph_ex_pkg):
+    from offload_passes.npu_modes import recipe_compiler_config
+
+    def on(opt):  # TorchAir stores booleans as "1"/"0"
+        return str(opt.value) in ("True", "1")
+
+    ge = recipe_compiler_config("ge_graph")
+    assert on(ge.experimental_config.frozen_parameter) and on(ge.experimental_config.tiling_schedule_optimize)
+    assert ge.experimental_config.topology_sorting_strategy.value == "StableRDFS"
+    assert on(recipe_compiler_config("npugraph_ex").frozen_parameter)
+    assert not on(type(ge)().experimental_config.frozen_parameter)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        recipe_compiler_config("eager")
+
+
 def test_npu_backend_rejects_cpu_modes():
     with pytest.raises(ValueError, match=r"exe_mode must be one of \('ge_graph', 'npugraph_ex'\).*'eager'"):
         NpuOffloadBackend(exe_mode="eager")
@@ -77,7 +92,8 @@ def ge_tiny(torchair, tmp_path_factory):
     gid = be.reports[-1]["graph_id"]
     (txt,) = (dump / gid).glob("dynamo_optimized_*.txt")
     proto = text_format.Parse(txt.read_text(), GraphDef())
-    assert (dump / gid / "01_rewrite.py").is_file() and (dump / "report.json").is_file()
+    files = sorted(p.name for p in (dump / gid).iterdir())
+    assert "01_rewrite.py" in files and (dump / "report.json").is_file(), (files, be.reports)
     return proto, be
 
 
