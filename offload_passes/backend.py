@@ -333,9 +333,18 @@ class OffloadBackend:
         self._last = weakref.ref(compiled.state)
 
 
-def make_offload_backend(config: OffloadOptions | Mapping | str | Path | None = None, **kw: Any) -> OffloadBackend:
-    """A new backend from keyword options and/or the recipe's yaml config (path or dict)."""
-    return OffloadBackend(config, **kw)
+def make_offload_backend(config: OffloadOptions | Mapping | str | Path | None = None, **kw: Any) -> Any:
+    """A new backend from keyword options and/or the recipe's yaml config (path or dict).
+
+    ``exe_mode`` ``eager``/``inductor`` give an :class:`OffloadBackend`; ``ge_graph``/``npugraph_ex``
+    give ``npu_modes.NpuOffloadBackend`` (imports torchair / npugraph_ex lazily, on first compile).
+    """
+    opts = OffloadOptions.from_any(config, **kw)
+    if opts.exe_mode not in CPU_EXE_MODES:
+        from .npu_modes import NpuOffloadBackend
+
+        return NpuOffloadBackend(opts)
+    return OffloadBackend(opts)
 
 
 #: The default backend (pool 8192, eager): ``torch.compile(model, backend=offload_backend)``.
@@ -344,11 +353,11 @@ offload_backend = OffloadBackend()
 _named: dict[tuple, OffloadBackend] = {}
 
 
-def backend_for_options(options: Optional[Mapping] = None) -> OffloadBackend:
+def backend_for_options(options: Optional[Mapping] = None) -> Any:
     """The (cached) backend instance the named ``dsa_offload`` backend uses for ``options``."""
     key = tuple(sorted((k, repr(v)) for k, v in (options or {}).items()))
     if key not in _named:
-        _named[key] = OffloadBackend(dict(options or {}))
+        _named[key] = make_offload_backend(dict(options or {}))
     return _named[key]
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import weakref
 from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional, Sequence
 
@@ -269,7 +270,8 @@ class NpuOffloadBackend:
 
     ``compiler_config``: a ``torchair.CompilerConfig`` (ge_graph) or ``npugraph_ex.CompilerConfig``;
     ``npu_options``: npugraph_ex options; ``side_stream``: move installs to a side stream (default).
-    Exposes ``reports``, ``states``, ``state`` and ``reset(rows=None)`` like the CPU backend. With
+    Exposes ``reports``, ``states``, ``state`` and ``reset_state(rows=None)`` like the CPU backend
+    (not ``reset``: ``torch._dynamo.reset()`` calls ``backend.reset()``). With
     ``dump_dir`` the Dynamo and rewritten graphs and ``report.json`` are written as on CPU, plus (ge_graph)
     TorchAir's GE graph dump ``<dump_dir>/<graph_id>/dynamo_optimized_*.txt``.
     """
@@ -285,13 +287,20 @@ class NpuOffloadBackend:
         self.npu_options = dict(npu_options or {})
         self.side_stream = side_stream
         self.reports: list = []
-        self.states: List[OffloadState] = []
+        # weak: the compiled artifact owns its state; a dropped graph must not keep its pools alive
+        self._states: "weakref.WeakValueDictionary[int, OffloadState]" = weakref.WeakValueDictionary()
+        self._next = 0
+
+    @property
+    def states(self) -> List[OffloadState]:
+        return [self._states[k] for k in sorted(self._states.keys())]
 
     @property
     def state(self) -> Optional[OffloadState]:
-        return self.states[-1] if self.states else None
+        live = self.states
+        return live[-1] if live else None
 
-    def reset(self, rows: Optional[Sequence[int]] = None) -> None:
+    def reset_state(self, rows: Optional[Sequence[int]] = None) -> None:
         for st in self.states:
             st.reset(rows)
 
@@ -320,7 +329,8 @@ class NpuOffloadBackend:
         report["side_stream"] = bool(hook) and state is not None
         self.reports.append(report)
         if state is not None:
-            self.states.append(state)
+            self._states[self._next] = state
+            self._next += 1
         if dumper:
             if state is not None:
                 dumper.graph(graph_id, "rewrite", gm)

@@ -243,7 +243,12 @@ def _derive_indexer_types(cfg: ModelConfig) -> list[str]:
 
 @dataclass
 class RunnerConfig:
-    """Runner keys, named as in the NPU recipe's yaml."""
+    """Runner keys, named as in the NPU recipe's yaml.
+
+    ``shared_indexer_offload``, ``enlarge_pool_size`` and ``exe_mode`` are carried for the offload
+    backend (pool size 8192 / 16384, execution mode); the model itself never reads them — it always
+    builds the unmodified graph (``enable_offload`` picks basic offload vs non-offload).
+    """
 
     batch_size: int = 1
     prefill_len: int = 256
@@ -279,6 +284,9 @@ class RunnerConfig:
                 raise _err(k, f"must be true/false, got {getattr(self, k)!r}")
         if self.next_n > MAX_NEXT_N:
             raise _err("next_n", f"must be in [0, {MAX_NEXT_N}] (S = 1 + next_n <= 4), got {self.next_n}")
+        if self.enable_offload and model.torch_dtype not in ("bfloat16",):
+            raise _err("torch_dtype", "enable_offload needs a bfloat16 model: custom.npu_gather_selection_kv_cache "
+                       f"copies only float16/bfloat16/int8 caches, got {model.torch_dtype!r}")
         if self.exe_mode not in EXE_MODES:
             raise _err("exe_mode", f"must be one of {EXE_MODES}, got {self.exe_mode!r}")
         if self.pa_max_length % self.pa_block_size:

@@ -62,6 +62,7 @@ def test_explicit_indexer_types_and_agreement():
     (dict(enable_offload="yes"), "enable_offload"),
     (dict(batch_size=0), "batch_size"),
     (dict(rope_scaling={"type": "yarn"}), "rope_scaling"),
+    (dict(enable_offload=True, torch_dtype="float32"), "torch_dtype"),  # the gather copies bf16/f16 only
 ])
 def test_inconsistent_values_name_the_key(overrides, key):
     with pytest.raises(ValueError, match=f"config key '{key}'"):
@@ -87,8 +88,8 @@ def test_unknown_keys_name_the_key(tmp_path):
 
 
 def test_yaml_file_and_overrides_roundtrip(tmp_path):
-    cfg = models.load_config("tiny", next_n=3, enable_offload=True, dtype="float32")
-    assert cfg.runner.seq_per_step == 4 and cfg.runner.enable_offload and cfg.model.dtype == torch.float32
+    cfg = models.load_config("tiny", next_n=3, dtype="float32")  # "dtype": HF's newer spelling
+    assert cfg.runner.seq_per_step == 4 and not cfg.runner.enable_offload and cfg.model.dtype == torch.float32
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump(cfg.to_dict()))
     again = models.load_config(str(p))
