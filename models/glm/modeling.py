@@ -332,8 +332,7 @@ class GlmMoeDsaAttention(nn.Module):
         K = self.topk
         q_resid, q_nope, q_pe, c, k_pe = self._q_and_latent(x, cos, sin)
         # This step's KV goes into the full cache before any read (decode-window ids must be readable).
-        # index_put_ (not index_copy_): Inductor re-inplaces its functional form, so a compiled step
-        # scatters S rows instead of copying the whole cache.
+        # index_put_: the scatter form Inductor's re-inplacing pass maps back onto the input buffer.
         self.kv_cache.view(-1, self.kv_lora_rank).index_put_((slots,), c)
         self.k_rope_cache.view(-1, self.rope_dim).index_put_((slots,), k_pe)
 
