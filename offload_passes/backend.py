@@ -80,7 +80,15 @@ def rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], optio
     Returns ``(gm, state, report)``: ``state`` is None when nothing was rewritten. ``report`` is the
     GraphReport dict of docs/ARCHITECTURE.md §5 without the lowering parts. Raises
     ``OffloadRefused`` under ``options.strict`` when there are DSA sites but a precondition fails.
+    Every pass is linear in the graph size; the cyclic GC is paused meanwhile (``_fx.paused_gc``).
     """
+    with _fx.paused_gc():
+        return _rewrite_for_offload(gm, example_inputs, options, install_hook, graph_id)
+
+
+def _rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], options: OffloadOptions | None,
+                         install_hook: Optional[InstallHook], graph_id: Optional[str],
+                         ) -> tuple[fx.GraphModule, Optional[OffloadState], dict]:
     opts = options or OffloadOptions()
     graph_id = graph_id or _new_graph_id()
     t = {}
@@ -253,7 +261,8 @@ class OffloadBackend:
                     dumper.graph(graph_id, "functional", graph)
                 rinfo["t0"] = time.perf_counter()
                 return
-            rep: ReinplaceReport = reinplace(graph)
+            with _fx.paused_gc():
+                rep: ReinplaceReport = reinplace(graph)
             timings["reinplace_s"] = time.perf_counter() - rinfo.pop("t0")
             rinfo["report"] = rep
             rinfo["ops_after"] = _fx.count_ops(graph)

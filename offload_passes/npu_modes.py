@@ -164,9 +164,25 @@ def _index_copy_as_scatter(self: torch.Tensor, dim: int, index: torch.Tensor, so
     return torch.scatter(self, dim, index.view(shape).expand_as(source), source)
 
 
+def _index_put_as_scatter(self: torch.Tensor, indices: Sequence[Optional[torch.Tensor]], values: torch.Tensor,
+                          accumulate: bool = False) -> torch.Tensor:
+    """``index_put`` with one integer index on dim 0 (a KV-cache row write) expressed with ``scatter``."""
+    if accumulate or len(indices) != 1 or indices[0] is None or indices[0].dim() != 1 \
+            or indices[0].dtype in (torch.bool, torch.uint8):
+        raise NotImplementedError(
+            "ge_graph mode: TorchAir has no GE converter for aten.index_put; offload_passes maps only the "
+            "cache-write form self[idx] = values (one 1-D integer index, accumulate=False) onto scatter")
+    index = indices[0]
+    rows = [index.shape[0], *self.shape[1:]]
+    src = values.expand(rows)
+    shape = [-1] + [1] * (self.dim() - 1)
+    return torch.scatter(self, 0, index.view(shape).expand(rows), src)
+
+
 #: Decompositions added in ge_graph mode for aten ops TorchAir cannot convert (its converter raises
-#: NotImplementedError); e.g. a model that writes its KV cache with ``index_copy_``.
-GE_DECOMPOSITIONS = {torch.ops.aten.index_copy.default: _index_copy_as_scatter}
+#: NotImplementedError): the KV-cache writes of a model (``index_copy_`` / ``index_put_``).
+GE_DECOMPOSITIONS = {torch.ops.aten.index_copy.default: _index_copy_as_scatter,
+                     torch.ops.aten.index_put.default: _index_put_as_scatter}
 
 
 def lower_ge_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler_config: Any = None,
@@ -339,8 +355,17 @@ class NpuOffloadBackend:
             cfg = self.compiler_config
             if dumper:
                 cfg = _with_ge_dump(cfg, Path(dump_dir) / graph_id)
-            return lower_ge_graph(gm, example_inputs, cfg, **kwargs)
-        return lower_npugraph_ex(gm, example_inputs, self.compiler_config, self.npu_options, **kwargs)
+            compiled = lower_ge_graph(gm, example_inputs, cfg, **kwargs)
+        else:
+            compiled = lower_npugraph_ex(gm, example_inputs, self.compiler_config, self.npu_options, **kwargs)
+        if state is None:
+            return compiled
+
+        def run(*args: Any) -> Any:
+            return compiled(*args)
+
+        run.offload_state = state  # the compiled artifact owns its state (the backend holds it weakly)
+        return run
 
 
 def make_npu_backend(config: OffloadOptions | Mapping | str | Path | None = None, **kw: Any) -> NpuOffloadBackend:

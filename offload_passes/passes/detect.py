@@ -92,9 +92,16 @@ def detect(gm: fx.GraphModule) -> DetectReport:
     sites: list[Site] = []
     refusals: list[Refusal] = []
     gathers = 0
-    indexers = [n.name for n in gm.graph.nodes if is_op(n, INDEXER)]
-    other = [n.name for n in gm.graph.nodes if _is_topk_other(n)]
+    indexers: list[str] = []
+    other: list[str] = []
+    # one walk over the graph; per site only its local neighbourhood is visited (linear in graph size)
     for n in gm.graph.nodes:
+        if is_op(n, INDEXER):
+            indexers.append(n.name)
+            continue
+        if _is_topk_other(n):
+            other.append(n.name)
+            continue
         if not is_op(n, GATHER, ("custom",)):
             continue
         layer = gathers

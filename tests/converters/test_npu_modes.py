@@ -281,3 +281,21 @@ def test_npugraph_ex_side_stream_scope_and_events_in_spec_order(ngx_tiny):
     # the shared layers' installs precede the owner's metadata install of the group, on one stream
     mus = [n.kwargs.get("metadata_update", 1) for n in installs]
     assert mus == [0, 0, 0, 1, 0, 0, 0, 1]
+
+
+def test_npu_exe_modes_route_to_the_npu_backend_without_importing_torchair():
+    code = (
+        "import sys\n"
+        "from offload_passes import make_offload_backend\n"
+        "from offload_passes.backend import backend_for_options, OffloadBackend\n"
+        "from offload_passes.npu_modes import NpuOffloadBackend\n"
+        "for mode in ('ge_graph', 'npugraph_ex'):\n"
+        "    b = make_offload_backend(exe_mode=mode, pool_size=64)\n"
+        "    assert type(b) is NpuOffloadBackend and b.options.exe_mode == mode, b\n"
+        "    assert type(backend_for_options({'exe_mode': mode})) is NpuOffloadBackend\n"
+        "assert type(make_offload_backend(exe_mode='inductor')) is OffloadBackend\n"
+        "assert not {'torchair', 'npugraph_ex', 'torch_npu'} & set(sys.modules)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
