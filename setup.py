@@ -52,6 +52,7 @@ setup(
         "pyyaml",
         "ninja",
         "safetensors",
+        "numpy",  # safetensors.torch and TorchAir need it; the torch CPU wheel does not pull it in
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "protobuf>=3.13", "packaging"],

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence, TypeVar, Union
 
 import torch
 
@@ -127,10 +127,88 @@ def _build(name: str) -> None:
     )
 
 
-def check(cond: bool, op: str, msg: str) -> None:
-    """Raise ``RuntimeError("custom::<op>: <msg>")`` unless ``cond``. Messages name argument and limit."""
+def check(cond: bool, op: str, msg: Union[str, Callable[[], str]]) -> None:
+    """Raise ``RuntimeError("custom::<op>: <msg>")`` unless ``cond``. Messages name argument and limit.
+
+    ``msg`` may be a zero-argument callable: validation runs on every call, so hot paths format the
+    message only when the check fails.
+    """
     if not cond:
-        raise RuntimeError(f"{qualname(op)}: {msg}")
+        raise RuntimeError(f"{qualname(op)}: {msg() if callable(msg) else msg}")
+
+
+def is_pow2(n) -> bool:
+    n = int(n)
+    return n > 0 and (n & (n - 1)) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# CPU-kernel plumbing shared by the op modules
+# --------------------------------------------------------------------------------------------
+
+_cpu_kernels: dict[str, "torch._ops.OpOverload"] = {}
+
+
+def cpu_kernel(name: str) -> "torch._ops.OpOverload":
+    """``cpu_op(name).default``, resolved once (``cpu_op``'s lookup costs tens of microseconds)."""
+    kernel = _cpu_kernels.get(name)
+    if kernel is None:
+        kernel = _cpu_kernels[name] = cpu_op(name).default
+    return kernel
+
+
+_warned_copy: set[tuple[str, str]] = set()
+
+
+def dense(t: torch.Tensor, op: str, name: str) -> torch.Tensor:
+    """A read-only input of ``custom::<op>`` as a dense tensor. Copying a non-contiguous KV cache every
+    call is a silent bandwidth sink, so it is logged (once per op and argument)."""
+    if t.is_contiguous():
+        return t
+    if (op, name) not in _warned_copy:
+        _warned_copy.add((op, name))
+        logging.getLogger(f"{log.name}.{op}").warning(
+            "custom::%s: %s is not contiguous; the CPU kernel copies it on every call", op, name
+        )
+    return t.contiguous()
+
+
+_T = TypeVar("_T")
+
+
+class ValidationMemo:
+    """Remembers what validation returned for signatures that passed.
+
+    Validation depends only on shapes, dtypes and the int arguments, and costs more than the kernel
+    launch on small inputs, so the CPU kernels skip it for a signature seen before (fake kernels
+    always check). Failures are never stored. Bounded: cleared when ``maxsize`` is reached.
+    """
+
+    def __init__(self, maxsize: int = 1024) -> None:
+        self.maxsize = maxsize
+        self._memo: dict[Hashable, object] = {}
+
+    @staticmethod
+    def key(op: str, ints: Hashable, tensors: Iterable[torch.Tensor]) -> tuple:
+        return (op, ints) + tuple((t.shape, t.dtype) for t in tensors)
+
+    def __call__(self, key: Hashable, validate: Callable[[], _T]) -> _T:
+        """The remembered result for ``key``, else ``validate()`` (stored if it returns)."""
+        try:
+            return self._memo[key]  # type: ignore[return-value]
+        except KeyError:
+            pass
+        result = validate()
+        if len(self._memo) >= self.maxsize:
+            self._memo.clear()
+        self._memo[key] = result
+        return result
+
+    def clear(self) -> None:
+        self._memo.clear()
+
+    def __len__(self) -> int:
+        return len(self._memo)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import logging
 import torch
 
 from . import _library as L
+from ._pool import MAX_POOL, WAYS, check_pool_metadata, check_pool_size  # noqa: F401
 from ._records import decode_records, records_layout
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_install")
@@ -48,16 +49,9 @@ MUTATED = ["pool_kv_cache", "pool_k_rope", "pool_ids", "id_to_slot", "lru_counte
 
 MAX_RAW_SEQ = 4
 MAX_TOPK = 2048
-MAX_POOL = 16384
 MAX_DKV = 512
 MAX_DR = 128
-WAYS = 16
 PAYLOAD_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _is_pow2(n) -> bool:
-    n = int(n)
-    return n > 0 and (n & (n - 1)) == 0
 
 
 def validate_dsa_install(
@@ -106,7 +100,7 @@ def validate_dsa_install(
     L.check(topk % 8 == 0, op, f"topk must be a multiple of 8, got {topk}")
     sbs = selection_block_size
     L.check(
-        16 <= sbs <= 128 and _is_pow2(sbs),
+        16 <= sbs <= 128 and L.is_pow2(sbs),
         op,
         f"selection_block_size must be a power of two in [16, 128], got {sbs}",
     )
@@ -126,10 +120,7 @@ def validate_dsa_install(
     )
     B, PS = pool_kv_cache.size(0), pool_kv_cache.size(1)
     L.check(B > 0, op, f"pool_kv_cache dim 0 (B) must be > 0, got {B}")
-    L.check(0 < PS <= MAX_POOL, op, f"pool_kv_cache dim 1 (PS) must be in (0, {MAX_POOL}], got {PS}")
-    L.check(PS % WAYS == 0, op, f"pool_kv_cache dim 1 (PS) must be a multiple of {WAYS}, got {PS}")
-    NS = PS // WAYS
-    L.check(_is_pow2(NS), op, f"pool_kv_cache dim 1 (PS) / 16 (sets) must be a power of two, got {NS}")
+    NS = check_pool_size(op, "pool_kv_cache dim 1", PS)
     need = B * raw_seq * topk
     L.check(
         selection_kv_cache.size(0) * selection_kv_cache.size(1) >= need,
@@ -174,18 +165,7 @@ def validate_dsa_install(
         op,
         f"pool_ids must be [B={B}, PS={PS}], got {tuple(pool_ids.shape)}",
     )
-    L.check(
-        id_to_slot.dim() == 2 and id_to_slot.size(0) == B,
-        op,
-        f"id_to_slot must be [B={B}, IR], got {tuple(id_to_slot.shape)}",
-    )
-    IR = id_to_slot.size(1)
-    L.check(IR > 0, op, f"id_to_slot dim 1 (id_range) must be > 0, got {IR}")
-    L.check(
-        lru_counter.dim() == 2 and lru_counter.size(0) == B and lru_counter.size(1) == NS,
-        op,
-        f"lru_counter must be [B={B}, NS={NS}], got {tuple(lru_counter.shape)}",
-    )
+    IR = check_pool_metadata(op, B, NS, id_to_slot, lru_counter, got="got")
     required = records_layout(B, raw_seq, topk).required
     L.check(
         rec.numel() >= required,
@@ -343,7 +323,7 @@ def _run_inplace(install_records, selection_kv_cache, selection_k_rope, selectio
             metadata_update=metadata_update, validate=False,
         )
         return
-    L.cpu_op(OP)(
+    L.cpu_kernel(OP)(
         install_records, selection_kv_cache, selection_k_rope,
         pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
         raw_seq, topk, selection_block_size, metadata_update,

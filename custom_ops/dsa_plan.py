@@ -25,6 +25,7 @@ import logging
 import torch
 
 from . import _library as L
+from ._pool import MAX_POOL, WAYS, check_pool_metadata, check_pool_size  # noqa: F401
 from ._records import records_layout
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_plan")
@@ -44,14 +45,7 @@ KIND_NAMES = ("INVALID", "POOL_HIT", "FULL_OLD_MISS", "DECODE_WINDOW", "FUTURE_S
 
 MAX_TOPK = 2048
 MAX_RAW_SEQ = 4
-MAX_POOL = 16384
-WAYS = 16
 MICROTASKS = 8
-
-
-def _is_pow2(n) -> bool:
-    n = int(n)
-    return n > 0 and (n & (n - 1)) == 0
 
 
 def validate_dsa_plan(
@@ -111,22 +105,8 @@ def validate_dsa_plan(
         f"pool_ids must be [B={B}, PS], got shape {tuple(pool_ids.shape)}",
     )
     PS = pool_ids.size(1)
-    L.check(0 < PS <= MAX_POOL, OP, f"pool_ids dim 1 (PS) must be in (0, {MAX_POOL}], got {PS}")
-    L.check(PS % WAYS == 0, OP, f"pool_ids dim 1 (PS) must be a multiple of {WAYS}, got {PS}")
-    NS = PS // WAYS
-    L.check(_is_pow2(NS), OP, f"pool_ids dim 1 (PS) / 16 (sets) must be a power of two, got {NS}")
-    L.check(
-        id_to_slot.dim() == 2 and id_to_slot.size(0) == B,
-        OP,
-        f"id_to_slot must be [B={B}, IR], got shape {tuple(id_to_slot.shape)}",
-    )
-    IR = id_to_slot.size(1)
-    L.check(IR > 0, OP, f"id_to_slot dim 1 (id_range) must be > 0, got {IR}")
-    L.check(
-        lru_counter.dim() == 2 and lru_counter.size(0) == B and lru_counter.size(1) == NS,
-        OP,
-        f"lru_counter must be [B={B}, NS={NS}], got shape {tuple(lru_counter.shape)}",
-    )
+    NS = check_pool_size(OP, "pool_ids dim 1", PS)
+    IR = check_pool_metadata(OP, B, NS, id_to_slot, lru_counter, got="got shape")
     return B, raw_seq, K, PS, IR
 
 
@@ -246,7 +226,7 @@ def _cpu(
             selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter,
             raw_seq=raw_seq, validate=False,
         )
-    plan, records, act = L.cpu_op(OP)(
+    plan, records, act = L.cpu_kernel(OP)(
         selection_topk_indices, full_kv_actual_seq, id_to_slot, pool_ids.size(1), raw_seq
     )
     return plan, records, act

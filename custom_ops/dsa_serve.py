@@ -10,7 +10,7 @@ CPU kernel: ``csrc/dsa_serve.cpp`` (byte copies of whole rows, ``at::parallel_fo
 from __future__ import annotations
 
 import logging
-from typing import Callable
+
 import torch
 
 from . import _library as L
@@ -47,16 +47,6 @@ MAX_ROPE_DIM = 128
 PAYLOAD_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _shape(t: torch.Tensor) -> list:
-    return list(t.shape)
-
-
-def _check(cond: bool, op: str, msg: Callable[[], str]) -> None:
-    """``_library.check`` with a lazily formatted message (validation runs on every call)."""
-    if not cond:
-        L.check(False, op, msg() if callable(msg) else msg)
-
-
 def validate_dsa_serve(
     plan: torch.Tensor,
     full_kv_cache: torch.Tensor,
@@ -73,7 +63,7 @@ def validate_dsa_serve(
     op: str = OP,
 ) -> None:
     """Every check of spec/ops.md §3.1; raises ``RuntimeError("custom::dsa_serve: ...")``."""
-    c = _check
+    c = L.check
     c(compact_layout in (0, 1), op, lambda: f"compact_layout must be 0 or 1, got {compact_layout}")
     compact = compact_layout == 1
     lim = PROD_LIMITS if compact else LEGACY_LIMITS
@@ -108,13 +98,13 @@ def validate_dsa_serve(
         lambda: f"topk must be a multiple of selection_block_size ({sbs}) for {mode}, got {topk}",
     )
     c(plan.dim() == 2 and plan.size(1) == 2, op,
-      lambda: f"plan must be 2-D [rows, 2], got shape {_shape(plan)}")
+      lambda: f"plan must be 2-D [rows, 2], got shape {list(plan.shape)}")
     rows = plan.size(0)
     c(rows > 0, op, lambda: f"plan rows must be > 0, got {rows}")
     if not compact:
         c(rows <= lim["rows"], op, lambda: f"plan rows must be <= {lim['rows']} for {mode}, got {rows}")
     for name, t in payload.items():
-        c(t.dim() == 3, op, lambda: f"{name} must be 3-D, got shape {_shape(t)}")
+        c(t.dim() == 3, op, lambda: f"{name} must be 3-D, got shape {list(t.shape)}")
     B = full_kv_cache.size(0)
     c(B > 0, op, lambda: f"full_kv_cache.size(0) (batch) must be > 0, got {B}")
     if not compact:
@@ -157,7 +147,7 @@ def validate_dsa_serve(
             t.size(0) == nb and t.size(1) == sbs and t.size(2) == D,
             op,
             lambda: f"{name} must have shape [{nb}, {sbs}, {D}] (blocks = "
-            f"{'ceil(rows/selection_block_size)' if compact else 'rows'}) for {mode}, got {_shape(t)}",
+            f"{'ceil(rows/selection_block_size)' if compact else 'rows'}) for {mode}, got {list(t.shape)}",
         )
 
 
@@ -211,43 +201,11 @@ def reference_dsa_serve(
 # CPU kernels
 # --------------------------------------------------------------------------------------------
 
-_CPP: list = []  # the built offload_cpu OpOverload, resolved once (cpu_op's lookup costs ~tens of us)
-
-
-def _cpp_kernel():
-    if not _CPP:
-        _CPP.append(L.cpu_op(OP).default)
-    return _CPP[0]
-
-
-_WARNED_COPY: set = set()
-
-
-def _dense(t: torch.Tensor, name: str) -> torch.Tensor:
-    """A read-only input as a dense tensor. Copying a non-contiguous KV cache every call is a silent
-    bandwidth sink, so it is logged (once per argument)."""
-    if t.is_contiguous():
-        return t
-    if name not in _WARNED_COPY:
-        _WARNED_COPY.add(name)
-        log.warning("custom::%s: %s is not contiguous; the CPU kernel copies it on every call", OP, name)
-    return t.contiguous()
-
-
-# Validation depends only on shapes, dtypes and the int arguments, and costs more than the kernel
-# launch on small inputs; the CPU kernels remember signatures that passed (fake kernels always check).
-_VALIDATED: dict = {}
-_VALIDATED_MAX = 1024
+_VALIDATED = L.ValidationMemo()
 
 
 def _validate_cpu(tensors: tuple, ints: tuple, op: str) -> None:
-    key = (op, ints) + tuple((t.shape, t.dtype) for t in tensors)
-    if key in _VALIDATED:
-        return
-    validate_dsa_serve(*tensors, *ints, op=op)
-    if len(_VALIDATED) >= _VALIDATED_MAX:
-        _VALIDATED.clear()
-    _VALIDATED[key] = True
+    _VALIDATED(L.ValidationMemo.key(op, ints, tensors), lambda: validate_dsa_serve(*tensors, *ints, op=op))
 
 
 def _run_in_place(
@@ -271,9 +229,10 @@ def _run_in_place(
     # The C++ kernel addresses rows by byte offset, so it needs dense row-major tensors; a
     # non-contiguous selection is served into a dense temporary and copied back.
     outs = [t if t.is_contiguous() else t.contiguous() for t in (selection_kv_cache, selection_k_rope)]
-    _cpp_kernel()(
-        plan.contiguous(), _dense(full_kv_cache, "full_kv_cache"), _dense(full_k_rope, "full_k_rope"),
-        _dense(pool_kv_cache, "pool_kv_cache"), _dense(pool_k_rope, "pool_k_rope"), outs[0], outs[1], *args,
+    L.cpu_kernel(OP)(
+        plan.contiguous(), L.dense(full_kv_cache, OP, "full_kv_cache"), L.dense(full_k_rope, OP, "full_k_rope"),
+        L.dense(pool_kv_cache, OP, "pool_kv_cache"), L.dense(pool_k_rope, OP, "pool_k_rope"), outs[0], outs[1],
+        *args,
     )
     for dst, src in zip((selection_kv_cache, selection_k_rope), outs):
         if dst is not src:

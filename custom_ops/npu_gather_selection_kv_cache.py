@@ -27,7 +27,6 @@ CPU kernel: ``csrc/npu_gather_selection_kv_cache.cpp`` (``at::parallel_for`` ove
 from __future__ import annotations
 
 import logging
-from typing import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,16 +75,6 @@ class GatherGeometry:
     no_rope: bool
 
 
-def _shape(t: torch.Tensor) -> list:
-    return list(t.shape)
-
-
-def _check(cond: bool, op: str, msg: Callable[[], str]) -> None:
-    """``_library.check`` with a lazily formatted message (validation runs on every call)."""
-    if not cond:
-        L.check(False, op, msg() if callable(msg) else msg)
-
-
 def validate_npu_gather_selection_kv_cache(
     selection_k_rope: torch.Tensor,
     selection_kv_cache: torch.Tensor,
@@ -102,7 +91,7 @@ def validate_npu_gather_selection_kv_cache(
     op: str = OP,
 ) -> GatherGeometry:
     """Every check of spec/ops.md §1.2 (plus shape agreements the copies rely on)."""
-    c = _check
+    c = L.check
     sel_rope, sel_kv, sbt, status, topk = (
         selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
         selection_topk_indices,
@@ -122,19 +111,19 @@ def validate_npu_gather_selection_kv_cache(
     ):
         c(t.dtype == torch.int32, op, lambda: f"{name} must be int32, got {t.dtype}")
     # selection payload
-    c(sel_kv.dim() == 3, op, lambda: f"selection_kv_cache must be 3-D, got shape {_shape(sel_kv)}")
+    c(sel_kv.dim() == 3, op, lambda: f"selection_kv_cache must be 3-D, got shape {list(sel_kv.shape)}")
     c(sel_rope.dim() in (1, 3), op,
-      lambda: f"selection_k_rope must be 3-D or 1-D empty, got shape {_shape(sel_rope)}")
+      lambda: f"selection_k_rope must be 3-D or 1-D empty, got shape {list(sel_rope.shape)}")
     no_rope = sel_rope.dim() == 1
     if no_rope:
         c(sel_rope.numel() == 0, op,
-          lambda: f"selection_k_rope must be empty when 1-D (no-rope mode), got shape {_shape(sel_rope)}")
+          lambda: f"selection_k_rope must be empty when 1-D (no-rope mode), got shape {list(sel_rope.shape)}")
     else:
         c(
             sel_rope.size(0) == sel_kv.size(0) and sel_rope.size(1) == sel_kv.size(1),
             op,
-            lambda: f"selection_k_rope dims 0,1 must equal selection_kv_cache's {_shape(sel_kv)[:2]}, got "
-                    f"{_shape(sel_rope)}",
+            lambda: f"selection_k_rope dims 0,1 must equal selection_kv_cache's {list(sel_kv.shape)[:2]}, got "
+                    f"{list(sel_rope.shape)}",
         )
     bsz = selection_topk_block_size if selection_topk_block_size > 0 else DEFAULT_BLOCK_SIZE
     SBS = sel_kv.size(1)
@@ -142,28 +131,28 @@ def validate_npu_gather_selection_kv_cache(
     c(SBS % bsz == 0, op,
       lambda: f"selection_kv_cache.size(1) ({SBS}) must be a multiple of selection_topk_block_size {bsz}")
     # full payload
-    c(full_kv.dim() == 3, op, lambda: f"full_kv_cache must be 3-D, got shape {_shape(full_kv)}")
+    c(full_kv.dim() == 3, op, lambda: f"full_kv_cache must be 3-D, got shape {list(full_kv.shape)}")
     FBS = full_kv.size(1)
     c(FBS > 0, op, lambda: f"full_kv_cache.size(1) (block size) must be > 0, got {FBS}")
     c(FBS % bsz == 0, op,
       lambda: f"full_kv_cache.size(1) ({FBS}) must be a multiple of selection_topk_block_size {bsz}")
     c(full_rope.dim() in (1, 3), op,
-      lambda: f"full_k_rope must be 3-D or 1-D empty, got shape {_shape(full_rope)}")
+      lambda: f"full_k_rope must be 3-D or 1-D empty, got shape {list(full_rope.shape)}")
     if full_rope.dim() == 1:
         c(full_rope.numel() == 0, op,
-          lambda: f"full_k_rope must be empty when 1-D (no-rope mode), got shape {_shape(full_rope)}")
+          lambda: f"full_k_rope must be empty when 1-D (no-rope mode), got shape {list(full_rope.shape)}")
     else:
         c(
             full_rope.size(0) == full_kv.size(0) and full_rope.size(1) == FBS,
             op,
-            lambda: f"full_k_rope dims 0,1 must equal full_kv_cache's {_shape(full_kv)[:2]}, got "
-                    f"{_shape(full_rope)}",
+            lambda: f"full_k_rope dims 0,1 must equal full_kv_cache's {list(full_kv.shape)[:2]}, got "
+                    f"{list(full_rope.shape)}",
         )
     c(
         (full_rope.dim() == 1) == no_rope,
         op,
         lambda: f"full_k_rope and selection_k_rope must both be 3-D or both 1-D empty, got "
-                f"{_shape(full_rope)} and {_shape(sel_rope)}",
+                f"{list(full_rope.shape)} and {list(sel_rope.shape)}",
     )
     c(
         full_kv.size(2) == sel_kv.size(2),
@@ -184,14 +173,14 @@ def validate_npu_gather_selection_kv_cache(
         op,
         lambda: f"selection_topk_indices and selection_kv_block_status must both be 3-D (TND) or both 4-D "
                 f"(BSND), "
-        f"got {_shape(topk)} and {_shape(status)}",
+        f"got {list(topk.shape)} and {list(status.shape)}",
     )
     K = topk.size(-1)
     c(
-        _shape(status)[:-1] == _shape(topk)[:-1] and status.size(-1) == K + 1,
+        list(status.shape)[:-1] == list(topk.shape)[:-1] and status.size(-1) == K + 1,
         op,
-        lambda: f"selection_kv_block_status must have shape {_shape(topk)[:-1] + [K + 1]} (last dim K+1), "
-                f"got {_shape(status)}",
+        lambda: f"selection_kv_block_status must have shape {list(topk.shape)[:-1] + [K + 1]} (last dim K+1), "
+                f"got {list(status.shape)}",
     )
     H = topk.size(-2)
     c(H == 1, op, lambda: f"selection_topk_indices head dim (H) must be 1, got {H}")
@@ -202,7 +191,7 @@ def validate_npu_gather_selection_kv_cache(
         op,
         lambda: f"selection_topk_block_size must be 1 when K > {SMALL_TOPK}, got {bsz} (K = {K})",
     )
-    c(fbt.dim() == 2, op, lambda: f"full_kv_block_table must be 2-D [B, maxblk], got shape {_shape(fbt)}")
+    c(fbt.dim() == 2, op, lambda: f"full_kv_block_table must be 2-D [B, maxblk], got shape {list(fbt.shape)}")
     if topk.dim() == 4:
         B, S = topk.size(0), topk.size(1)
         c(fbt.size(0) == B, op,
@@ -217,7 +206,7 @@ def validate_npu_gather_selection_kv_cache(
     c(0 < S < MAX_SEQ_EXCLUSIVE, op,
       lambda: f"S (query tokens per batch row) must be in [1, {MAX_SEQ_EXCLUSIVE - 1}], got {S}")
     # selection block table
-    c(sbt.dim() == 2, op, lambda: f"selection_kv_block_table must be 2-D, got shape {_shape(sbt)}")
+    c(sbt.dim() == 2, op, lambda: f"selection_kv_block_table must be 2-D, got shape {list(sbt.shape)}")
     rows = B * S * H
     c(sbt.size(0) >= rows, op,
       lambda: f"selection_kv_block_table.size(0) must be >= B*S*H = {rows}, got {sbt.size(0)}")
@@ -240,7 +229,7 @@ def validate_npu_gather_selection_kv_cache(
       lambda: f"selection_kv_cache.size(2) (kv dim) must be <= {MAX_KV_DIM}, got {Dkv}")
     for name, t in (("full_kv_actual_seq", full_kv_actual_seq), ("full_q_actual_seq", full_q_actual_seq)):
         c(t.dim() == 1 and t.size(0) == B, op,
-          lambda: f"{name} must be 1-D of length B {B}, got shape {_shape(t)}")
+          lambda: f"{name} must be 1-D of length B {B}, got shape {list(t.shape)}")
     return GatherGeometry(B=B, S=S, K=K, bsz=bsz, no_rope=no_rope)
 
 
@@ -256,7 +245,7 @@ def _check_tables(rows_active: list, sbt: torch.Tensor, fbt: torch.Tensor, topk2
     for r, b, max_sel in rows_active:
         ent = sbt[r, :need_blk]
         bad = (ent < 0) | (ent >= n_sel_blocks)
-        _check(
+        L.check(
             not bool(bad.any()), op,
             lambda: f"selection_kv_block_table[{r}] has an entry outside [0, {n_sel_blocks}) in its first "
                     f"{need_blk} columns",
@@ -266,13 +255,13 @@ def _check_tables(rows_active: list, sbt: torch.Tensor, fbt: torch.Tensor, topk2
         if ids.numel() == 0:
             continue
         col = ids * geo.bsz // FBS
-        _check(
+        L.check(
             bool((col < fbt.size(1)).all()), op,
             lambda: f"full_kv_block_table[{b}] has {fbt.size(1)} columns, too few for id {int(ids.max())} "
             f"(full_kv_actual_seq[{b}] = {int(L_[b])})",
         )
         blk = fbt[b, col]
-        _check(
+        L.check(
             bool(((blk >= 0) & (blk < n_full_blocks)).all()), op,
             lambda: f"full_kv_block_table[{b}] has an entry outside [0, {n_full_blocks}) for a valid id",
         )
@@ -459,44 +448,13 @@ def _ledger_row_small(r: int, b: int, Lr: int, max_sel: int, bsz: int, row: torc
 # CPU kernels
 # --------------------------------------------------------------------------------------------
 
-_CPP: list = []  # the built offload_cpu OpOverload, resolved once (cpu_op's lookup costs ~tens of us)
-
-
-def _cpp_kernel():
-    if not _CPP:
-        _CPP.append(L.cpu_op(OP).default)
-    return _CPP[0]
-
-
-_WARNED_COPY: set = set()
-
-
-def _dense(t: torch.Tensor, name: str) -> torch.Tensor:
-    """A read-only input as a dense tensor. Copying a non-contiguous KV cache every call is a silent
-    bandwidth sink, so it is logged (once per argument)."""
-    if t.is_contiguous():
-        return t
-    if name not in _WARNED_COPY:
-        _WARNED_COPY.add(name)
-        log.warning("custom::%s: %s is not contiguous; the CPU kernel copies it on every call", OP, name)
-    return t.contiguous()
-
-
-# Validation depends only on shapes, dtypes and the block size; the CPU kernels remember the geometry
-# of signatures that passed (fake kernels always check).
-_VALIDATED: dict = {}
-_VALIDATED_MAX = 1024
+# The CPU kernels remember the geometry of signatures that passed validation.
+_VALIDATED = L.ValidationMemo()
 
 
 def _validate_cpu(tensors: tuple, bsz: int, op: str) -> GatherGeometry:
-    key = (op, bsz) + tuple((t.shape, t.dtype) for t in tensors)
-    geo = _VALIDATED.get(key)
-    if geo is None:
-        geo = validate_npu_gather_selection_kv_cache(*tensors, bsz, op=op)
-        if len(_VALIDATED) >= _VALIDATED_MAX:
-            _VALIDATED.clear()
-        _VALIDATED[key] = geo
-    return geo
+    return _VALIDATED(L.ValidationMemo.key(op, bsz, tensors),
+                      lambda: validate_npu_gather_selection_kv_cache(*tensors, bsz, op=op))
 
 
 def _run_in_place(sel_rope: torch.Tensor, sel_kv: torch.Tensor, sbt: torch.Tensor, status: torch.Tensor,
@@ -507,9 +465,9 @@ def _run_in_place(sel_rope: torch.Tensor, sel_kv: torch.Tensor, sbt: torch.Tenso
             sel_rope, sel_kv, sbt, status, topk, full_rope, full_kv, fbt, kv_len, q_len, bsz_arg)
     # Dense temporaries for non-contiguous mutated tensors, copied back afterwards.
     outs = [t if t.is_contiguous() else t.contiguous() for t in (sel_rope, sel_kv, status)]
-    act = _cpp_kernel()(
-        outs[0], outs[1], sbt.contiguous(), outs[2], topk.contiguous(), _dense(full_rope, "full_k_rope"),
-        _dense(full_kv, "full_kv_cache"), fbt.contiguous(), kv_len.contiguous(), geo.B, geo.S, geo.bsz,
+    act = L.cpu_kernel(OP)(
+        outs[0], outs[1], sbt.contiguous(), outs[2], topk.contiguous(), L.dense(full_rope, OP, "full_k_rope"),
+        L.dense(full_kv, OP, "full_kv_cache"), fbt.contiguous(), kv_len.contiguous(), geo.B, geo.S, geo.bsz,
     )
     for dst, src in zip((sel_rope, sel_kv, status), outs):
         if dst is not src:

@@ -14,19 +14,33 @@ Supported layouts: query ``TND`` (``[T, N, D]``, ``actual_seq_lengths_query`` cu
 other layout / sparse mode raise. ``pre_tokens``/``next_tokens`` are accepted and ignored (the decode
 path uses sparse_mode 3, where the NPU ignores them too).
 
-This module also holds the tiny registration helpers shared with ``npu_sparse_flash_attention.py``
-(one ``offload_ref`` FRAGMENT library; define/impl only if missing, so a re-import never redefines).
+The ``offload_ref`` registration helpers and the kv-side checks shared with
+``npu_sparse_flash_attention.py`` live in ``_attention_common.py``.
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
+from ._attention_common import (  # noqa: F401  (REF_NAMESPACE, FLOAT_DTYPES: re-exported)
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    REF_NAMESPACE,
+    check_kv_layout,
+    check_query_shape,
+    kv_addressing,
+    paged_rows,
+    ref_check,
+    ref_define,
+    ref_impl,
+    ref_register_fake,
+    token_positions,
+)
+
 log = logging.getLogger("offload_passes.custom_ops.npu_lightning_indexer")
 
-REF_NAMESPACE = "offload_ref"
 SCHEMA = (
     "npu_lightning_indexer(Tensor query, Tensor key, Tensor weights, *, "
     "Tensor? actual_seq_lengths_query=None, Tensor? actual_seq_lengths_key=None, "
@@ -38,119 +52,6 @@ OP = "npu_lightning_indexer"
 
 #: torch_npu's documented upper limit of ``sparse_count``.
 MAX_SPARSE_COUNT = 2048
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-# --------------------------------------------------------------------------------------------
-# offload_ref registration helpers (shared with npu_sparse_flash_attention.py)
-# --------------------------------------------------------------------------------------------
-
-REF_LIB = torch.library.Library(REF_NAMESPACE, "FRAGMENT")
-
-
-def ref_qualname(name: str) -> str:
-    return f"{REF_NAMESPACE}::{name}"
-
-
-def ref_define(schema: str) -> bool:
-    """Define ``offload_ref::<schema>`` unless already known to the dispatcher."""
-    name = schema.split("(", 1)[0].strip()
-    try:
-        torch._C._dispatch_find_schema_or_throw(ref_qualname(name), "")
-        return False
-    except RuntimeError:
-        REF_LIB.define(schema)
-        return True
-
-
-def ref_impl(name: str, dispatch_key: str, fn: Callable) -> bool:
-    if torch._C._dispatch_has_kernel_for_dispatch_key(ref_qualname(name), dispatch_key):
-        return False
-    REF_LIB.impl(name, fn, dispatch_key)
-    return True
-
-
-def ref_register_fake(name: str, fn: Callable) -> bool:
-    if torch._C._dispatch_has_kernel_for_dispatch_key(ref_qualname(name), "Meta"):
-        return False
-    try:
-        from torch._library.simple_registry import singleton
-
-        if singleton.find(ref_qualname(name)).fake_impl.kernel is not None:
-            return False
-    except Exception:  # pragma: no cover - private API drift
-        pass
-    torch.library.register_fake(ref_qualname(name), fn, lib=REF_LIB)
-    return True
-
-
-def ref_check(cond: bool, op: str, msg: str) -> None:
-    """Raise ``RuntimeError("offload_ref::<op>: <msg>")`` unless ``cond``."""
-    if not cond:
-        raise RuntimeError(f"{ref_qualname(op)}: {msg}")
-
-
-def query_token_map(
-    cu_q: torch.Tensor, T: int, op: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From cumulative query lengths ``[B]`` return ``(batch_of_t, i_of_t, sq_of_t)`` for ``t < T``.
-
-    Data-dependent checks (CPU kernels only): non-decreasing, starting at >= 0, last == T.
-    """
-    cu = cu_q.to(torch.int64)
-    B = cu.numel()
-    ref_check(bool((cu[0] >= 0).item()), op, "actual_seq_lengths_query must start at >= 0")
-    if B > 1:
-        ref_check(
-            bool((cu[1:] >= cu[:-1]).all().item()),
-            op,
-            f"actual_seq_lengths_query must be cumulative (non-decreasing), got {cu.tolist()}",
-        )
-    ref_check(
-        int(cu[-1].item()) == T,
-        op,
-        f"actual_seq_lengths_query[-1] must equal the query token count T={T}, got {int(cu[-1])}",
-    )
-    starts = torch.cat([cu.new_zeros(1), cu[:-1]])
-    t = torch.arange(T, dtype=torch.int64)
-    b_of_t = torch.searchsorted(cu, t, right=True)
-    i_of_t = t - starts[b_of_t]
-    sq_of_t = (cu - starts)[b_of_t]
-    return b_of_t, i_of_t, sq_of_t
-
-
-def paged_rows(
-    block_table: torch.Tensor,
-    b_of_pos: torch.Tensor,
-    pos: torch.Tensor,
-    needed: torch.Tensor,
-    block_size: int,
-    num_blocks: int,
-    op: str,
-) -> torch.Tensor:
-    """Flat row ids ``block_table[b, pos // bs] * bs + pos % bs`` (PA_BSND addressing).
-
-    ``needed`` marks the positions that are really read; their block ids must be in range (error
-    otherwise). Positions not needed are clamped to row 0 and must be masked by the caller.
-    """
-    maxblk = block_table.size(1)
-    col = torch.div(pos, block_size, rounding_mode="floor")
-    beyond = needed & (col >= maxblk)
-    if bool(beyond.any().item()):
-        ref_check(
-            False,
-            op,
-            f"a position that must be read lies beyond block_table's {maxblk} blocks (block_size "
-            f"{block_size}): position {int(pos[beyond].max())} needs block column {int(col[beyond].max())}",
-        )
-    blk = block_table.to(torch.int64)[b_of_pos, col.clamp(0, maxblk - 1)]
-    ref_check(
-        not bool((needed & ((blk < 0) | (blk >= num_blocks))).any().item()),
-        op,
-        f"block_table holds a block id outside [0, {num_blocks}) for a position that must be read",
-    )
-    rows = blk * block_size + torch.remainder(pos, block_size)
-    return torch.where(needed, rows, torch.zeros_like(rows))
-
 
 # --------------------------------------------------------------------------------------------
 # validation (shapes, dtypes, attributes only: shared by the fake and the CPU kernel)
@@ -187,27 +88,15 @@ def validate_npu_lightning_indexer(
         ref_check(t.dtype in FLOAT_DTYPES, op, f"{name} must be float16/bfloat16/float32, got {t.dtype}")
     ref_check(key.dtype == query.dtype, op, f"key dtype {key.dtype} must equal query dtype {query.dtype}")
 
+    B, S, T, N, D = check_query_shape(op, query, layout_query, actual_seq_lengths_query)
     if layout_query == "TND":
-        ref_check(query.dim() == 3, op, f"query must be 3-D [T, N, D] for layout_query 'TND', got {query.dim()}-D")
-        T, N, D = query.shape
-        ref_check(
-            actual_seq_lengths_query is not None,
-            op,
-            "actual_seq_lengths_query (cumulative, [B]) is required for layout_query 'TND'",
-        )
         ref_check(
             weights.dim() == 2 and tuple(weights.shape) == (T, N),
             op,
             f"weights must be [T={T}, N={N}] for layout_query 'TND', got {tuple(weights.shape)}",
         )
         B = actual_seq_lengths_query.size(0) if actual_seq_lengths_query.dim() == 1 else -1
-        S = None
     else:
-        ref_check(
-            query.dim() == 4, op, f"query must be 4-D [B, S, N, D] for layout_query 'BSND', got {query.dim()}-D"
-        )
-        B, S, N, D = query.shape
-        T = B * S
         ref_check(
             weights.dim() == 3 and tuple(weights.shape) == (B, S, N),
             op,
@@ -220,7 +109,7 @@ def validate_npu_lightning_indexer(
             f"actual_seq_lengths_query must be 1-D of length B={B} (> 0), got {tuple(actual_seq_lengths_query.shape)}",
         )
         ref_check(
-            actual_seq_lengths_query.dtype in (torch.int32, torch.int64),
+            actual_seq_lengths_query.dtype in INDEX_DTYPES,
             op,
             f"actual_seq_lengths_query must be int32/int64, got {actual_seq_lengths_query.dtype}",
         )
@@ -228,35 +117,10 @@ def validate_npu_lightning_indexer(
     ref_check(key.dim() == 4, op, f"key must be 4-D ({layout_key}), got {key.dim()}-D")
     ref_check(key.size(2) == 1, op, f"key dim 2 (key heads N2) must be 1, got {key.size(2)}")
     ref_check(key.size(3) == D, op, f"key head dim {key.size(3)} must equal query head dim D={D}")
-    if layout_key == "PA_BSND":
-        ref_check(block_table is not None, op, "block_table is required for layout_key 'PA_BSND'")
-        ref_check(
-            actual_seq_lengths_key is not None, op, "actual_seq_lengths_key is required for layout_key 'PA_BSND'"
-        )
-        ref_check(
-            block_table.dim() == 2 and block_table.size(0) == B,
-            op,
-            f"block_table must be [B={B}, max_blocks], got {tuple(block_table.shape)}",
-        )
-        ref_check(
-            block_table.dtype in (torch.int32, torch.int64),
-            op,
-            f"block_table must be int32/int64, got {block_table.dtype}",
-        )
-    else:
-        ref_check(key.size(0) == B, op, f"key dim 0 must equal batch B={B} for layout_key 'BSND', got {key.size(0)}")
-        ref_check(block_table is None, op, "block_table must be None for layout_key 'BSND'")
-    if actual_seq_lengths_key is not None:
-        ref_check(
-            actual_seq_lengths_key.dim() == 1 and actual_seq_lengths_key.size(0) == B,
-            op,
-            f"actual_seq_lengths_key must be 1-D of length B={B}, got {tuple(actual_seq_lengths_key.shape)}",
-        )
-        ref_check(
-            actual_seq_lengths_key.dtype in (torch.int32, torch.int64),
-            op,
-            f"actual_seq_lengths_key must be int32/int64, got {actual_seq_lengths_key.dtype}",
-        )
+    check_kv_layout(
+        op, key, block_table, actual_seq_lengths_key, layout_key, B,
+        layout_arg="layout_key", lengths_arg="actual_seq_lengths_key",
+    )
     return {"B": B, "S": S, "T": T, "N": N, "D": D}
 
 
@@ -302,37 +166,10 @@ def reference_npu_lightning_indexer(
     )
     B, T, D = info["B"], info["T"], info["D"]
     K = sparse_count
-    if layout_query == "TND":
-        q = query
-        w = weights
-        b_of_t, i_of_t, sq_of_t = query_token_map(actual_seq_lengths_query, T, OP)
-    else:
-        S = info["S"]
-        if actual_seq_lengths_query is not None:
-            ref_check(
-                bool((actual_seq_lengths_query.to(torch.int64) == S).all().item()),
-                OP,
-                f"layout_query 'BSND' supports only actual_seq_lengths_query == S={S} for every batch",
-            )
-        q = query.reshape(T, info["N"], D)
-        w = weights.reshape(T, info["N"])
-        t = torch.arange(T, dtype=torch.int64)
-        b_of_t = torch.div(t, S, rounding_mode="floor")
-        i_of_t = t - b_of_t * S
-        sq_of_t = torch.full((T,), S, dtype=torch.int64)
-
-    if layout_key == "PA_BSND":
-        num_blocks, bs = key.size(0), key.size(1)
-        table = block_table
-        kv_len = actual_seq_lengths_key.to(torch.int64)
-    else:
-        num_blocks, bs = key.size(0), key.size(1)
-        table = torch.arange(B, dtype=torch.int64).view(B, 1)
-        kv_len = (
-            actual_seq_lengths_key.to(torch.int64)
-            if actual_seq_lengths_key is not None
-            else torch.full((B,), bs, dtype=torch.int64)
-        )
+    b_of_t, i_of_t, sq_of_t = token_positions(layout_query, actual_seq_lengths_query, T, info["S"], OP)
+    q = query.reshape(T, info["N"], D)
+    w = weights.reshape(T, info["N"])
+    table, kv_len, num_blocks, bs = kv_addressing(key, block_table, actual_seq_lengths_key, layout_key, B)
     ref_check(bool((kv_len >= 0).all().item()), OP, "actual_seq_lengths_key must be >= 0")
 
     if sparse_mode == 3:

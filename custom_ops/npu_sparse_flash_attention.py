@@ -23,19 +23,22 @@ from typing import Optional
 
 import torch
 
-from .npu_lightning_indexer import (
+from ._attention_common import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_kv_layout,
+    check_query_shape,
+    kv_addressing,
     paged_rows,
-    query_token_map,
     ref_check,
     ref_define,
     ref_impl,
     ref_register_fake,
+    token_positions,
 )
 
 log = logging.getLogger("offload_passes.custom_ops.npu_sparse_flash_attention")
 
-REF_NAMESPACE = "offload_ref"
 SCHEMA = (
     "npu_sparse_flash_attention(Tensor query, Tensor key, Tensor? value, Tensor sparse_indices, "
     "float scale_value, *, Tensor? block_table=None, Tensor? actual_seq_lengths_query=None, "
@@ -84,32 +87,20 @@ def validate_npu_sparse_flash_attention(
         sparse_indices.dtype == torch.int32, op, f"sparse_indices must be int32, got {sparse_indices.dtype}"
     )
 
+    B, S, T, N, D = check_query_shape(op, query, layout_query, actual_seq_lengths_query)
     if layout_query == "TND":
-        ref_check(query.dim() == 3, op, f"query must be 3-D [T, N, D] for layout_query 'TND', got {query.dim()}-D")
-        T, N, D = query.shape
-        ref_check(
-            actual_seq_lengths_query is not None,
-            op,
-            "actual_seq_lengths_query (cumulative, [B]) is required for layout_query 'TND'",
-        )
         ref_check(
             actual_seq_lengths_query.dim() == 1 and actual_seq_lengths_query.size(0) > 0,
             op,
             f"actual_seq_lengths_query must be 1-D and non-empty, got {tuple(actual_seq_lengths_query.shape)}",
         )
         B = actual_seq_lengths_query.size(0)
-        S = None
         ref_check(
             sparse_indices.dim() == 3 and sparse_indices.size(0) == T and sparse_indices.size(1) == 1,
             op,
             f"sparse_indices must be [T={T}, 1, K] for layout_query 'TND', got {tuple(sparse_indices.shape)}",
         )
     else:
-        ref_check(
-            query.dim() == 4, op, f"query must be 4-D [B, S, N, D] for layout_query 'BSND', got {query.dim()}-D"
-        )
-        B, S, N, D = query.shape
-        T = B * S
         ref_check(
             sparse_indices.dim() == 4 and tuple(sparse_indices.shape[:3]) == (B, S, 1),
             op,
@@ -124,7 +115,7 @@ def validate_npu_sparse_flash_attention(
             )
     if actual_seq_lengths_query is not None:
         ref_check(
-            actual_seq_lengths_query.dtype in (torch.int32, torch.int64),
+            actual_seq_lengths_query.dtype in INDEX_DTYPES,
             op,
             f"actual_seq_lengths_query must be int32/int64, got {actual_seq_lengths_query.dtype}",
         )
@@ -167,35 +158,10 @@ def validate_npu_sparse_flash_attention(
             op,
             f"query_rope/key_rope dtype must equal query dtype {query.dtype}",
         )
-    if layout_kv == "PA_BSND":
-        ref_check(block_table is not None, op, "block_table is required for layout_kv 'PA_BSND'")
-        ref_check(
-            actual_seq_lengths_kv is not None, op, "actual_seq_lengths_kv is required for layout_kv 'PA_BSND'"
-        )
-        ref_check(
-            block_table.dim() == 2 and block_table.size(0) == B,
-            op,
-            f"block_table must be [B={B}, max_blocks], got {tuple(block_table.shape)}",
-        )
-        ref_check(
-            block_table.dtype in (torch.int32, torch.int64),
-            op,
-            f"block_table must be int32/int64, got {block_table.dtype}",
-        )
-    else:
-        ref_check(key.size(0) == B, op, f"key dim 0 must equal batch B={B} for layout_kv 'BSND', got {key.size(0)}")
-        ref_check(block_table is None, op, "block_table must be None for layout_kv 'BSND'")
-    if actual_seq_lengths_kv is not None:
-        ref_check(
-            actual_seq_lengths_kv.dim() == 1 and actual_seq_lengths_kv.size(0) == B,
-            op,
-            f"actual_seq_lengths_kv must be 1-D of length B={B}, got {tuple(actual_seq_lengths_kv.shape)}",
-        )
-        ref_check(
-            actual_seq_lengths_kv.dtype in (torch.int32, torch.int64),
-            op,
-            f"actual_seq_lengths_kv must be int32/int64, got {actual_seq_lengths_kv.dtype}",
-        )
+    check_kv_layout(
+        op, key, block_table, actual_seq_lengths_kv, layout_kv, B,
+        layout_arg="layout_kv", lengths_arg="actual_seq_lengths_kv",
+    )
     return {"B": B, "S": S, "T": T, "N": N, "D": D, "K": K}
 
 
@@ -248,31 +214,8 @@ def reference_npu_sparse_flash_attention(
     )
     info = _validate(query, key, value, sparse_indices, kw)
     B, T, N, D, K = info["B"], info["T"], info["N"], info["D"], info["K"]
-    if layout_query == "TND":
-        b_of_t, i_of_t, sq_of_t = query_token_map(actual_seq_lengths_query, T, OP)
-    else:
-        S = info["S"]
-        if actual_seq_lengths_query is not None:
-            ref_check(
-                bool((actual_seq_lengths_query.to(torch.int64) == S).all().item()),
-                OP,
-                f"layout_query 'BSND' supports only actual_seq_lengths_query == S={S} for every batch",
-            )
-        t = torch.arange(T, dtype=torch.int64)
-        b_of_t = torch.div(t, S, rounding_mode="floor")
-        i_of_t = t - b_of_t * S
-        sq_of_t = torch.full((T,), S, dtype=torch.int64)
-    num_blocks, bs = key.size(0), key.size(1)
-    if layout_kv == "PA_BSND":
-        table = block_table
-        kv_len = actual_seq_lengths_kv.to(torch.int64)
-    else:
-        table = torch.arange(B, dtype=torch.int64).view(B, 1)
-        kv_len = (
-            actual_seq_lengths_kv.to(torch.int64)
-            if actual_seq_lengths_kv is not None
-            else torch.full((B,), bs, dtype=torch.int64)
-        )
+    b_of_t, i_of_t, sq_of_t = token_positions(layout_query, actual_seq_lengths_query, T, info["S"], OP)
+    table, kv_len, num_blocks, bs = kv_addressing(key, block_table, actual_seq_lengths_kv, layout_kv, B)
     lim = kv_len[b_of_t] - sq_of_t + i_of_t if sparse_mode == 3 else kv_len[b_of_t] - 1  # [T]
 
     idx = sparse_indices.reshape(T, K).to(torch.int64)

@@ -148,6 +148,28 @@ struct Scratch {
   std::vector<char> tmp_a, tmp_b;
 };
 
+// Both ledger paths: with w.keep[p] = j (old position p keeps new id j), kept entries at/after
+// position n must move below n. Fills w.moved_from[j] (their old position) and w.kept_j[j].
+void evict_tail(Scratch& w, int64_t K, int64_t n) {
+  int64_t top = -1;
+  for (int64_t p = K - 1; p >= 0; --p) {
+    if (w.keep[p] >= 0) { top = p; break; }
+  }
+  w.moved_from.assign(n, -1);
+  if (top + 1 - n > 0) {
+    for (int64_t p = top; p >= n; --p) {
+      if (w.keep[p] >= 0) {
+        w.moved_from[w.keep[p]] = static_cast<int32_t>(p);
+        w.keep[p] = -1;
+      }
+    }
+  }
+  w.kept_j.assign(n, 0);
+  for (int64_t p = 0; p < K; ++p) {
+    if (w.keep[p] >= 0) w.kept_j[w.keep[p]] = 1;
+  }
+}
+
 // §1.4: K > 32, bsz == 1 (one id = one token).
 void ledger_row_large(const Ctx& c, Scratch& w, int64_t r, int64_t b, int64_t max_sel) {
   const int64_t K = c.K, s = r % c.S;
@@ -173,23 +195,7 @@ void ledger_row_large(const Ctx& c, Scratch& w, int64_t r, int64_t b, int64_t ma
     const int32_t p = w.table.find(x);
     if (p >= 0) w.keep[p] = static_cast<int32_t>(j);
   }
-  int64_t top = -1;
-  for (int64_t p = K - 1; p >= 0; --p) {
-    if (w.keep[p] >= 0) { top = p; break; }
-  }
-  w.moved_from.assign(n, -1);
-  if (top + 1 - n > 0) {  // kept entries at/after n are evicted and moved below n
-    for (int64_t p = top; p >= n; --p) {
-      if (w.keep[p] >= 0) {
-        w.moved_from[w.keep[p]] = static_cast<int32_t>(p);
-        w.keep[p] = -1;
-      }
-    }
-  }
-  w.kept_j.assign(n, 0);
-  for (int64_t p = 0; p < K; ++p) {
-    if (w.keep[p] >= 0) w.kept_j[w.keep[p]] = 1;
-  }
+  evict_tail(w, K, n);
   int64_t cur = 0;
   for (int64_t j = 0; j < n; ++j) {
     if (j + kPrefetchAhead < n) c.prefetch_full(b, w.ids[j + kPrefetchAhead]);  // scattered rows
@@ -232,23 +238,7 @@ void ledger_row_small(const Ctx& c, Scratch& w, int64_t r, int64_t b, int64_t Lr
       }
     }
   }
-  int64_t top = -1;
-  for (int64_t p = K - 1; p >= 0; --p) {
-    if (w.keep[p] >= 0) { top = p; break; }
-  }
-  w.moved_from.assign(n, -1);
-  if (top + 1 - n > 0) {
-    for (int64_t p = top; p >= n; --p) {
-      if (w.keep[p] >= 0) {
-        w.moved_from[w.keep[p]] = static_cast<int32_t>(p);
-        w.keep[p] = -1;
-      }
-    }
-  }
-  w.kept_j.assign(n, 0);
-  for (int64_t p = 0; p < K; ++p) {
-    if (w.keep[p] >= 0) w.kept_j[w.keep[p]] = 1;
-  }
+  evict_tail(w, K, n);
   const int64_t tail_len = Lr - max_sel * bsz;
   auto blen = [&](int64_t x) { return x == max_sel ? tail_len : bsz; };
   int64_t cur = 0, actual = 0;

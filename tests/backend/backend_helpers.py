@@ -15,15 +15,18 @@ def full_row(buf: torch.Tensor, B: int) -> torch.Tensor:
     return buf.view(B, -1, buf.size(-1))
 
 
-def check_pool_invariants(state, model: synth.SynthDSA) -> int:
-    """Assert spec §8.4 (metadata consistency) and §8.5 (pool content); return resident entries."""
-    B = model.cfg.B
+def check_pool_state(state, B: int, full_of) -> int:
+    """Assert spec §8.4 (metadata consistency) and §8.5 (pool content); return resident entries.
+
+    ``full_of(layer)`` gives that layer's full caches as ``(kv [B, F, Dkv], rope [B, F, Dr])``.
+    """
     resident = 0
     for g in state.groups:
         pid, i2s, lru = g.pool_ids, g.id_to_slot, g.lru_counter
         PS = pid.size(1)
         NS = PS // 16
         assert int(lru.min()) >= 0 and int(lru.max()) <= 15
+        fulls = {l: full_of(l) for l in g.layers}
         for b in range(B):
             ids = pid[b]
             slots = torch.nonzero(ids >= 0).flatten()
@@ -35,18 +38,46 @@ def check_pool_invariants(state, model: synth.SynthDSA) -> int:
             assert torch.equal(slots // 16, xs & (NS - 1)), "slot not in the id's set"
             for l in g.layers:
                 kv, rope = state.pools[l]
-                fk = full_row(getattr(model, f"full_kv_{l}"), B)[b]
-                fr = full_row(getattr(model, f"full_rope_{l}"), B)[b]
-                assert torch.equal(kv[b, slots], fk[xs]), f"pool kv of layer {l} differs from full cache"
-                assert torch.equal(rope[b, slots], fr[xs]), f"pool rope of layer {l} differs from full cache"
+                fk, fr = fulls[l]
+                assert torch.equal(kv[b, slots], fk[b, xs]), f"pool kv of layer {l} differs from full cache"
+                assert torch.equal(rope[b, slots], fr[b, xs]), f"pool rope of layer {l} differs from full cache"
             resident += xs.numel()
     return resident
 
 
+def check_pool_invariants(state, model: synth.SynthDSA) -> int:
+    """``check_pool_state`` on the synthetic model's caches."""
+    B = model.cfg.B
+    return check_pool_state(state, B, lambda l: (full_row(getattr(model, f"full_kv_{l}"), B),
+                                                 full_row(getattr(model, f"full_rope_{l}"), B)))
+
+
+def check_ledger(model: synth.SynthDSA, lengths: torch.Tensor) -> None:
+    """The model's gather ledger still describes its selection buffers after the rewrite (serve + in-graph
+    ledger write): row r holds ``n = status[r, K]`` valid ids, -1 after them, each row = full cache row."""
+    cfg = model.cfg
+    B, S, K = cfg.B, cfg.S, cfg.K
+    for l in range(len(cfg.pattern)):
+        st = getattr(model, f"sel_status_{l}").view(B * S, K + 1)
+        sel = getattr(model, f"sel_kv_{l}").view(B * S, K, -1)
+        full = getattr(model, f"full_kv_{l}").view(B, -1, cfg.Dkv)
+        for r in range(B * S):
+            n = int(st[r, K])
+            ids = st[r, :n].long()
+            assert n > 0 and bool((ids >= 0).all()) and bool((st[r, n:K] == -1).all()), f"layer {l} row {r}"
+            assert torch.equal(sel[r, :n], full[r // S, ids]), f"layer {l} row {r}: selection != full cache rows"
+            assert int(ids.max()) < int(lengths[r // S])
+
+
 def run_pair(cfg: synth.SynthConfig, steps: int, backend=None, prefill=(300, 280), check_every: int = 1,
-             compiled=None, pair=None, start_step: int = 0, lengths=None):
-    """Run the unmodified and the compiled model side by side; returns a dict of results."""
+             compiled=None, pair=None, start_step: int = 0, lengths=None, reference=None):
+    """Run the unmodified and the compiled model side by side; returns a dict of results.
+
+    ``reference(base)`` (optional) wraps the unmodified model, e.g. ``torch.compile(base, backend="inductor")``
+    so that a rewritten Inductor graph is compared with the unmodified graph under the same compiler.
+    """
     base, m = pair if pair is not None else synth.make_pair(cfg, list(prefill))
+    ref_fn = reference(base) if reference is not None else base
     backend = backend if backend is not None else make_offload_backend(pool_size=64)
     c = compiled if compiled is not None else torch.compile(m, backend=backend)
     L = torch.tensor(list(prefill)) if lengths is None else lengths
@@ -55,7 +86,7 @@ def run_pair(cfg: synth.SynthConfig, steps: int, backend=None, prefill=(300, 280
     with torch.no_grad():
         for s in range(start_step, start_step + steps):
             L = L + cfg.S
-            h0, a0 = base(*base.inputs(L, s))
+            h0, a0 = ref_fn(*base.inputs(L, s))
             h1, a1 = c(*m.inputs(L, s))
             max_h = max(max_h, (h0 - h1).abs().max().item())
             max_a = max(max_a, (a0 - a1).abs().max().item())
@@ -90,8 +121,10 @@ def big_shapes(cfg: synth.SynthConfig, pool_size: int) -> set:
     return out
 
 
-def assert_final_graph(graph: fx.Graph, cfg: synth.SynthConfig, pool_size: int, groups: list[list[int]]):
-    """Structural checks on the post-reinplace graph."""
+def assert_final_graph(graph: fx.Graph, cfg: synth.SynthConfig | None, pool_size: int, groups: list[list[int]],
+                       big: set | None = None):
+    """Structural checks on the post-reinplace graph (``big``: buffer shapes that must never be copied;
+    default: those of the synthetic model ``cfg``)."""
     names = [str(n.target) for n in graph.nodes if n.op == "call_function"]
     assert not [t for t in names if "_functional" in t], "functional twins left after reinplace"
     assert not ops_of(graph, "npu_gather_selection_kv_cache")
@@ -100,7 +133,7 @@ def assert_final_graph(graph: fx.Graph, cfg: synth.SynthConfig, pool_size: int, 
     n_layers = sum(len(g) for g in groups)
     assert len(plans) == len(groups) and len(serves) == n_layers and len(installs) == n_layers
     assert len(sfas) == n_layers
-    big = big_shapes(cfg, pool_size)
+    big = big if big is not None else big_shapes(cfg, pool_size)
     for n in graph.nodes:
         if n.op != "call_function":
             continue

@@ -1,37 +1,77 @@
-"""Inductor mode (one compile: slow on 2 cores): a singleton group plus an FSS group, S = 4, 64 steps."""
+"""Inductor mode, 64 decode steps against the unmodified model, one compile per IndexShare pattern.
+
+Patterns: ``FFSS`` (a singleton plus an FSS group) at S = 4, the irregular ``FFSFSSSSF`` at S = 1 and
+the all-singleton ``FFF`` at S = 1. Each compile is shared by every test of its pattern (module
+fixture); the synthetic shapes are small and the router is off to keep Inductor's work down.
+
+The reference is the unmodified model compiled by Inductor too: Inductor's fused bf16 arithmetic
+differs from eager by ~1 ulp, which can flip a near-tied indexer top-k entry over 64 steps (seen on
+``FFSFSSSSF``: 0.105 on one attention output for plain Inductor vs eager, with or without the
+rewrite). Comparing under the same compiler isolates what the rewrite changes.
+"""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import dsa_synth as synth
-from backend_helpers import assert_final_graph, run_pair
+from backend_helpers import assert_final_graph, check_ledger, run_pair
 from offload_passes.backend import _inductor_pass, make_offload_backend
 
 PS = 64
+STEPS = 64
+
+CASES = [
+    ("FFSS", 4, [[0], [1, 2, 3]]),
+    ("FFSFSSSSF", 1, [[0], [1, 2], [3, 4, 5, 6, 7], [8]]),
+    ("FFF", 1, [[0], [1], [2]]),
+]
 
 
-@pytest.fixture(scope="module")
-def inductor_run():
+@pytest.fixture(scope="module", params=CASES, ids=[f"{p}-S{s}" for p, s, _ in CASES])
+def inductor_run(request):
+    pattern, S, groups = request.param
     # the FX graph cache would skip our post-grad pass on a warm cache; structure is checked on the pass
     with torch._inductor.config.patch(fx_graph_cache=False):
-        cfg = synth.SynthConfig(pattern="FFSS", S=4, router=False)
-        res = run_pair(cfg, 64, make_offload_backend(pool_size=PS, exe_mode="inductor"))
-    res["cfg"] = cfg
+        cfg = synth.SynthConfig(pattern=pattern, S=S, router=False)
+        res = run_pair(cfg, STEPS, make_offload_backend(pool_size=PS, exe_mode="inductor"),
+                       reference=lambda base: torch.compile(base, backend="inductor"))
+    res.update(cfg=cfg, groups=groups)
     return res
 
 
-def test_inductor_outputs_and_structure(inductor_run):
+def test_outputs_equal_and_pool_invariants(inductor_run):
     r = inductor_run
-    assert r["max_a"] <= 2e-2 and r["max_h"] <= 2e-2
+    # pool invariants (spec §8.4-8.5) were asserted after every one of the 64 steps by run_pair
+    assert r["max_a"] <= 2e-2 and r["max_h"] <= 2e-2, (r["max_a"], r["max_h"])
     assert r["resident"] > 0
-    rep = r["backend"].reports[-1]
-    assert rep["rewritten"] and rep["mode"] == "inductor"
-    assert [g["layers"] for g in rep["groups"]] == [[0], [1, 2, 3]]
+    check_ledger(r["model"], r["lengths"])
+
+
+def test_report_and_final_graph(inductor_run):
+    r = inductor_run
+    be = r["backend"]
+    assert len(be.reports) == 1  # one compile served all 64 steps
+    rep = be.reports[-1]
+    assert rep["rewritten"] and rep["mode"] == "inductor" and rep["refusals"] == []
+    assert [g["layers"] for g in rep["groups"]] == r["groups"]
+    assert [g["owner_layer"] for g in rep["groups"]] == [g[0] for g in r["groups"]]
     assert rep["reinplace"]["kept_functional"] == []
-    assert_final_graph(r["backend"].final_graph(), r["cfg"], PS, [[0], [1, 2, 3]])
-    tot = r["state"].counters()[1]["total"]
-    assert tot["steps"] == 64 and tot["hits"] + tot["misses"] + tot["window"] == 64 * 2 * 4 * 64
+    assert rep["reinplace"]["reinplaced"]  # the pass really ran (no FX-cache shortcut)
+    assert_final_graph(be.final_graph(), r["cfg"], PS, r["groups"])
+
+
+def test_counters(inductor_run):
+    r = inductor_run
+    cfg = r["cfg"]
+    counters = r["state"].counters()
+    assert [c["layers"] for c in counters] == r["groups"]
+    for c, layers in zip(counters, r["groups"]):
+        tot = c["total"]
+        assert tot["steps"] == STEPS
+        assert tot["hits"] + tot["misses"] + tot["window"] == STEPS * cfg.B * cfg.S * cfg.K
+        assert tot["hits"] > 0 and tot["misses"] > 0
+        assert tot["host_rows_read"] == (tot["misses"] + tot["window"]) * len(layers)
 
 
 def test_custom_pass_is_cacheable():

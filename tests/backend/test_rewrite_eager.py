@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dsa_synth as synth
-from backend_helpers import assert_final_graph, check_pool_invariants, run_pair
+from backend_helpers import assert_final_graph, check_ledger, check_pool_invariants, run_pair
 from offload_passes.backend import OffloadRefused, make_offload_backend
 
 PS = 64
@@ -75,19 +75,7 @@ def test_counters(run64):
 
 def test_ledger_stays_valid(run64):
     """After the rewrite the model's gather ledger still describes the selection buffer."""
-    m, cfg = run64["model"], run64["cfg"]
-    B, S, K = cfg.B, cfg.S, cfg.K
-    L = run64["lengths"]
-    for l in range(len(cfg.pattern)):
-        st = getattr(m, f"sel_status_{l}").view(B * S, K + 1)
-        sel = getattr(m, f"sel_kv_{l}").view(B * S, K, -1)
-        full = getattr(m, f"full_kv_{l}").view(B, -1, cfg.Dkv)
-        for r in range(B * S):
-            n = int(st[r, K])
-            ids = st[r, :n].long()
-            assert n > 0 and bool((ids >= 0).all()) and bool((st[r, n:K] == -1).all())
-            assert torch.equal(sel[r, :n], full[r // S, ids])
-            assert int(ids.max()) < int(L[r // S])
+    check_ledger(run64["model"], run64["lengths"])
 
 
 def test_reset_rows_prevents_stale_rows():

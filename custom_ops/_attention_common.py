@@ -1,0 +1,256 @@
+"""Pieces shared by the ``offload_ref::`` decode-path references (``npu_lightning_indexer.py``,
+``npu_sparse_flash_attention.py``), spec/ops.md §6.
+
+* registration in the ``offload_ref`` namespace (one FRAGMENT library; define/impl/fake only if
+  missing, so a re-import never redefines);
+* the key/value side both ops read the same way: layout ``PA_BSND`` (block table + lengths) or
+  ``BSND``, its shape checks and its addressing;
+* the query-token map (``TND`` cumulative lengths or ``BSND``).
+
+Each op module keeps its own schema, validation order, fake, reference and CPU wiring; the kv-side
+messages name the op's own arguments (``layout_key``/``actual_seq_lengths_key`` for the indexer,
+``layout_kv``/``actual_seq_lengths_kv`` for sparse flash attention).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+REF_NAMESPACE = "offload_ref"
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# --------------------------------------------------------------------------------------------
+# offload_ref registration helpers
+# --------------------------------------------------------------------------------------------
+
+REF_LIB = torch.library.Library(REF_NAMESPACE, "FRAGMENT")
+
+
+def ref_qualname(name: str) -> str:
+    return f"{REF_NAMESPACE}::{name}"
+
+
+def ref_define(schema: str) -> bool:
+    """Define ``offload_ref::<schema>`` unless already known to the dispatcher."""
+    name = schema.split("(", 1)[0].strip()
+    try:
+        torch._C._dispatch_find_schema_or_throw(ref_qualname(name), "")
+        return False
+    except RuntimeError:
+        REF_LIB.define(schema)
+        return True
+
+
+def ref_impl(name: str, dispatch_key: str, fn: Callable) -> bool:
+    if torch._C._dispatch_has_kernel_for_dispatch_key(ref_qualname(name), dispatch_key):
+        return False
+    REF_LIB.impl(name, fn, dispatch_key)
+    return True
+
+
+def ref_register_fake(name: str, fn: Callable) -> bool:
+    if torch._C._dispatch_has_kernel_for_dispatch_key(ref_qualname(name), "Meta"):
+        return False
+    try:
+        from torch._library.simple_registry import singleton
+
+        if singleton.find(ref_qualname(name)).fake_impl.kernel is not None:
+            return False
+    except Exception:  # pragma: no cover - private API drift
+        pass
+    torch.library.register_fake(ref_qualname(name), fn, lib=REF_LIB)
+    return True
+
+
+def ref_check(cond: bool, op: str, msg: str) -> None:
+    """Raise ``RuntimeError("offload_ref::<op>: <msg>")`` unless ``cond``."""
+    if not cond:
+        raise RuntimeError(f"{ref_qualname(op)}: {msg}")
+
+
+def query_token_map(
+    cu_q: torch.Tensor, T: int, op: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From cumulative query lengths ``[B]`` return ``(batch_of_t, i_of_t, sq_of_t)`` for ``t < T``.
+
+    Data-dependent checks (CPU kernels only): non-decreasing, starting at >= 0, last == T.
+    """
+    cu = cu_q.to(torch.int64)
+    B = cu.numel()
+    ref_check(bool((cu[0] >= 0).item()), op, "actual_seq_lengths_query must start at >= 0")
+    if B > 1:
+        ref_check(
+            bool((cu[1:] >= cu[:-1]).all().item()),
+            op,
+            f"actual_seq_lengths_query must be cumulative (non-decreasing), got {cu.tolist()}",
+        )
+    ref_check(
+        int(cu[-1].item()) == T,
+        op,
+        f"actual_seq_lengths_query[-1] must equal the query token count T={T}, got {int(cu[-1])}",
+    )
+    starts = torch.cat([cu.new_zeros(1), cu[:-1]])
+    t = torch.arange(T, dtype=torch.int64)
+    b_of_t = torch.searchsorted(cu, t, right=True)
+    i_of_t = t - starts[b_of_t]
+    sq_of_t = (cu - starts)[b_of_t]
+    return b_of_t, i_of_t, sq_of_t
+
+
+def paged_rows(
+    block_table: torch.Tensor,
+    b_of_pos: torch.Tensor,
+    pos: torch.Tensor,
+    needed: torch.Tensor,
+    block_size: int,
+    num_blocks: int,
+    op: str,
+) -> torch.Tensor:
+    """Flat row ids ``block_table[b, pos // bs] * bs + pos % bs`` (PA_BSND addressing).
+
+    ``needed`` marks the positions that are really read; their block ids must be in range (error
+    otherwise). Positions not needed are clamped to row 0 and must be masked by the caller.
+    """
+    maxblk = block_table.size(1)
+    col = torch.div(pos, block_size, rounding_mode="floor")
+    beyond = needed & (col >= maxblk)
+    if bool(beyond.any().item()):
+        ref_check(
+            False,
+            op,
+            f"a position that must be read lies beyond block_table's {maxblk} blocks (block_size "
+            f"{block_size}): position {int(pos[beyond].max())} needs block column {int(col[beyond].max())}",
+        )
+    blk = block_table.to(torch.int64)[b_of_pos, col.clamp(0, maxblk - 1)]
+    ref_check(
+        not bool((needed & ((blk < 0) | (blk >= num_blocks))).any().item()),
+        op,
+        f"block_table holds a block id outside [0, {num_blocks}) for a position that must be read",
+    )
+    rows = blk * block_size + torch.remainder(pos, block_size)
+    return torch.where(needed, rows, torch.zeros_like(rows))
+
+
+# --------------------------------------------------------------------------------------------
+# shared validation and addressing
+# --------------------------------------------------------------------------------------------
+
+
+def check_query_shape(
+    op: str, query: torch.Tensor, layout_query: str, actual_seq_lengths_query: Optional[torch.Tensor]
+) -> tuple[Optional[int], Optional[int], int, int, int]:
+    """Rank of ``query`` for its (validated) layout; ``TND`` also needs cumulative query lengths.
+
+    Returns ``(B, S, T, N, D)``; ``B`` and ``S`` are None for ``TND`` (each op takes ``B`` from the
+    lengths its own way).
+    """
+    if layout_query == "TND":
+        ref_check(query.dim() == 3, op, f"query must be 3-D [T, N, D] for layout_query 'TND', got {query.dim()}-D")
+        T, N, D = query.shape
+        ref_check(
+            actual_seq_lengths_query is not None,
+            op,
+            "actual_seq_lengths_query (cumulative, [B]) is required for layout_query 'TND'",
+        )
+        return None, None, T, N, D
+    ref_check(
+        query.dim() == 4, op, f"query must be 4-D [B, S, N, D] for layout_query 'BSND', got {query.dim()}-D"
+    )
+    B, S, N, D = query.shape
+    return B, S, B * S, N, D
+
+
+def check_kv_layout(
+    op: str,
+    key: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    seq_lengths: Optional[torch.Tensor],
+    layout: str,
+    B: int,
+    *,
+    layout_arg: str,
+    lengths_arg: str,
+) -> None:
+    """Block table and kv lengths for kv layout ``PA_BSND`` (both required) or ``BSND`` (no table).
+
+    ``layout_arg``/``lengths_arg`` are the op's names of the layout string and the lengths tensor.
+    """
+    if layout == "PA_BSND":
+        ref_check(block_table is not None, op, f"block_table is required for {layout_arg} 'PA_BSND'")
+        ref_check(seq_lengths is not None, op, f"{lengths_arg} is required for {layout_arg} 'PA_BSND'")
+        ref_check(
+            block_table.dim() == 2 and block_table.size(0) == B,
+            op,
+            f"block_table must be [B={B}, max_blocks], got {tuple(block_table.shape)}",
+        )
+        ref_check(
+            block_table.dtype in INDEX_DTYPES,
+            op,
+            f"block_table must be int32/int64, got {block_table.dtype}",
+        )
+    else:
+        ref_check(
+            key.size(0) == B, op, f"key dim 0 must equal batch B={B} for {layout_arg} 'BSND', got {key.size(0)}"
+        )
+        ref_check(block_table is None, op, f"block_table must be None for {layout_arg} 'BSND'")
+    if seq_lengths is not None:
+        ref_check(
+            seq_lengths.dim() == 1 and seq_lengths.size(0) == B,
+            op,
+            f"{lengths_arg} must be 1-D of length B={B}, got {tuple(seq_lengths.shape)}",
+        )
+        ref_check(
+            seq_lengths.dtype in INDEX_DTYPES,
+            op,
+            f"{lengths_arg} must be int32/int64, got {seq_lengths.dtype}",
+        )
+
+
+def kv_addressing(
+    key: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    seq_lengths: Optional[torch.Tensor],
+    layout: str,
+    B: int,
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(table, kv_len, num_blocks, block_size)`` for :func:`paged_rows` (validated inputs).
+
+    ``BSND`` is read as a paged cache with one block per batch row (identity table); without lengths
+    every row of it is visible.
+    """
+    num_blocks, bs = key.size(0), key.size(1)
+    if layout == "PA_BSND":
+        return block_table, seq_lengths.to(torch.int64), num_blocks, bs
+    table = torch.arange(B, dtype=torch.int64).view(B, 1)
+    kv_len = (
+        seq_lengths.to(torch.int64) if seq_lengths is not None else torch.full((B,), bs, dtype=torch.int64)
+    )
+    return table, kv_len, num_blocks, bs
+
+
+def token_positions(
+    layout_query: str,
+    actual_seq_lengths_query: Optional[torch.Tensor],
+    T: int,
+    S: Optional[int],
+    op: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(batch_of_t, i_of_t, sq_of_t)`` for every query token ``t < T`` (see :func:`query_token_map`).
+
+    ``BSND`` has ``S`` tokens per batch row; lengths, if given, must all equal ``S``.
+    """
+    if layout_query == "TND":
+        return query_token_map(actual_seq_lengths_query, T, op)
+    if actual_seq_lengths_query is not None:
+        ref_check(
+            bool((actual_seq_lengths_query.to(torch.int64) == S).all().item()),
+            op,
+            f"layout_query 'BSND' supports only actual_seq_lengths_query == S={S} for every batch",
+        )
+    t = torch.arange(T, dtype=torch.int64)
+    b_of_t = torch.div(t, S, rounding_mode="floor")
+    i_of_t = t - b_of_t * S
+    sq_of_t = torch.full((T,), S, dtype=torch.int64)
+    return b_of_t, i_of_t, sq_of_t
