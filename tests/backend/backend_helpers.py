@@ -52,21 +52,28 @@ def check_pool_invariants(state, model: synth.SynthDSA) -> int:
                                                  full_row(getattr(model, f"full_rope_{l}"), B)))
 
 
+def check_ledger_layer(status: torch.Tensor, sel_kv: torch.Tensor, full_kv: torch.Tensor, S: int, K: int,
+                       lengths: torch.Tensor, where: str = "") -> None:
+    """One layer's gather ledger still describes its selection buffer after the rewrite (serve + in-graph
+    ledger write): row r holds ``n = status[r, K]`` valid ids, -1 after them, each = its full-cache row.
+    ``status [B, S, 1, K+1]``, ``sel_kv`` viewable as ``[B*S, K, D]``, ``full_kv`` as ``[B, F, D]``."""
+    B = full_kv.size(0)
+    st = status.reshape(B * S, K + 1)
+    sel = sel_kv.reshape(B * S, K, -1)
+    for r in range(B * S):
+        n = int(st[r, K])
+        ids = st[r, :n].long()
+        assert n > 0 and bool((ids >= 0).all()) and bool((st[r, n:K] == -1).all()), f"{where} row {r}"
+        assert torch.equal(sel[r, :n], full_kv[r // S, ids]), f"{where} row {r}: selection != full cache rows"
+        assert int(ids.max()) < int(lengths[r // S])
+
+
 def check_ledger(model: synth.SynthDSA, lengths: torch.Tensor) -> None:
-    """The model's gather ledger still describes its selection buffers after the rewrite (serve + in-graph
-    ledger write): row r holds ``n = status[r, K]`` valid ids, -1 after them, each row = full cache row."""
+    """``check_ledger_layer`` on every layer of the synthetic model."""
     cfg = model.cfg
-    B, S, K = cfg.B, cfg.S, cfg.K
     for l in range(len(cfg.pattern)):
-        st = getattr(model, f"sel_status_{l}").view(B * S, K + 1)
-        sel = getattr(model, f"sel_kv_{l}").view(B * S, K, -1)
-        full = getattr(model, f"full_kv_{l}").view(B, -1, cfg.Dkv)
-        for r in range(B * S):
-            n = int(st[r, K])
-            ids = st[r, :n].long()
-            assert n > 0 and bool((ids >= 0).all()) and bool((st[r, n:K] == -1).all()), f"layer {l} row {r}"
-            assert torch.equal(sel[r, :n], full[r // S, ids]), f"layer {l} row {r}: selection != full cache rows"
-            assert int(ids.max()) < int(lengths[r // S])
+        check_ledger_layer(getattr(model, f"sel_status_{l}"), getattr(model, f"sel_kv_{l}"),
+                           full_row(getattr(model, f"full_kv_{l}"), cfg.B), cfg.S, cfg.K, lengths, f"layer {l}")
 
 
 def run_pair(cfg: synth.SynthConfig, steps: int, backend=None, prefill=(300, 280), check_every: int = 1,
