@@ -7,7 +7,10 @@ in-place ops a Functionalize kernel that maps them onto their ``*_functional`` t
 One op, one module: ``dsa_plan.py``, ``dsa_serve.py``, ``dsa_install.py``,
 ``npu_gather_selection_kv_cache.py`` (``custom::`` namespace) and the decode-path references
 ``npu_lightning_indexer.py``, ``npu_sparse_flash_attention.py`` (``offload_ref::`` namespace, so they
-never clash with torch_npu's ``npu::`` ops). C++ sources are ``csrc/<op>.cpp``.
+never clash with torch_npu's ``npu::`` ops). C++ sources are ``csrc/<op>.cpp``. Shared helpers:
+``_library.py`` (registration, checks, CPU-kernel plumbing), ``_records.py`` (install-records layout),
+``_pool.py`` (pool geometry checks of plan/install), ``_attention_common.py`` (``offload_ref``
+registration and the query/kv-layout checks of the two decode-path references).
 """
 from . import _library  # noqa: F401
 from . import dsa_plan, dsa_serve, dsa_install, npu_gather_selection_kv_cache  # noqa: F401

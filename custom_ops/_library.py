@@ -9,6 +9,10 @@ Every op module (``dsa_plan.py``, ``dsa_serve.py`` ...) uses these helpers so th
   (default ``~/.cache/torch_extensions``). Importing the package never invokes a compiler.
 * ``OFFLOAD_PASSES_CPU_KERNELS=reference`` switches every CPU kernel to the pure-torch reference
   (for machines without a compiler); the default ``cpp`` uses the C++ kernels.
+
+It also holds the small pieces every op's CPU wiring repeats: ``check`` (eager or lazily formatted
+message), ``cpu_kernel`` (the resolved C++ entry point, cached), ``dense`` (contiguous copy of a
+read-only input, logged once) and ``ValidationMemo`` (skip re-validating a signature that passed).
 """
 from __future__ import annotations
 
