@@ -32,8 +32,9 @@ def _full_rows(model, l: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _big_shapes(model, B: int) -> set:
     """Shapes of every cache / selection buffer (and the views the graph takes of them) and the pools."""
     out = set()
+    data = ("kv_cache", "k_rope_cache", "key_cache", "sel_kv", "sel_rope")  # not the ledger (sel_status)
     for name, t in model.cache_buffers().items():
-        if t.dim() < 3:
+        if name.rsplit(".", 1)[-1] not in data:
             continue
         D = t.size(-1)
         out |= {tuple(t.shape), (t.numel() // D, D), (B, t.numel() // (B * D), D)}
