@@ -59,7 +59,7 @@ def test_final_graph_structure(run64):
 
 
 def test_counters(run64):
-    be, cfg = run64["backend"], run64["cfg"]
+    cfg = run64["cfg"]
     counters = run64["state"].counters()
     for c, layers in zip(counters, run64["groups"]):
         tot = c["total"]
