@@ -19,7 +19,21 @@ from .backend import OffloadBackend, make_offload_backend
 from .state import OffloadState
 
 
-class OffloadedModule(nn.Module):
+class _ExposesOffload:
+    """``offload_state`` / ``offload_reports`` of the object's ``offload_backend``."""
+
+    offload_backend: OffloadBackend
+
+    @property
+    def offload_state(self) -> Optional[OffloadState]:
+        return self.offload_backend.state
+
+    @property
+    def offload_reports(self) -> list:
+        return self.offload_backend.reports
+
+
+class OffloadedModule(_ExposesOffload, nn.Module):
     """A module compiled with the offload backend (the original stays reachable as ``.module``)."""
 
     def __init__(self, module: nn.Module, backend: OffloadBackend):
@@ -31,30 +45,14 @@ class OffloadedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._compiled(*args, **kwargs)
 
-    @property
-    def offload_state(self) -> Optional[OffloadState]:
-        return self.offload_backend.state
-
-    @property
-    def offload_reports(self) -> list:
-        return self.offload_backend.reports
-
 
 def _wrap_class(cls: type, opts: dict) -> type:
-    class Offloaded(cls):  # type: ignore[misc, valid-type]
+    class Offloaded(_ExposesOffload, cls):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             # not an nn.Module attribute (no submodule registration): keep it out of state_dict
             object.__setattr__(self, "offload_backend", make_offload_backend(**opts))
             self.compile(backend=self.offload_backend)
-
-        @property
-        def offload_state(self) -> Optional[OffloadState]:
-            return self.offload_backend.state
-
-        @property
-        def offload_reports(self) -> list:
-            return self.offload_backend.reports
 
     Offloaded.__name__ = cls.__name__
     Offloaded.__qualname__ = cls.__qualname__

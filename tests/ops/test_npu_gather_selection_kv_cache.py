@@ -17,18 +17,9 @@ gather_f = torch.ops.custom.npu_gather_selection_kv_cache_functional.default
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cpp_kernel():
-    """Build (or load from the ninja cache) the C++ kernel once; the custom:: op must take the C++
-    path in this module even if OFFLOAD_PASSES_CPU_KERNELS=reference is set outside."""
-    saved = os.environ.get("OFFLOAD_PASSES_CPU_KERNELS")
-    os.environ["OFFLOAD_PASSES_CPU_KERNELS"] = "cpp"
-    try:
-        yield Lib.cpu_op("npu_gather_selection_kv_cache")
-    finally:
-        if saved is None:
-            os.environ.pop("OFFLOAD_PASSES_CPU_KERNELS", None)
-        else:
-            os.environ["OFFLOAD_PASSES_CPU_KERNELS"] = saved
+def cpp_kernel(force_cpp_kernels):
+    """Build (or load from the ninja cache) the C++ kernel once; this module tests the C++ path."""
+    return Lib.cpu_op("npu_gather_selection_kv_cache")
 
 
 @pytest.fixture
