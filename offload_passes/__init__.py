@@ -15,6 +15,24 @@ from . import custom_ops  # noqa: F401  (registers the ops)
 
 logging.getLogger("offload_passes").addHandler(logging.NullHandler())
 
+
+def _register_torch_logs() -> None:
+    """Make ``TORCH_LOGS="offload_passes"`` (``+`` for debug) / ``torch._logging.set_logs`` work for our loggers."""
+    import os
+
+    try:
+        from torch._logging import _internal
+    except ImportError:  # pragma: no cover - torch without the logging registry
+        return
+    if "offload_passes" in _internal.log_registry.log_alias_to_log_qnames:
+        return
+    _internal.register_log("offload_passes", "offload_passes")
+    if "offload_passes" in os.environ.get("TORCH_LOGS", ""):
+        _internal._init_logs()  # TORCH_LOGS was parsed at torch import, before we registered
+
+
+_register_torch_logs()
+
 __version__ = "0.1.0"
 
 _LAZY = {

@@ -120,3 +120,22 @@ def test_demo_json_on_tiny_model(capsys):
     assert out["hits"] + out["misses"] + out["window"] == 16 * 2 * B * S * K  # two groups, all rows valid
     assert out["host_rows_read"] == 4 * (out["misses"] + out["window"])
     assert out["baseline_host_rows_read"] > 0 and out["pass_s"] < out["compile_s"]
+
+
+def test_torch_logs_switch_controls_offload_passes_loggers():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging, offload_passes\n"
+            "log = logging.getLogger('offload_passes.backend')\n"
+            "log.debug('dbg-line'); log.info('info-line')\n")
+    runs = {}
+    for setting in ("+offload_passes", "offload_passes", ""):
+        env = dict(os.environ, TORCH_LOGS=setting, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        runs[setting] = out.stderr
+    assert "dbg-line" in runs["+offload_passes"] and "info-line" in runs["+offload_passes"]
+    assert "dbg-line" not in runs["offload_passes"] and "info-line" in runs["offload_passes"]
+    assert "info-line" not in runs[""]
