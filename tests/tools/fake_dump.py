@@ -73,6 +73,17 @@ class _G:
         return fx.GraphModule(torch.nn.Module(), self.g).print_readable(print_output=False)
 
 
+def _indexer(G, l: int, h, cu, L, bt, B: int, S: int, K: int):
+    """Layer ``l``'s lightning indexer and the ``[B, S, 1, K]`` view the gathers consume."""
+    kidx = G.ph(f"l_self_buffers_kidx_{l}_")
+    li = G.call(f"npu_lightning_indexer_{l}", ref.npu_lightning_indexer.default, (h, kidx, h),
+                {"actual_seq_lengths_query": cu, "actual_seq_lengths_key": L, "block_table": bt,
+                 "layout_query": "TND", "layout_key": "PA_BSND", "sparse_count": K, "sparse_mode": 3},
+                op="offload_ref.npu_lightning_indexer")
+    topk = G.item(f"topk_{l}", li, 0)
+    return G.method(f"topk4_{l}", topk, "view", B, S, 1, K)
+
+
 def _before(pattern: str, B: int, S: int, K: int) -> _G:
     G = _G()
     h, L, cu, bt = G.ph("l_h_"), G.ph("l_len_"), G.ph("l_cu_q_"), G.ph("l_self_buffers_block_table_")
@@ -82,13 +93,7 @@ def _before(pattern: str, B: int, S: int, K: int) -> _G:
                 ("sel_kv", "sel_rope", "sel_table", "sel_status", "full_kv", "full_rope")}
         G.layer = l
         if kind == "F":
-            kidx = G.ph(f"l_self_buffers_kidx_{l}_")
-            li = G.call(f"npu_lightning_indexer_{l}", ref.npu_lightning_indexer.default, (h, kidx, h),
-                        {"actual_seq_lengths_query": cu, "actual_seq_lengths_key": L, "block_table": bt,
-                         "layout_query": "TND", "layout_key": "PA_BSND", "sparse_count": K, "sparse_mode": 3},
-                        op="offload_ref.npu_lightning_indexer")
-            topk = G.item(f"topk_{l}", li, 0)
-            topk4 = G.method(f"topk4_{l}", topk, "view", B, S, 1, K)
+            topk4 = _indexer(G, l, h, cu, L, bt, B, S, K)
         act = G.call(f"npu_gather_selection_kv_cache_{l}", custom.npu_gather_selection_kv_cache.default,
                      (bufs["sel_rope"], bufs["sel_kv"], bufs["sel_table"], bufs["sel_status"], topk4,
                       bufs["full_rope"], bufs["full_kv"], bt, L, cu), {"selection_topk_block_size": 1},
@@ -124,13 +129,7 @@ def _after(pattern: str, B: int, S: int, K: int, PS: int):
             meta = {k: G.ph(f"offload_{k}_g{g}") for k in ("pool_ids", "id_to_slot", "lru_counter")}
         G.layer = l
         if kind == "F":
-            kidx = G.ph(f"l_self_buffers_kidx_{l}_")
-            li = G.call(f"npu_lightning_indexer_{l}", ref.npu_lightning_indexer.default, (h, kidx, h),
-                        {"actual_seq_lengths_query": cu, "actual_seq_lengths_key": L, "block_table": bt,
-                         "layout_query": "TND", "layout_key": "PA_BSND", "sparse_count": K, "sparse_mode": 3},
-                        op="offload_ref.npu_lightning_indexer")
-            topk = G.item(f"topk_{l}", li, 0)
-            topk4 = G.method(f"topk4_{l}", topk, "view", B, S, 1, K)
+            topk4 = _indexer(G, l, h, cu, L, bt, B, S, K)
             p = G.call(f"dsa_plan_g{g}", custom.dsa_plan.default,
                        (topk4, L, meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"]),
                        {"raw_seq": S, "group_id": g, "owner_layer": l}, op="custom.dsa_plan")
