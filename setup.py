@@ -44,10 +44,11 @@ setup(
     package_dir=PACKAGES,
     package_data={
         "offload_passes.custom_ops": ["csrc/*.cpp", "csrc/*.h"],
+        "offload_passes.trace": ["csrc/*.cpp"],
         "offload_passes.models": ["configs/*.yaml"],
     },
     install_requires=[
-        "torch>=2.13,<2.14",
+        "torch>=2.8,<2.14",  # checked: 2.8.0 and 2.13.0 (scripts/test_matrix.sh)
         "sympy",
         "pyyaml",
         "ninja",
@@ -56,7 +57,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "protobuf>=3.13", "packaging"],
-        "viz": ["graphviz"],
+        "viz": ["graphviz", "matplotlib"],  # matplotlib: offload-sim --plot
+        "hf": ["transformers==5.23.0"],  # the HF front-end (models/hf, passes/detect_hf.py), verified on 5.23.0
     },
     entry_points={
         "torch_dynamo_backends": ["dsa_offload = offload_passes.backend:dsa_offload_backend"],
@@ -64,6 +66,8 @@ setup(
             "offload-demo = offload_passes.demo:main",
             "offload-inspect = offload_passes.tools.inspect_dump:main",
             "offload-plan = offload_passes.tools.capacity_plan:main",
+            "offload-atlas-check = offload_passes.tools.atlas_check:main",
+            "offload-sim = offload_passes.trace.cli:main",
         ],
     },
 )

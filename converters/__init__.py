@@ -46,10 +46,13 @@ def register_ge() -> List[str]:
     import offload_passes  # noqa: F401  (op schemas must exist before converters attach to them)
 
     _require("torchair")
+    from .cache_write import register_ge_converter as register_cache_write
     from .ge_converters import register_ge_converters
     from .ge_ref_patch import patch_copy_pass, patch_ref_idx
 
     names = register_ge_converters()
+    register_cache_write()
+    names.append("offload_ge::scatter_nd_update")
     patch_ref_idx()
     patch_copy_pass()
     return names

@@ -89,3 +89,53 @@ def split_install_chains(gm: fx.GraphModule) -> int:
         gm.recompile()
         log.debug("split %d dsa_install metadata chains", done)
     return done
+
+
+def inplace_masked_input_updates(gm: fx.GraphModule) -> int:
+    """``where(mask, fill, x)`` of a graph input ``x`` whose old value nobody else reads -> ``x.masked_fill_``.
+
+    The rewrite invalidates the pool rows of batch rows that started a new request with
+    ``copy_(meta, where(new_row, fill, meta))`` before the plan. After functionalization the plan and the
+    installs read that ``where`` (an intermediate), so the registry would refuse to reinplace them (it
+    only reinplaces graph inputs) and every step would copy each pool. When the input's only other users
+    are its ``copy_`` epilogues, updating it in place first is the same computation. Returns rewrites.
+    """
+    aten = torch.ops.aten
+    copy_ = aten.copy_.default
+    graph = gm.graph
+    done = 0
+    for w in list(graph.nodes):
+        if w.target not in (aten.where.ScalarSelf, aten.where.self) or len(w.args) != 3:
+            continue
+        mask, fill, x = w.args
+        if not (isinstance(x, fx.Node) and x.op in ("placeholder", "get_attr") and isinstance(mask, fx.Node)):
+            continue
+        if isinstance(fill, fx.Node):  # decomposed form: where.self(mask, scalar_tensor(v), x)
+            fv = fill.meta.get("val")
+            if fv is None or fv.dim() != 0:
+                continue
+            fill_op = aten.masked_fill_.Tensor
+        elif isinstance(fill, (int, float, bool)):
+            fill_op = aten.masked_fill_.Scalar
+        else:
+            continue
+        if any(u is not w and not (u.target is copy_ and u.args[0] is x) for u in x.users):
+            continue  # someone reads the old value
+        xv, wv = x.meta.get("val"), w.meta.get("val")
+        if xv is None or wv is None or tuple(xv.shape) != tuple(wv.shape) or xv.dtype != wv.dtype:
+            continue
+        with graph.inserting_before(w):
+            m = graph.call_function(fill_op, (x, mask, fill))
+        m.meta["val"] = xv
+        w.replace_all_uses_with(x)
+        graph.erase_node(w)
+        # an epilogue that now copies the input onto itself is a no-op
+        for u in list(x.users):
+            if u.target is copy_ and u.args[0] is x and u.args[1] is x:
+                graph.erase_node(u)
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+        log.debug("made %d masked input updates in place", done)
+    return done

@@ -6,15 +6,32 @@ in-place ops a Functionalize kernel that maps them onto their ``*_functional`` t
 
 One op, one module: ``dsa_plan.py``, ``dsa_serve.py``, ``dsa_install.py``,
 ``npu_gather_selection_kv_cache.py`` (``custom::`` namespace) and the decode-path references
-``npu_lightning_indexer.py``, ``npu_sparse_flash_attention.py`` (``offload_ref::`` namespace, so they
-never clash with torch_npu's ``npu::`` ops). C++ sources are ``csrc/<op>.cpp``. Shared helpers:
+``npu_lightning_indexer.py``, ``npu_quant_lightning_indexer.py``, ``npu_sparse_flash_attention.py``
+(``offload_ref::`` namespace, so they never clash with torch_npu's ``npu::`` ops). C++ sources are
+``csrc/<op>.cpp``. Shared helpers:
 ``_library.py`` (registration, checks, CPU-kernel plumbing), ``_records.py`` (install-records layout),
 ``_pool.py`` (pool geometry checks of plan/install), ``_attention_common.py`` (``offload_ref``
-registration and the query/kv-layout checks of the two decode-path references).
+registration and the query/kv-layout checks of the two decode-path references), ``_cann.py``
+(coexistence with CANN's ``custom_ops_lib*.so`` in either load order: :func:`load_cann_ops`,
+:func:`cann_library_status`, ``$OFFLOAD_PASSES_CANN_OPS_LIB``).
 """
 from . import _library  # noqa: F401
-from . import dsa_plan, dsa_serve, dsa_install, npu_gather_selection_kv_cache  # noqa: F401
-from . import npu_lightning_indexer, npu_sparse_flash_attention  # noqa: F401
+from . import _cann
+
+# CANN's own library (if installed / configured) must be loaded before we define any schema: its
+# TORCH_LIBRARY(custom, m) aborts the process when a schema already exists (see _cann.py).
+_cann.autoload()
+
+from . import dsa_plan, dsa_serve, dsa_install, npu_gather_selection_kv_cache  # noqa: F401,E402
+from . import npu_lightning_indexer, npu_sparse_flash_attention  # noqa: F401,E402
+
+_cann.register_npu_guards()
+_cann.install_hooks()
+
+from ._cann import CannLibraryStatus, cann_library_status, find_cann_library, load_cann_ops  # noqa: E402,F401
+from . import npu_quant_lightning_indexer  # noqa: F401
+from . import dsa_install_sc  # noqa: F401,E402  (opt-in second-chance pool policy, offload_ref::)
+from . import cache_write  # noqa: F401,E402  (in-place cache writes of the reference graph, offload_ref:: test doubles)
 
 #: The seven ``custom::`` ops whose schemas must match CANN's strings exactly.
 CUSTOM_OPS = (

@@ -254,3 +254,47 @@ def token_positions(
     i_of_t = t - b_of_t * S
     sq_of_t = torch.full((T,), S, dtype=torch.int64)
     return b_of_t, i_of_t, sq_of_t
+
+
+# --------------------------------------------------------------------------------------------
+# the indexers' visible-key window and top-k selection (npu_lightning_indexer and
+# npu_quant_lightning_indexer differ only in how a (token, key) score is computed)
+# --------------------------------------------------------------------------------------------
+
+
+def indexer_window(
+    kv_len: torch.Tensor,
+    b_of_t: torch.Tensor,
+    i_of_t: torch.Tensor,
+    sq_of_t: torch.Tensor,
+    sparse_mode: int,
+) -> tuple[torch.Tensor, int]:
+    """Visible keys per query token: ``n[t]`` (``[T]`` int64, >= 0) and ``max(n)``.
+
+    ``sparse_mode`` 3 (right-down causal): ``n = L[b] - Sq + i + 1``; 0: ``n = L[b]``. ``n <= 0``
+    means no visible key (the token's row is all -1).
+    """
+    if sparse_mode == 3:
+        n = kv_len[b_of_t] - sq_of_t + i_of_t + 1
+    else:
+        n = kv_len[b_of_t]
+    n = n.clamp(min=0)
+    return n, (int(n.max().item()) if n.numel() > 0 else 0)
+
+
+def indexer_topk(score: torch.Tensor, n: torch.Tensor, needed: torch.Tensor, K: int) -> torch.Tensor:
+    """``[T, K]`` int32 ids of the ``min(K, n[t])`` largest ``score[t, :n[t]]``, -1 padded.
+
+    Order: score descending, equal scores by ascending id (stable sort). ``needed`` = ``j < n[t]``.
+    """
+    T, nmax = score.shape
+    out = torch.full((T, K), -1, dtype=torch.int32)
+    if nmax == 0:
+        return out
+    score = score.masked_fill(~needed, float("-inf"))
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    c = min(K, nmax)
+    top = order[:, :c].to(torch.int32)
+    keep = torch.arange(c).unsqueeze(0) < n.clamp(max=K).unsqueeze(1)
+    out[:, :c] = torch.where(keep, top, torch.full_like(top, -1))
+    return out

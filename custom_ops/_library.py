@@ -31,8 +31,20 @@ NAMESPACE = "custom"
 CPU_NAMESPACE = "offload_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
 
-_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+# Our registrations live in separate libraries so that CANN's extension can be loaded *after* us (see
+# ``_cann.py``): the schemas, fakes and NPU guards are released before it runs its ``TORCH_LIBRARY(custom)``,
+# while the CPU and Functionalize kernels (``_lib``) stay registered. Those kernels keep the dispatcher's
+# operator entries alive, so the ``torch.ops.custom.*`` objects other modules already hold stay valid.
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")  # CPU + Functionalize kernels (never released)
+_def_lib = torch.library.Library(NAMESPACE, "FRAGMENT")  # schemas we defined
+_fake_lib = torch.library.Library(NAMESPACE, "FRAGMENT")  # fake kernels we registered
+_guard_lib = torch.library.Library(NAMESPACE, "FRAGMENT")  # PrivateUse1 guards we registered
 _defined_here: set[str] = set()
+_faked_here: set[str] = set()
+_guarded_here: set[str] = set()
+#: Everything the op modules asked for, kept to re-register what is missing after a late CANN load.
+_schemas: dict[str, str] = {}
+_fakes: dict[str, Callable] = {}
 _build_lock = threading.Lock()
 _built: set[str] = set()
 
@@ -53,10 +65,11 @@ def schema_exists(name: str) -> bool:
 def define(schema: str) -> bool:
     """Define ``custom::<schema>`` unless the process already has it. Returns True if defined here."""
     name = schema.split("(", 1)[0].strip()
+    _schemas[name] = schema
     if schema_exists(name):
         log.debug("custom::%s already defined in this process; adding only missing kernels", name)
         return False
-    _lib.define(schema)
+    _def_lib.define(schema)
     _defined_here.add(name)
     return True
 
@@ -75,10 +88,51 @@ def impl(name: str, dispatch_key: str, fn: Callable) -> bool:
 
 def register_fake(name: str, fn: Callable) -> bool:
     """Register a fake (meta) kernel unless one exists (a C++ Meta kernel from CANN counts)."""
+    _fakes[name] = fn
     if has_kernel(name, "Meta") or (name not in _defined_here and _has_python_fake(name)):
         return False
-    torch.library.register_fake(qualname(name), fn, lib=_lib)
+    torch.library.register_fake(qualname(name), fn, lib=_fake_lib)
+    _faked_here.add(name)
     return True
+
+
+def register_npu_guard(name: str, fn: Callable) -> bool:
+    """Register ``fn`` as the PrivateUse1 (NPU) kernel of ``custom::<name>`` unless one exists (CANN's)."""
+    if has_kernel(name, "PrivateUse1"):
+        return False
+    _guard_lib.impl(name, fn, "PrivateUse1")
+    _guarded_here.add(name)
+    return True
+
+
+def release_for_external_library() -> tuple[set[str], set[str], set[str]]:
+    """Deregister our schemas, fakes and NPU guards (not the CPU/Functionalize kernels) so that a library
+    with its own ``TORCH_LIBRARY(custom, m)`` can define the schemas. Returns what was released.
+
+    The cached ``torch.ops.custom.<op>`` objects are kept on purpose (``Library._destroy`` would drop
+    them): the operator entries survive through ``_lib``'s kernels, so objects held elsewhere keep working.
+    """
+    global _def_lib, _fake_lib, _guard_lib
+    released = (set(_defined_here), set(_faked_here), set(_guarded_here))
+    for lib in (_def_lib, _fake_lib, _guard_lib):
+        getattr(lib, "_op_defs", set()).clear()  # keep torch.ops.custom.* (see docstring)
+        lib._destroy()
+    _def_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    _fake_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    _guard_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    _defined_here.clear()
+    _faked_here.clear()
+    _guarded_here.clear()
+    return released
+
+
+def registered_schemas() -> dict[str, str]:
+    """Schema string of every ``custom::`` op the op modules define (CANN's strings)."""
+    return dict(_schemas)
+
+
+def registered_fakes() -> dict[str, Callable]:
+    return dict(_fakes)
 
 
 def _has_python_fake(name: str) -> bool:

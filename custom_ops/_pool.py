@@ -24,22 +24,24 @@ def check_pool_size(op: str, what: str, PS: int) -> int:
 
 
 def check_pool_metadata(
-    op: str, B: int, NS: int, id_to_slot: torch.Tensor, lru_counter: torch.Tensor, got: str
+    op: str, B: int, NS: int, id_to_slot: torch.Tensor, lru_counter: torch.Tensor, got: str, b_src: str = ""
 ) -> int:
     """Validate ``id_to_slot`` ``[B, IR]`` and ``lru_counter`` ``[B, NS]``; return ``IR``.
 
-    ``got`` is the word(s) before the offending shape in the messages (each op keeps its own wording).
+    ``got`` is the word(s) before the offending shape in the messages (each op keeps its own wording);
+    ``b_src`` names the tensor B comes from (appended, so a wrong B names its source too).
     """
+    src = f" (B = {b_src})" if b_src else ""
     L.check(
         id_to_slot.dim() == 2 and id_to_slot.size(0) == B,
         op,
-        f"id_to_slot must be [B={B}, IR], {got} {tuple(id_to_slot.shape)}",
+        f"id_to_slot must be [B={B}, IR], {got} {tuple(id_to_slot.shape)}{src}",
     )
     IR = id_to_slot.size(1)
     L.check(IR > 0, op, f"id_to_slot dim 1 (id_range) must be > 0, got {IR}")
     L.check(
         lru_counter.dim() == 2 and lru_counter.size(0) == B and lru_counter.size(1) == NS,
         op,
-        f"lru_counter must be [B={B}, NS={NS}], {got} {tuple(lru_counter.shape)}",
+        f"lru_counter must be [B={B}, NS={NS}], {got} {tuple(lru_counter.shape)}{src}",
     )
     return IR

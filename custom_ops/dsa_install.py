@@ -126,7 +126,7 @@ def validate_dsa_install(
         selection_kv_cache.size(0) * selection_kv_cache.size(1) >= need,
         op,
         f"selection_kv_cache must hold >= B*raw_seq*topk = {need} rows (dims 0*1), got "
-        f"{selection_kv_cache.size(0) * selection_kv_cache.size(1)}",
+        f"{selection_kv_cache.size(0) * selection_kv_cache.size(1)} (B = pool_kv_cache.size(0))",
     )
     L.check(
         selection_k_rope.size(0) == selection_kv_cache.size(0)
@@ -140,7 +140,7 @@ def validate_dsa_install(
         and selection_kv_block_table.size(1) >= topk // sbs,
         op,
         f"selection_kv_block_table must be [B*raw_seq={B * raw_seq}, >= topk/selection_block_size="
-        f"{topk // sbs}], got {tuple(selection_kv_block_table.shape)}",
+        f"{topk // sbs}], got {tuple(selection_kv_block_table.shape)} (B = pool_kv_cache.size(0))",
     )
     Dkv, Dr = pool_kv_cache.size(2), pool_k_rope.size(2)
     L.check(0 < Dkv <= MAX_DKV, op, f"pool_kv_cache dim 2 (Dkv) must be in (0, {MAX_DKV}], got {Dkv}")
@@ -158,14 +158,14 @@ def validate_dsa_install(
     L.check(
         pool_k_rope.size(0) == B and pool_k_rope.size(1) == PS,
         op,
-        f"pool_k_rope must be [B={B}, PS={PS}, Dr], got {tuple(pool_k_rope.shape)}",
+        f"pool_k_rope must be [B={B}, PS={PS}, Dr], got {tuple(pool_k_rope.shape)} (B, PS = pool_kv_cache dims 0, 1)",
     )
     L.check(
         pool_ids.dim() == 2 and pool_ids.size(0) == B and pool_ids.size(1) == PS,
         op,
-        f"pool_ids must be [B={B}, PS={PS}], got {tuple(pool_ids.shape)}",
+        f"pool_ids must be [B={B}, PS={PS}], got {tuple(pool_ids.shape)} (B, PS = pool_kv_cache dims 0, 1)",
     )
-    IR = check_pool_metadata(op, B, NS, id_to_slot, lru_counter, got="got")
+    IR = check_pool_metadata(op, B, NS, id_to_slot, lru_counter, got="got", b_src="pool_kv_cache.size(0)")
     required = records_layout(B, raw_seq, topk).required
     L.check(
         rec.numel() >= required,

@@ -47,6 +47,10 @@ MAX_TOPK = 2048
 MAX_RAW_SEQ = 4
 MICROTASKS = 8
 
+#: Callables ``f(topk, full_kv_actual_seq, pool_ids, raw_seq)`` run on every CPU ``dsa_plan`` call before
+#: planning (trace recording: ``offload_passes.trace.record.PlanRecorder``). Empty by default.
+PLAN_OBSERVERS: list = []
+
 
 def validate_dsa_plan(
     selection_topk_indices: torch.Tensor,
@@ -97,16 +101,18 @@ def validate_dsa_plan(
     L.check(
         full_kv_actual_seq.dim() == 1 and full_kv_actual_seq.size(0) == B,
         OP,
-        f"full_kv_actual_seq must be 1-D of length B={B}, got shape {tuple(full_kv_actual_seq.shape)}",
+        f"full_kv_actual_seq must be 1-D of length B={B}, got shape {tuple(full_kv_actual_seq.shape)} "
+        f"(B = selection_topk_indices.size(0))",
     )
     L.check(
         pool_ids.dim() == 2 and pool_ids.size(0) == B,
         OP,
-        f"pool_ids must be [B={B}, PS], got shape {tuple(pool_ids.shape)}",
+        f"pool_ids must be [B={B}, PS], got shape {tuple(pool_ids.shape)} (B = selection_topk_indices.size(0))",
     )
     PS = pool_ids.size(1)
     NS = check_pool_size(OP, "pool_ids dim 1", PS)
-    IR = check_pool_metadata(OP, B, NS, id_to_slot, lru_counter, got="got shape")
+    IR = check_pool_metadata(OP, B, NS, id_to_slot, lru_counter, got="got shape",
+                             b_src="selection_topk_indices.size(0)")
     return B, raw_seq, K, PS, IR
 
 
@@ -221,6 +227,8 @@ def _cpu(
     validate_dsa_plan(
         selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter, raw_seq
     )
+    for observe in PLAN_OBSERVERS:
+        observe(selection_topk_indices, full_kv_actual_seq, pool_ids, raw_seq)
     if L.cpu_kernel_mode() == "reference":
         return reference_dsa_plan(
             selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter,

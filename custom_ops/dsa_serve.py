@@ -113,41 +113,48 @@ def validate_dsa_serve(
     c(
         rows == B * raw_seq * topk,
         op,
-        lambda: f"plan rows must equal batch*raw_seq*topk = {B}*{raw_seq}*{topk}, got {rows}",
+        lambda: f"plan rows must equal batch*raw_seq*topk = {B}*{raw_seq}*{topk}, got {rows} "
+        f"(batch = full_kv_cache.size(0))",
     )
     for name in ("full_k_rope", "pool_kv_cache", "pool_k_rope"):
         t = payload[name]
-        c(t.size(0) == B, op, lambda: f"{name}.size(0) must equal batch {B}, got {t.size(0)}")
+        c(t.size(0) == B, op,
+          lambda: f"{name}.size(0) must equal batch {B}, got {t.size(0)} (batch = full_kv_cache.size(0))")
     F = full_kv_cache.size(1)
     c(F > 0, op, lambda: f"full_kv_cache.size(1) (full_seq) must be > 0, got {F}")
     if not compact:
         c(F <= lim["full_seq"], op,
           lambda: f"full_kv_cache.size(1) (full_seq) must be <= {lim['full_seq']} for {mode}, got {F}")
     c(full_k_rope.size(1) == F, op,
-      lambda: f"full_k_rope.size(1) must equal full_seq {F}, got {full_k_rope.size(1)}")
+      lambda: f"full_k_rope.size(1) must equal full_seq {F}, got {full_k_rope.size(1)} "
+              f"(full_seq = full_kv_cache.size(1))")
     PS = pool_kv_cache.size(1)
     c(0 < PS <= lim["pool_size"], op,
       lambda: f"pool_kv_cache.size(1) (pool_size) must be in [1, {lim['pool_size']}] for {mode}, got {PS}")
     c(pool_k_rope.size(1) == PS, op,
-      lambda: f"pool_k_rope.size(1) must equal pool_size {PS}, got {pool_k_rope.size(1)}")
+      lambda: f"pool_k_rope.size(1) must equal pool_size {PS}, got {pool_k_rope.size(1)} "
+              f"(pool_size = pool_kv_cache.size(1))")
     Dkv = full_kv_cache.size(2)
     c(0 < Dkv <= MAX_KV_DIM, op,
       lambda: f"full_kv_cache.size(2) (kv dim) must be in [1, {MAX_KV_DIM}], got {Dkv}")
     c(pool_kv_cache.size(2) == Dkv, op,
-      lambda: f"pool_kv_cache.size(2) must equal kv dim {Dkv}, got {pool_kv_cache.size(2)}")
+      lambda: f"pool_kv_cache.size(2) must equal kv dim {Dkv}, got {pool_kv_cache.size(2)} "
+              f"(kv dim = full_kv_cache.size(2))")
     Dr = full_k_rope.size(2)
     c(0 < Dr <= MAX_ROPE_DIM, op,
       lambda: f"full_k_rope.size(2) (rope dim) must be in [1, {MAX_ROPE_DIM}], got {Dr}")
     c(pool_k_rope.size(2) == Dr, op,
-      lambda: f"pool_k_rope.size(2) must equal rope dim {Dr}, got {pool_k_rope.size(2)}")
+      lambda: f"pool_k_rope.size(2) must equal rope dim {Dr}, got {pool_k_rope.size(2)} "
+              f"(rope dim = full_k_rope.size(2))")
     nb = (rows + sbs - 1) // sbs if compact else rows
-    for name, D in (("selection_kv_cache", Dkv), ("selection_k_rope", Dr)):
+    for name, D, src in (("selection_kv_cache", Dkv, "full_kv_cache"), ("selection_k_rope", Dr, "full_k_rope")):
         t = payload[name]
         c(
             t.size(0) == nb and t.size(1) == sbs and t.size(2) == D,
             op,
             lambda: f"{name} must have shape [{nb}, {sbs}, {D}] (blocks = "
-            f"{'ceil(rows/selection_block_size)' if compact else 'rows'}) for {mode}, got {list(t.shape)}",
+            f"{'ceil(rows/selection_block_size)' if compact else 'rows'}) for {mode}, got {list(t.shape)} "
+            f"(rows = plan.size(0), last dim = {src}.size(2))",
         )
 
 

@@ -180,7 +180,7 @@ def validate_npu_gather_selection_kv_cache(
         list(status.shape)[:-1] == list(topk.shape)[:-1] and status.size(-1) == K + 1,
         op,
         lambda: f"selection_kv_block_status must have shape {list(topk.shape)[:-1] + [K + 1]} (last dim K+1), "
-                f"got {list(status.shape)}",
+                f"got {list(status.shape)} (from selection_topk_indices shape {list(topk.shape)})",
     )
     H = topk.size(-2)
     c(H == 1, op, lambda: f"selection_topk_indices head dim (H) must be 1, got {H}")
@@ -222,7 +222,7 @@ def validate_npu_gather_selection_kv_cache(
         sel_kv.size(0) >= rows * s_maxblk,
         op,
         lambda: f"selection_kv_cache.size(0) (blocks) must be >= B*S*H*maxblk = {rows * s_maxblk}, got "
-                f"{sel_kv.size(0)}",
+                f"{sel_kv.size(0)} (maxblk = selection_kv_block_table.size(1))",
     )
     Dkv = sel_kv.size(2)
     c(Dkv <= MAX_KV_DIM, op,

@@ -30,6 +30,8 @@ from ._attention_common import (  # noqa: F401  (REF_NAMESPACE, FLOAT_DTYPES: re
     REF_NAMESPACE,
     check_kv_layout,
     check_query_shape,
+    indexer_topk,
+    indexer_window,
     kv_addressing,
     paged_rows,
     ref_check,
@@ -172,13 +174,9 @@ def reference_npu_lightning_indexer(
     table, kv_len, num_blocks, bs = kv_addressing(key, block_table, actual_seq_lengths_key, layout_key, B)
     ref_check(bool((kv_len >= 0).all().item()), OP, "actual_seq_lengths_key must be >= 0")
 
-    if sparse_mode == 3:
-        n = kv_len[b_of_t] - sq_of_t + i_of_t + 1
-    else:
-        n = kv_len[b_of_t]
-    n = n.clamp(min=0)  # n <= 0: no visible key, the row is all -1
-    nmax = int(n.max().item()) if T > 0 else 0
-    out = torch.full((T, K), -1, dtype=torch.int32)
+    n, nmax = indexer_window(kv_len, b_of_t, i_of_t, sq_of_t, sparse_mode)  # n <= 0: the row is all -1
+    score = torch.zeros((T, 0), dtype=torch.float32)
+    needed = torch.zeros((T, 0), dtype=torch.bool)
     if nmax > 0:
         pos = torch.arange(nmax, dtype=torch.int64)
         needed = pos.unsqueeze(0) < n.unsqueeze(1)  # [T, nmax]
@@ -189,14 +187,8 @@ def reference_npu_lightning_indexer(
         # score[t, j] = sum_h w[t, h] * relu(q[t, h] . k[t, j])   (fp32 accumulate)
         dots = torch.bmm(q.float(), keys.float().transpose(1, 2))  # [T, N, nmax]
         score = torch.bmm(w.float().unsqueeze(1), torch.relu(dots)).squeeze(1)  # [T, nmax]
-        score = score.masked_fill(~needed, float("-inf"))
-        # Stable descending sort: equal scores keep ascending id order (deterministic tie-break).
-        order = torch.sort(score, dim=-1, descending=True, stable=True).indices
-        c = min(K, nmax)
-        top = order[:, :c].to(torch.int32)
-        keep = torch.arange(c).unsqueeze(0) < n.clamp(max=K).unsqueeze(1)
-        out[:, :c] = torch.where(keep, top, torch.full_like(top, -1))
-    out = out.view(_out_shape(info, layout_query, K))
+    # score desc, ties by ascending id (stable sort), -1 beyond min(K, n) (shared with the int8 indexer)
+    out = indexer_topk(score, n, needed, K).view(_out_shape(info, layout_query, K))
     return out, query.new_empty((0,))
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import custom_ops  # noqa: F401  (registers the ops)
+from . import custom_ops  # noqa: F401  (registers the ops; loads CANN's custom_ops_lib first if found)
+from .custom_ops import load_cann_ops  # noqa: F401  (explicit CANN op loading for unusual layouts)
 
 logging.getLogger("offload_passes").addHandler(logging.NullHandler())
 
@@ -42,7 +43,7 @@ _LAZY = {
     "OffloadOptions": "offload_passes.options",
 }
 
-__all__ = list(_LAZY) + ["__version__"]
+__all__ = list(_LAZY) + ["__version__", "load_cann_ops"]
 
 
 def __getattr__(name: str) -> Any:

@@ -45,6 +45,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import torch
 from torch import fx
 
 from .dump import Dumper
@@ -53,9 +54,11 @@ from .passes import _fx
 from .passes.detect import Refusal, detect
 from .passes.group import group
 from .passes.preconditions import plan as plan_pass
+from .passes.inductor_targets import define_aliases, retarget_for_inductor
 from .passes.reinplace import ReinplaceReport, reinplace
 from .passes.rewrite import InstallHook, rewrite
-from .state import OffloadState
+from .passes.rewrite_hf import rewrite_hf
+from .state import REGISTRY, GroupLayout, OffloadState, StateBinder
 
 log = logging.getLogger("offload_passes.backend")
 
@@ -79,6 +82,7 @@ def _new_graph_id() -> str:
 
 def rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], options: OffloadOptions | None = None,
                         install_hook: Optional[InstallHook] = None, graph_id: Optional[str] = None,
+                        shared_state: bool = False,
                         ) -> tuple[fx.GraphModule, Optional[OffloadState], dict]:
     """Detect, group, plan and rewrite ``gm`` in place; the shared core of every exe_mode.
 
@@ -86,13 +90,49 @@ def rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], optio
     GraphReport dict of docs/ARCHITECTURE.md §5 without the lowering parts. Raises
     ``OffloadRefused`` under ``options.strict`` when there are DSA sites but a precondition fails.
     Every pass is linear in the graph size; the cyclic GC is paused meanwhile (``_fx.paused_gc``).
+
+    ``shared_state``: take the state from ``state.REGISTRY`` for the example inputs' full caches (graphs
+    on the same caches share it; the caller passes it as graph inputs, see ``state_as_inputs``); else
+    the graph gets a private state (buffers). Either way ``state.layouts`` / ``state.cache_refs`` say
+    how to build a :class:`~offload_passes.state.StateBinder` for it. In-graph run-time guards are
+    emitted for the CPU modes only (GE has no converter for ``aten._assert_async``).
     """
     with _fx.paused_gc():
-        return _rewrite_for_offload(gm, example_inputs, options, install_hook, graph_id)
+        return _rewrite_for_offload(gm, example_inputs, options, install_hook, graph_id, shared_state)
+
+
+def _cache_refs(gm: fx.GraphModule, plans: Sequence[Any], example_inputs: Sequence[Any]
+                ) -> Optional[tuple[list[list[tuple]], list[list[Any]]]]:
+    """Per group, per layer the full kv / rope caches as ``("arg", i)`` / ``("const", tensor)`` refs and
+    the example tensors; None when a cache is neither a graph input nor an attribute."""
+    index = {p: i for i, p in enumerate(_fx.placeholders(gm.graph))}
+    refs: list[list[tuple]] = []
+    tensors: list[list[Any]] = []
+    for p in plans:
+        r, t = [], []
+        for l in p.layers:
+            for node in (p.geometry[l].full_kv, p.geometry[l].full_rope):
+                root = _fx.strip_views(node)
+                if root in index and index[root] < len(example_inputs):
+                    r.append(("arg", index[root]))
+                    t.append(example_inputs[index[root]])
+                elif isinstance(root, fx.Node) and root.op == "get_attr":
+                    obj: Any = gm
+                    for part in str(root.target).split("."):
+                        obj = getattr(obj, part)
+                    r.append(("const", obj))
+                    t.append(obj)
+                else:
+                    return None
+        refs.append(r)
+        tensors.append(t)
+    if not all(hasattr(x, "data_ptr") for ts in tensors for x in ts):
+        return None
+    return refs, tensors
 
 
 def _rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], options: OffloadOptions | None,
-                         install_hook: Optional[InstallHook], graph_id: Optional[str],
+                         install_hook: Optional[InstallHook], graph_id: Optional[str], shared_state: bool,
                          ) -> tuple[fx.GraphModule, Optional[OffloadState], dict]:
     opts = options or OffloadOptions()
     graph_id = graph_id or _new_graph_id()
@@ -101,6 +141,10 @@ def _rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], opti
     ops_before = _fx.count_ops(gm.graph)
     det = detect(gm)
     t["detect_s"] = time.perf_counter() - t0
+    if not det.has_dsa:  # no recipe-form site: the Hugging Face dense form? (passes/rewrite_hf.py)
+        hf = rewrite_hf(gm, example_inputs, opts, graph_id, t, ops_before, shared_state)
+        if hf is not None:
+            return hf
     t1 = time.perf_counter()
     grp = group(det)
     t["group_s"] = time.perf_counter() - t1
@@ -133,11 +177,20 @@ def _rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], opti
         log.warning("%s; compiling the graph unmodified", msg)
         return gm, None, report
     t1 = time.perf_counter()
-    device = _fx.example(pr.groups[0].geometry[pr.groups[0].owner_layer].full_kv)
-    state = OffloadState.allocate(graph_id, pr.groups, device=device.device if device is not None else None)
+    layouts = [GroupLayout.from_plan(p) for p in pr.groups]
+    found = _cache_refs(gm, pr.groups, example_inputs)
+    if shared_state and found is not None:
+        state = REGISTRY.bind(graph_id, layouts, found[1])
+    else:
+        device = _fx.example(pr.groups[0].geometry[pr.groups[0].owner_layer].full_kv)
+        state = OffloadState.allocate(graph_id, layouts, device=device.device if device is not None else None)
+    state.layouts = layouts
+    state.cache_refs = found[0] if found is not None else None
+    state.shared = bool(shared_state and found is not None)
     t["alloc_s"] = time.perf_counter() - t1  # zero-filling pools: memory bandwidth, not pass work
     t1 = time.perf_counter()
-    rr = rewrite(gm, grp, pr, state, update_ledger=opts.update_ledger, install_hook=install_hook)
+    rr = rewrite(gm, grp, pr, state, update_ledger=opts.update_ledger, install_hook=install_hook,
+                 in_graph_guards=opts.exe_mode in CPU_EXE_MODES)
     t["rewrite_s"] = time.perf_counter() - t1
     report.update({
         "rewritten": True,
@@ -147,6 +200,7 @@ def _rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], opti
         "state": state.describe(),
         "state_bytes": state.total_bytes,
         "buffers": rr.buffers,
+        "guards": rr.guards,
     })
     log.info("%s: rewrote %d DSA layers in %d groups %s", graph_id, len(rr.sites), len(pr.groups),
              [p.layers for p in pr.groups])
@@ -165,8 +219,16 @@ class _ReinplacePass:
 
     def uuid(self) -> str:
         h = hashlib.sha256()
-        h.update((Path(__file__).parent / "passes" / "reinplace.py").read_bytes())
+        for f in ("reinplace.py", "inductor_targets.py"):
+            h.update((Path(__file__).parent / "passes" / f).read_bytes())
         return h.hexdigest()
+
+
+def _custom_op_overloads() -> list:
+    """The default overloads of our ``custom::`` ops (custom_ops.CUSTOM_OPS)."""
+    from .custom_ops import CUSTOM_OPS
+
+    return [getattr(torch.ops.custom, name).default for name in CUSTOM_OPS]
 
 
 def _inductor_pass(on_graph: Callable[[fx.Graph, str], None]):
@@ -178,21 +240,80 @@ def _inductor_pass(on_graph: Callable[[fx.Graph, str], None]):
     return ReinplaceGraphPass(on_graph)
 
 
-class _Compiled:
-    """What Dynamo calls: the lowered function plus the state switching check."""
+def state_as_inputs(gm: fx.GraphModule, state: OffloadState) -> tuple[fx.GraphModule, list[str]]:
+    """A copy of ``gm`` whose state buffers (``_offload_<name>``, ``name`` in ``state.tensors()``) are
+    graph inputs appended after the original ones; returns it and the state names in input order.
 
-    def __init__(self, fn: Callable, state: Optional[OffloadState], backend: "OffloadBackend",
-                 cache_positions: list[int], graph_id: str):
+    A copy: Dynamo keeps using its own graph's placeholders after the backend returns. The buffers are
+    removed from ``gm`` so that no compiled artifact holds the pools (they live with the caches).
+    """
+    names = list(state.tensors())
+    attrs = {f"_offload_{n}": n for n in names}
+    g = fx.Graph()
+    g._codegen = gm.graph._codegen
+    env: dict = {}
+    out = g.graph_copy(gm.graph, env)
+    g.output(out)
+    last = [n for n in g.nodes if n.op == "placeholder"][-1]
+    used: list[str] = []
+    for n in list(g.nodes):
+        if n.op == "get_attr" and n.target in attrs:
+            name = attrs[n.target]
+            with g.inserting_after(last):
+                ph = g.placeholder(f"offload_{name}")
+            ph._dynamo_source = None  # not a user value: no Dynamo source, no guard
+            t = state.tensors()[name]
+            ph.meta["example_value"] = torch.empty_like(t, device="meta")
+            n.replace_all_uses_with(ph)
+            g.erase_node(n)
+            last = ph
+            used.append(name)
+    for old, copied in env.items():
+        if old.op == "placeholder" and hasattr(old, "_dynamo_source"):
+            copied._dynamo_source = old._dynamo_source  # AOT reads Dynamo's metadata (static shapes)
+    new = fx.GraphModule(gm, g)
+    new.meta.update(gm.meta)
+    for a in attrs:
+        gm._buffers.pop(a, None)
+        if hasattr(gm, "_param_name_to_source"):
+            gm._param_name_to_source.pop(a, None)
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = {k: v for k, v in gm._param_name_to_source.items()
+                                     if hasattr(new, k.split(".")[0])}
+    return new, used
+
+
+def _static_fakes(example_inputs: Sequence[Any], tensors: Sequence[torch.Tensor]) -> list:
+    """``tensors`` as static-shape fake tensors of the compile's fake mode (AOT would otherwise make
+    the extra state inputs dynamic), or as they are outside a fake mode."""
+    from torch._guards import detect_fake_mode
+
+    fm = detect_fake_mode(example_inputs)
+    if fm is None:
+        return list(tensors)
+    return [fm.from_tensor(t, static_shapes=True) for t in tensors]
+
+
+class _Compiled:
+    """What Dynamo calls: picks the offload state for the call's caches (``StateBinder``), then runs."""
+
+    def __init__(self, fn: Callable, binder: Optional[StateBinder], backend: "OffloadBackend", graph_id: str):
         self.fn = fn
-        self.state = state
-        self.backend = backend
-        self.cache_positions = cache_positions
+        self.binder = binder
+        self.backend_ref = weakref.ref(backend)
         self.graph_id = graph_id
+        if binder is not None and binder.input_names is not None:
+            weakref.finalize(self, REGISTRY.drop_graph, graph_id)
 
     def __call__(self, *args: Any) -> Any:
-        if self.state is not None:
-            self.backend._activate(self, args)
-        return self.fn(*args)
+        b = self.binder
+        if b is None:
+            return self.fn(*args)
+        extra = b.extra_inputs(args)
+        be = self.backend_ref()
+        if be is not None:
+            be._last = weakref.ref(b)
+        return self.fn(*args, *extra)
 
 
 class OffloadBackend:
@@ -207,9 +328,9 @@ class OffloadBackend:
         if self.options.exe_mode not in CPU_EXE_MODES:
             raise ValueError(f"exe_mode {self.options.exe_mode!r} needs offload_passes.npu_modes "
                              f"(torchair); this backend runs {CPU_EXE_MODES}")
-        self._states: "weakref.WeakValueDictionary[str, OffloadState]" = weakref.WeakValueDictionary()
-        self._owner: dict[int, str] = {}  # full-cache data_ptr -> graph_id that used it last
-        self._last: Optional[weakref.ref] = None
+        # weak: a compiled graph owns its binder; the state lives with the caches (state.REGISTRY)
+        self._binders: "weakref.WeakValueDictionary[str, StateBinder]" = weakref.WeakValueDictionary()
+        self._last: Optional[weakref.ref] = None  # binder of the rewritten graph that ran last
         self.reports: list[dict] = []
         self.install_hook: Optional[InstallHook] = None
         self._final_graphs: dict[str, Optional[fx.Graph]] = {}  # post-reinplace graphs, for tests / inspection
@@ -217,11 +338,17 @@ class OffloadBackend:
     # -- public ---------------------------------------------------------------------------
     @property
     def states(self) -> list[OffloadState]:
-        return [s for _, s in sorted(self._states.items())]
+        """Every live state of this backend's graphs (one per graph and set of full caches)."""
+        out: list[OffloadState] = []
+        for _, b in sorted(self._binders.items()):
+            out.extend(s for s in b.states() if not any(s is o for o in out))
+        return out
 
     @property
     def state(self) -> Optional[OffloadState]:
-        st = self._last() if self._last is not None else None
+        """The state of the most recently run rewritten graph (of its last call's caches)."""
+        b = self._last() if self._last is not None else None
+        st = b.last_state if b is not None else None
         if st is None:
             states = self.states
             st = states[-1] if states else None
@@ -245,19 +372,19 @@ class OffloadBackend:
         dumper = Dumper(dump_dir) if dump_dir else None
         if dumper:
             dumper.graph(graph_id, "dynamo", gm)
-        phs = _fx.placeholders(gm.graph)
-        gm, state, report = rewrite_for_offload(gm, example_inputs, opts, self.install_hook, graph_id)
+        gm, state, report = rewrite_for_offload(gm, example_inputs, opts, self.install_hook, graph_id,
+                                                shared_state=True)
         timings = report["timings"]
-        cache_positions: list[int] = []
+        binder = None
         if state is not None:
             if dumper:
                 dumper.graph(graph_id, "rewrite", gm)
-            full = set()
-            for n in gm.graph.nodes:
-                if _fx.is_op(n, "dsa_serve"):
-                    full.add(_fx.strip_views(n.args[1]))
-            cache_positions = [i for i, p in enumerate(phs) if p in full]
-            self._states[graph_id] = state
+            names = None
+            if state.shared and state.cache_refs is not None:
+                gm, names = state_as_inputs(gm, state)
+                example_inputs = list(example_inputs) + _static_fakes(example_inputs, state.flat(names))
+            binder = self._binder(state, graph_id, names)
+            report["state_per_caches"] = bool(binder is not None and binder.input_names is not None)
         rinfo: dict = {}
 
         def on_graph(graph: fx.Graph, stage: str) -> None:
@@ -298,8 +425,15 @@ class OffloadBackend:
         self._final_graphs[graph_id] = rinfo.get("final_graph")
         if dumper:
             dumper.report(report)
-        compiled = _Compiled(fn, state, self, cache_positions, graph_id)
+        compiled = _Compiled(fn, binder, self, graph_id)
         return compiled
+
+    def _binder(self, state: OffloadState, graph_id: str, names: Optional[list[str]]) -> Optional[StateBinder]:
+        if state.cache_refs is None or state.layouts is None:
+            return None  # caches not identifiable (never for the recipe graph): the graph's own state
+        b = StateBinder(graph_id, state.layouts, state.cache_refs, names, state)
+        self._binders[graph_id] = b
+        return b
 
     def final_graph(self, graph_id: Optional[str] = None) -> Optional[fx.Graph]:
         if graph_id is None:
@@ -331,21 +465,11 @@ class OffloadBackend:
             if stage == "functional":
                 timings["aot_s"] = time.perf_counter() - t0
             on_graph(graph, stage)
+            if stage == "reinplace":  # in-place custom ops as every Inductor version runs them
+                retarget_for_inductor(graph)
 
+        define_aliases(_custom_op_overloads())  # a warm FX-graph cache calls them without our pass
         return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": _inductor_pass(hook)})
-
-    def _activate(self, compiled: _Compiled, args: Sequence[Any]) -> None:
-        gid = compiled.graph_id
-        ptrs = [args[i].data_ptr() for i in compiled.cache_positions]
-        stale = any(self._owner.get(p, gid) != gid for p in ptrs)
-        if stale and compiled.state is not None:
-            log.info("%s: caches were used by another compiled graph since its last run; resetting its "
-                     "offload state (cold start)", gid)
-            compiled.state.reset(counters=False)
-        for p in ptrs:
-            self._owner[p] = gid
-        self._last = weakref.ref(compiled.state)
-
 
 def make_offload_backend(config: OffloadOptions | Mapping | str | Path | None = None, **kw: Any) -> Any:
     """A new backend from keyword options and/or the recipe's yaml config (path or dict).

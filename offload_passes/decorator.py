@@ -5,8 +5,9 @@
 * On a class: ``@offload(pool_size=...) class M(nn.Module)`` returns a subclass whose instances are
   compiled in place (``nn.Module.compile``) at construction.
 
-Both expose ``offload_state`` (the live ``OffloadState`` of the last graph that ran, or None),
-``offload_backend`` (the ``OffloadBackend``) and ``offload_reports``.
+Both expose ``offload_state`` (one ``OffloadState`` over every graph serving the module's caches, graph
+breaks included; empty before the first call), ``offload_backend`` (the ``OffloadBackend``) and
+``offload_reports``.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from .backend import OffloadBackend, make_offload_backend
-from .state import OffloadState
+from .state import OffloadState, module_state
 
 
 class _ExposesOffload:
@@ -24,9 +25,13 @@ class _ExposesOffload:
 
     offload_backend: OffloadBackend
 
+    def _offload_target(self) -> nn.Module:
+        return self
+
     @property
-    def offload_state(self) -> Optional[OffloadState]:
-        return self.offload_backend.state
+    def offload_state(self) -> OffloadState:
+        """The state of every graph that serves this module (``reset(rows=...)`` covers them all)."""
+        return module_state(self._offload_target())
 
     @property
     def offload_reports(self) -> list:
@@ -41,6 +46,9 @@ class OffloadedModule(_ExposesOffload, nn.Module):
         self.module = module
         self.offload_backend = backend
         self._compiled = torch.compile(module, backend=backend)
+
+    def _offload_target(self) -> nn.Module:
+        return self.module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._compiled(*args, **kwargs)

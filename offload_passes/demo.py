@@ -9,6 +9,7 @@ its own ledger rule), ``max_abs_diff`` (logits, attention), ``refusals``, ``comp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -16,6 +17,8 @@ import time
 from typing import Any, Optional, Sequence
 
 import torch
+
+from ._cli import EXIT_CHECK_FAILED, EXIT_OK, UsageError, run_cli, writable_dir, writable_file
 
 ATTN_TOL = 2e-2
 LOGITS_TOL = 5e-2
@@ -49,7 +52,8 @@ def baseline_host_rows(topk_steps: list, lengths: list, groups: list, S: int) ->
 
 
 def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: Optional[int] = None,
-        next_n: Optional[int] = None, dump_dir: Optional[str] = None, threads: int = 1) -> dict:
+        next_n: Optional[int] = None, dump_dir: Optional[str] = None, threads: int = 1,
+        record_trace: Optional[str] = None) -> dict:
     from . import models
     from .backend import make_offload_backend
 
@@ -78,7 +82,11 @@ def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: O
     res0 = base.driver.run(steps=steps, step_fn=base_fn, collect=True)
     t_base = time.perf_counter() - t0
     t0 = time.perf_counter()
-    res1 = comp.driver.run(steps=steps, step_fn=step_fn, collect=True)
+    from .trace.record import PlanRecorder
+
+    # --record-trace: the top-k every dsa_plan of the compiled run receives (offload_passes/trace/format.py)
+    with PlanRecorder() if record_trace else contextlib.nullcontext() as recorder:
+        res1 = comp.driver.run(steps=steps, step_fn=step_fn, collect=True)
     t_comp = time.perf_counter() - t0
     rep = backend.reports[-1] if backend.reports else {}
     state = backend.state
@@ -114,8 +122,17 @@ def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: O
         "timings": rep.get("timings", {}),
         "state_bytes": state.total_bytes if state is not None else 0,
         "run_s": {"unmodified": t_base, "compiled": t_comp},
+        "trace": _save_trace(recorder, backend.state, config, record_trace) if record_trace else None,
     }
     return out
+
+
+def _save_trace(recorder, state, config: str, path: str) -> str:
+    from .trace.format import save_trace
+
+    if state is None:
+        raise RuntimeError("--record-trace: the graph was not rewritten, no dsa_plan ran")
+    return str(save_trace(recorder.trace_for(state, config), path))
 
 
 def _summary(o: dict) -> str:
@@ -135,27 +152,65 @@ def _summary(o: dict) -> str:
     ]
     for r in o["refusals"]:
         lines.append(f"  refused: {r['reason']}: {r['detail']}")
+    if o.get("trace"):
+        lines.append(f"  top-k trace written to {o['trace']} (replay: offload-sim {o['trace']})")
     return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="offload-demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="tiny", help="model preset (tiny, small, glm-5.2-78l) or yaml path")
+    p.add_argument("--model", choices=("glm", "hf"), default="glm",
+                   help="glm: the recipe-form GLM-5.2 model; hf: the unmodified transformers GlmMoeDsaForCausalLM")
+    p.add_argument("--config", default=None,
+                   help="model preset (tiny, small, glm-5.2-78l, tiny-w8a8, glm-5.2-78l-w8a8; with --model hf: "
+                        "hf-tiny, hf-glm5-attn) or yaml path (default tiny / hf-tiny)")
+    p.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="--model hf: attn_implementation")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="--model hf: model dtype (bfloat16 enables the offload ops)")
     p.add_argument("--steps", type=int, default=64, help="decode steps (default 64)")
     p.add_argument("--mode", choices=("eager", "inductor"), default="eager")
     p.add_argument("--pool-size", type=int, default=None, help="pool slots per batch row (default 8192 / 16384)")
     p.add_argument("--next-n", type=int, default=None, help="MTP tokens (S = 1 + next_n)")
     p.add_argument("--dump-dir", default=None, help="write graphs and report.json here")
+    p.add_argument("--record-trace", default=None, metavar="TRACE.npz",
+                   help="write the compiled run's top-k trace (replay with offload-sim)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, stream=sys.stderr)
+    return run_cli("offload-demo", lambda: _main(a))
+
+
+def _main(a: argparse.Namespace) -> int:
+    from .options import OffloadOptions
+
+    # bad input is found before anything is built or compiled (exit 2, one line)
     if a.steps < 1:
-        p.error("--steps must be >= 1")
-    out = run(a.config, a.steps, a.mode, a.pool_size, a.next_n, a.dump_dir, a.threads)
+        raise UsageError(f"--steps must be >= 1, got {a.steps}")
+    if a.threads < 0:
+        raise UsageError(f"--threads must be >= 0, got {a.threads}")
+    if a.next_n is not None and not 0 <= a.next_n <= 3:
+        raise UsageError(f"--next-n must be in [0, 3] (S = 1 + next_n <= 4), got {a.next_n}")
+    if a.pool_size is not None:
+        OffloadOptions(pool_size=a.pool_size)  # raises "option pool_size must ..." naming the limit
+    if a.dump_dir:
+        writable_dir(a.dump_dir, "--dump-dir")
+    if a.record_trace:
+        writable_file(a.record_trace, "--record-trace")
+    if a.model == "hf":  # the Hugging Face front-end (demo_hf.py)
+        from .demo_hf import run_hf, summary_hf
+
+        if a.next_n is not None or a.record_trace:
+            raise UsageError("--next-n / --record-trace apply to --model glm only")
+        out = run_hf(a.config or "hf-tiny", a.steps, a.mode, a.pool_size, a.dump_dir, a.threads, a.attn, a.dtype)
+        print(json.dumps(out, indent=1) if a.json else summary_hf(out))
+        return EXIT_OK if out["within_tolerance"] else EXIT_CHECK_FAILED
+    if a.attn or a.dtype:
+        raise UsageError("--attn / --dtype apply to --model hf only")
+    out = run(a.config or "tiny", a.steps, a.mode, a.pool_size, a.next_n, a.dump_dir, a.threads, a.record_trace)
     print(json.dumps(out, indent=1) if a.json else _summary(out))
-    return 0 if out["within_tolerance"] else 1
+    return EXIT_OK if out["within_tolerance"] else EXIT_CHECK_FAILED
 
 
 if __name__ == "__main__":  # pragma: no cover

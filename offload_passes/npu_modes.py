@@ -10,27 +10,32 @@ frozen inputs) is kept:
 * ``npugraph_ex`` -> ``npugraph_ex.get_npu_backend(compiler_config)`` with ``mode="npugraph_ex"``, our
   reinplace pairs registered and ``split_install_chains`` chained into ``post_grad_custom_post_pass``.
 
-Side stream (spec/ops.md §5). Each layer's installs (the rewrite places them right after the layer's
-attention, Z's own install before the owner's ``metadata_update=1`` install) are moved to one side
-stream per graph, in program order on that stream (so rule 1 holds by stream order):
+Side stream (spec/ops.md §5), the schedule the reference runs: each layer's installs (md=0 for a shared
+layer; on the group's last layer also the owner's md=1 install, after it on the same stream) may start
+as soon as that layer's ``dsa_serve`` has finished, so they overlap the layer's SFA and MoE:
 
-* npugraph_ex: ``record_tagged_stream_`` of every intermediate the installs read (the plan's install
-  records), ``tagged_event_record(ready)`` on the main stream after the layer's SFA, then
+* npugraph_ex: right after the serve, ``record_tagged_stream_`` of every intermediate the installs read
+  (the plan's install records), ``tagged_event_record(ready)`` on the main stream, then
   ``scope_enter(_user_stream_label)``, ``tagged_event_wait(ready)``, the installs,
-  ``tagged_event_record(done)``, ``scope_exit``; before the graph output the main stream waits on every
-  ``done`` event — the join the recipe lacks, so the next step's plan and serves (next graph call) see
-  finished installs (rules 2 and 3);
-* ge_graph: ``air.scope_enter`` with the stream label, ``air.wait([SFA output])`` (a control edge: the
-  installs start after the layer's attention), the installs, ``air.scope_exit``. GE finishes every
-  stream of a graph before the run returns, and the install refs feed the graph outputs, so the join
-  is the end of the run.
+  ``tagged_event_record(done)``, ``scope_exit``. The main stream waits on ``done`` before the first later
+  main-stream node that touches what the installs write or writes what they read (in the decode graph:
+  none, so before the graph output; the next step's plan and serves are the next call) — the join the
+  recipe lacks;
+* ge_graph: ``air.record()`` right after the serve (a control edge from the serve), then
+  ``air.scope_enter`` with the stream label, ``air.wait([record])``, the installs, ``air.scope_exit``.
+  GE finishes every stream of a graph before the run returns, and the install refs feed the graph
+  outputs, so the join is the end of the run.
+
+Per-step bookkeeping (the pool statistics and the ledger update) is main-stream work the reference does
+not do: off by default in these modes, ``npu_bookkeeping=True`` keeps it. In ge_graph the model's
+KV-cache writes become ``ScatterNdUpdate`` on the cache inputs (:mod:`offload_passes.converters.cache_write`),
+which GE runs in place.
 
 Nothing here imports torch_npu / TorchAir at import time; CPU users never need them.
 """
 from __future__ import annotations
 
 import logging
-import operator
 import weakref
 from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional, Sequence
@@ -39,7 +44,7 @@ import torch
 from torch import fx
 
 from .options import OffloadOptions
-from .state import OffloadState
+from .state import OffloadState, StateBinder
 
 log = logging.getLogger("offload_passes.npu_modes")
 
@@ -48,7 +53,8 @@ NPU_MODES = ("ge_graph", "npugraph_ex")
 SIDE_STREAM_LABEL = "dsa_offload_install"
 
 __all__ = ["NpuOffloadBackend", "make_npu_backend", "lower_ge_graph", "lower_npugraph_ex", "recipe_compiler_config",
-           "acl_install_hook", "ge_install_hook", "NPU_MODES", "SIDE_STREAM_LABEL"]
+           "acl_install_hook", "ge_install_hook", "AclInstallHook", "GeInstallHook", "strip_bookkeeping", "ge_config",
+           "npugraph_ex_config", "NPU_MODES", "SIDE_STREAM_LABEL"]
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -56,26 +62,6 @@ __all__ = ["NpuOffloadBackend", "make_npu_backend", "lower_ge_graph", "lower_npu
 
 def _is_graph_input(n: Any) -> bool:
     return isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr")
-
-
-def _attention_before(first_install: fx.Node) -> Optional[fx.Node]:
-    """The layer's SFA call the rewrite placed the installs after (None if not found)."""
-    n = first_install.prev
-    while n.op != "root":
-        name = str(n.target)
-        if "sparse_flash_attention" in name:
-            return n
-        if "dsa_serve" in name or "dsa_install" in name:
-            return None
-        n = n.prev
-    return None
-
-
-def _output_node(graph: fx.Graph) -> fx.Node:
-    for n in reversed(graph.nodes):
-        if n.op == "output":
-            return n
-    raise RuntimeError("graph has no output node")
 
 
 def _chain(first: Optional[Callable], second: Callable) -> Callable:
@@ -91,127 +77,293 @@ def _chain(first: Optional[Callable], second: Callable) -> Callable:
 
 # ------------------------------------------------------------------------------------ install hooks
 
+#: Install arguments (positional, schema order) the install writes / only reads.
+_INSTALL_WRITES = (4, 5, 6, 7, 8)   # pool_kv, pool_rope, pool_ids, id_to_slot, lru_counter
+_INSTALL_READS = (0, 1, 2, 3)       # install_records, selection_kv, selection_rope, selection_block_table
 
-def acl_install_hook(graph_id: str, label: str = SIDE_STREAM_LABEL) -> Callable[[fx.Graph, list, int], None]:
-    """npugraph_ex side-stream hook (see module doc). Creates this graph's tagged events."""
-    import npugraph_ex.ops._tagged_event as tagged  # registers npugraph_ex.tagged_event_* / record_tagged_stream
-    import npugraph_ex.scope  # noqa: F401  (registers npugraph_ex.scope_enter / scope_exit)
 
-    ops = torch.ops.npugraph_ex
+def _base(n: Any) -> Any:
+    from .passes import _fx
 
-    def tag(name: str) -> str:
-        if name not in tagged._GLOBAL_TAG_TO_EVENT.keys():
-            tagged._npu_create_tagged_event(name)
+    return _fx.strip_views(n)
+
+
+def _serve_of(install: fx.Node) -> Optional[fx.Node]:
+    """The serve that filled the selection buffer this install reads (its layer's serve)."""
+    sel = _base(install.args[1])
+    for u in sel.users:
+        if "dsa_serve" in str(u.target) and len(u.args) > 5 and _base(u.args[5]) is sel:
+            return u
+    return None
+
+
+def _last_serve(installs: list) -> fx.Node:
+    """The serve the installs may start after: that of ``installs[0]``'s layer (the layer the hook is
+    called for; the owner's md=1 install that may follow belongs to an earlier serve)."""
+    serve = _serve_of(installs[0])
+    if serve is None:
+        raise RuntimeError(f"no dsa_serve found for the installs {[i.name for i in installs]}")
+    return serve
+
+
+def _written_bases(n: fx.Node) -> set:
+    """Graph tensors ``n`` writes in place (through views): mutable schema args, ``x.op_()`` methods."""
+    out = set()
+    if n.op == "call_method" and str(n.target).endswith("_") and n.args:
+        out.add(_base(n.args[0]))
+    elif n.op == "call_function":
+        t = n.target
+        if "record_tagged_stream" in str(t):
+            return out  # declared (a!) but only registers the tensor with a stream
+        if isinstance(t, torch._ops.OpOverloadPacket):
+            t = getattr(t, t.overloads()[0])
+        if isinstance(t, torch._ops.OpOverload):
+            for i, a in enumerate(t._schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+                    if isinstance(v, fx.Node):
+                        out.add(_base(v))
+        elif getattr(t, "__name__", "").endswith("_") and n.args:  # e.g. torch.Tensor.index_put_
+            out.add(_base(n.args[0]))
+    return out
+
+
+def _read_bases(n: fx.Node) -> set:
+    return {_base(a) for a in n.all_input_nodes}
+
+
+def _join_points(graph: fx.Graph, pending: List[tuple]) -> dict:
+    """For each ``(installs, scope_exit, tag)``: the node before which the main stream must wait for the
+    installs — the first later main-stream node that reads or writes what they write (pools, metadata)
+    or writes what they read (records, selection buffers), else the graph output (the next step's plan
+    and serves are the next call). One walk over the graph."""
+    hazards = []  # (exit node, writes, reads, tag)
+    for installs, ex, tag in pending:
+        writes = {_base(i.args[k]) for i in installs for k in _INSTALL_WRITES if k < len(i.args)}
+        reads = {_base(i.args[k]) for i in installs for k in _INSTALL_READS if k < len(i.args)}
+        hazards.append((ex, writes, reads, tag))
+    exits = {h[0]: h for h in hazards}
+    out: dict = {}
+    open_: List[tuple] = []
+    all_w: set = set()
+    all_r: set = set()
+    depth = 0
+    for n in graph.nodes:
+        name = str(n.target)
+        if n in exits:
+            open_.append(exits[n])
+            all_w |= exits[n][1]
+            all_r |= exits[n][2]
+        if n.op == "output":
+            for h in open_:
+                out[h[3]] = n
+            break
+        if name.endswith("scope_enter.default"):
+            depth += 1
+        elif name.endswith("scope_exit.default"):
+            depth -= 1
+        elif depth == 0 and open_ and n.op in ("call_function", "call_method"):
+            w, r = _written_bases(n), _read_bases(n)
+            if (w & (all_w | all_r)) or (r & all_w):
+                hit = [h for h in open_ if (w & (h[1] | h[2])) or (r & h[1])]
+                for h in hit:
+                    out[h[3]] = n
+                open_ = [h for h in open_ if h not in hit]
+                all_w = set().union(*(h[1] for h in open_))
+                all_r = set().union(*(h[2] for h in open_))
+    return out
+
+
+class AclInstallHook:
+    """npugraph_ex side-stream hook (see module doc); call :meth:`finish` once the rewrite is done."""
+
+    def __init__(self, graph_id: str, label: str = SIDE_STREAM_LABEL):
+        import npugraph_ex.ops._tagged_event as tagged  # registers tagged_event_* / record_tagged_stream
+        import npugraph_ex.scope  # noqa: F401  (registers npugraph_ex.scope_enter / scope_exit)
+
+        self._tagged = tagged
+        self.graph_id = graph_id
+        self.label = label
+        self.pending: List[tuple] = []  # (installs, scope_exit node, done tag)
+
+    def _tag(self, name: str) -> str:
+        if name not in self._tagged._GLOBAL_TAG_TO_EVENT.keys():
+            self._tagged._npu_create_tagged_event(name)
         return name
 
-    def hook(graph: fx.Graph, installs: list, layer: int) -> None:
-        ready = tag(f"dsa_offload_{graph_id}_l{layer}_ready")
-        done = tag(f"dsa_offload_{graph_id}_l{layer}_done")
-        first, last = installs[0], installs[-1]
+    def __call__(self, graph: fx.Graph, installs: list, layer: int) -> None:
+        ops = torch.ops.npugraph_ex
+        ready = self._tag(f"dsa_offload_{self.graph_id}_l{layer}_ready")
+        done = self._tag(f"dsa_offload_{self.graph_id}_l{layer}_done")
+        serve = _last_serve(installs)
         seen: List[fx.Node] = []
         for inst in installs:
             for a in inst.args:
                 if isinstance(a, fx.Node) and not _is_graph_input(a) and a not in seen:
                     seen.append(a)
+        # the whole block goes right after the serve: the side stream starts when serve is done and
+        # runs beside the layer's SFA and MoE on the main stream
+        anchor = serve
+        for inst in installs:  # program order kept: md=0 installs of this layer, then the owner's md=1
+            anchor.append(inst)
+            anchor = inst
+        first, last = installs[0], installs[-1]
         with graph.inserting_before(first):
             for t in seen:  # main-stream allocations read on the side stream (the plan's records)
-                graph.call_function(ops.record_tagged_stream_.default, (t, label))
+                graph.call_function(ops.record_tagged_stream_.default, (t, self.label))
             graph.call_function(ops.tagged_event_record.default, (ready,))
-            graph.call_function(ops.scope_enter.default, (["_user_stream_label"], [label]))
+            graph.call_function(ops.scope_enter.default, (["_user_stream_label"], [self.label]))
             graph.call_function(ops.tagged_event_wait.default, (ready,))
         with graph.inserting_after(last):
             ex = graph.call_function(ops.scope_exit.default, ())
         with graph.inserting_before(ex):
             graph.call_function(ops.tagged_event_record.default, (done,))
-        with graph.inserting_before(_output_node(graph)):
-            graph.call_function(ops.tagged_event_wait.default, (done,))
+        self.pending.append((installs, ex, done))
 
-    return hook
+    def finish(self, graph: fx.Graph) -> List[str]:
+        """Place each layer's join (main stream waits on ``done``). Returns the node names joined before."""
+        ops = torch.ops.npugraph_ex
+        points = _join_points(graph, self.pending)
+        where = []
+        for _, _, done in self.pending:
+            point = points[done]
+            with graph.inserting_before(point):
+                graph.call_function(ops.tagged_event_wait.default, (done,))
+            where.append(point.name)
+        self.pending.clear()
+        return where
 
 
-def ge_install_hook(label: str = SIDE_STREAM_LABEL, priority: int = 0) -> Callable[[fx.Graph, list, int], None]:
-    """GE side-stream hook (see module doc)."""
-    import torchair  # noqa: F401  (registers air.scope_enter / scope_exit / wait)
+def acl_install_hook(graph_id: str, label: str = SIDE_STREAM_LABEL) -> AclInstallHook:
+    return AclInstallHook(graph_id, label)
 
-    air = torch.ops.air
 
-    def hook(graph: fx.Graph, installs: list, layer: int) -> None:
+class GeInstallHook:
+    """GE side-stream hook (see module doc): ``air.record()`` right after the layer's serve (a control
+    edge from its last GE op), the installs moved right after it inside ``air.scope_enter`` with
+    ``air.wait([record])`` first. GE completes every stream of a graph before a run returns, and the
+    install ref outputs feed the graph outputs, so the join is the end of the run."""
+
+    def __init__(self, label: str = SIDE_STREAM_LABEL, priority: int = 0):
+        import torchair  # noqa: F401  (registers air.scope_enter / scope_exit / record / wait)
+
+        self.label = label
+        self.priority = priority
+
+    def __call__(self, graph: fx.Graph, installs: list, layer: int) -> None:
+        air = torch.ops.air
+        serve = _last_serve(installs)
+        anchor = serve
+        for inst in installs:
+            anchor.append(inst)
+            anchor = inst
         first, last = installs[0], installs[-1]
-        sfa = _attention_before(first)
+        with graph.inserting_after(serve):
+            rec = graph.call_function(air.record.default, ())
         with graph.inserting_before(first):
             graph.call_function(air.scope_enter.default, (
                 ["_user_stream_label", "_user_stream_priority", "_enable_inner_parallel"],
-                [label, str(priority), "True"]))
-            if sfa is not None:
-                out = graph.call_function(operator.getitem, (sfa, 0))
-                graph.call_function(air.wait.default, ([out],))
-            else:
-                log.debug("layer %d: no attention node found before its installs; no wait edge", layer)
+                [self.label, str(self.priority), "True"]))
+            graph.call_function(air.wait.default, ([rec],))
         with graph.inserting_after(last):
             graph.call_function(air.scope_exit.default, ())
 
-    return hook
+    def finish(self, graph: fx.Graph) -> List[str]:
+        return []
+
+
+def ge_install_hook(label: str = SIDE_STREAM_LABEL, priority: int = 0) -> GeInstallHook:
+    return GeInstallHook(label, priority)
+
+
+# ------------------------------------------------------------------------------------- bookkeeping
+
+
+def strip_bookkeeping(gm: fx.GraphModule, stats_attrs: Sequence[str]) -> int:
+    """Remove the in-graph per-step statistics (``copy_`` into the ``stats`` buffers and what only feeds
+    it). Returns the number of nodes removed. Only pure ATen nodes are removed with it."""
+    graph = gm.graph
+    attrs = set(stats_attrs)
+    roots = [n for n in graph.nodes if "copy_" in str(n.target) and n.args
+             and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr" and n.args[0].target in attrs]
+    gone: set = set()
+    todo: List[fx.Node] = []
+    for r in roots:
+        todo += r.all_input_nodes
+        graph.erase_node(r)
+        gone.add(r)
+    while todo:
+        n = todo.pop()
+        if n in gone or n.users or n.op != "call_function":
+            continue
+        t = n.target
+        if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable or t.namespace != "aten":
+            continue
+        todo += n.all_input_nodes
+        graph.erase_node(n)
+        gone.add(n)
+    for n in [n for n in graph.nodes if n.op == "get_attr" and n.target in attrs and not n.users]:
+        graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+    return len(gone)
 
 
 # ------------------------------------------------------------------------------------------ lowering
 
 
-def _index_copy_as_scatter(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """``index_copy`` expressed with ``scatter`` (TorchAir has a GE converter for the latter only)."""
-    dim = dim % max(source.dim(), 1)
-    shape = [1] * source.dim()
-    shape[dim] = -1
-    return torch.scatter(self, dim, index.view(shape).expand_as(source), source)
+def ge_config(compiler_config: Any = None) -> Any:
+    """A ``torchair.CompilerConfig`` with the KV-cache write rewrite chained into ``post_grad_custom_pre_pass``.
 
+    TorchAir has no GE converter for ``aten.index_put`` / ``index_copy`` (the model's cache writes), and an
+    out-of-place form would write a full-cache-sized result every step;
+    :func:`offload_passes.converters.cache_write.cache_writes_to_scatter_nd` turns each write into a
+    ``ScatterNdUpdate`` on the cache input, which TorchAir's ref-copy pass then runs in place.
+    """
+    import torchair
 
-def _index_put_as_scatter(self: torch.Tensor, indices: Sequence[Optional[torch.Tensor]], values: torch.Tensor,
-                          accumulate: bool = False) -> torch.Tensor:
-    """``index_put`` with one integer index on dim 0 (a KV-cache row write) expressed with ``scatter``."""
-    if accumulate or len(indices) != 1 or indices[0] is None or indices[0].dim() != 1 \
-            or indices[0].dtype in (torch.bool, torch.uint8):
-        raise NotImplementedError(
-            "ge_graph mode: TorchAir has no GE converter for aten.index_put; offload_passes maps only the "
-            "cache-write form self[idx] = values (one 1-D integer index, accumulate=False) onto scatter")
-    index = indices[0]
-    rows = [index.shape[0], *self.shape[1:]]
-    src = values.expand(rows)
-    shape = [-1] + [1] * (self.dim() - 1)
-    return torch.scatter(self, 0, index.view(shape).expand(rows), src)
+    from .converters.cache_write import cache_writes_to_scatter_nd
 
+    cfg = compiler_config if compiler_config is not None else torchair.CompilerConfig()
+    previous = getattr(cfg.post_grad_custom_pre_pass, "value", None)
+    if not getattr(previous, "_offload_passes_cache_write", False):
+        def cache_write(gm, example_inputs, config):
+            cache_writes_to_scatter_nd(gm)
 
-#: Decompositions added in ge_graph mode for aten ops TorchAir cannot convert (its converter raises
-#: NotImplementedError): the KV-cache writes of a model (``index_copy_`` / ``index_put_``).
-GE_DECOMPOSITIONS = {torch.ops.aten.index_copy.default: _index_copy_as_scatter,
-                     torch.ops.aten.index_put.default: _index_put_as_scatter}
+        chained = _chain(previous, cache_write)
+        chained._offload_passes_cache_write = True
+        cfg.post_grad_custom_pre_pass = chained
+    return cfg
 
 
 def lower_ge_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler_config: Any = None,
                    custom_decompositions: Optional[Mapping] = None, **kwargs: Any) -> Callable:
-    """Compile with TorchAir's GE backend (converters and ref-copy elimination registered first).
-
-    ``custom_decompositions`` are added to :data:`GE_DECOMPOSITIONS` (and win over them).
-    """
+    """Compile with TorchAir's GE backend (converters, ref-copy elimination and in-place cache writes)."""
     import torchair
 
     from . import converters
 
     converters.register_ge()
-    cfg = compiler_config if compiler_config is not None else torchair.CompilerConfig()
-    decomps = {**GE_DECOMPOSITIONS, **dict(custom_decompositions or {})}
-    return torchair.get_npu_backend(compiler_config=cfg, custom_decompositions=decomps)(gm, example_inputs, **kwargs)
+    cfg = ge_config(compiler_config)
+    return torchair.get_npu_backend(compiler_config=cfg, custom_decompositions=dict(custom_decompositions or {}))(
+        gm, example_inputs, **kwargs)
 
 
 def npugraph_ex_config(compiler_config: Any = None) -> Any:
-    """A ``npugraph_ex.CompilerConfig`` in ``npugraph_ex`` mode with the install-chain split chained."""
+    """A ``npugraph_ex.CompilerConfig`` in ``npugraph_ex`` mode with our ``post_grad_custom_post_pass`` chained:
+    masked metadata updates and KV-cache writes made in place on their inputs, install chains split."""
     import npugraph_ex
 
-    from .converters.fx_passes import split_install_chains
+    from .converters.cache_write import cache_writes_in_place
+    from .converters.fx_passes import inplace_masked_input_updates, split_install_chains
 
     cfg = compiler_config if compiler_config is not None else npugraph_ex.CompilerConfig()
     cfg.mode = "npugraph_ex"
     previous = getattr(cfg.post_grad_custom_post_pass, "value", None)
     if not getattr(previous, "_offload_passes_split", False):
         def split(gm, example_inputs, config):
+            inplace_masked_input_updates(gm)  # the new-request invalidation, so installs read inputs
+            cache_writes_in_place(gm)  # the model's KV-cache writes: no full-cache copy per step
             split_install_chains(gm)
 
         chained = _chain(previous, split)
@@ -339,10 +491,19 @@ class NpuOffloadBackend:
         hook = None
         if self.side_stream:
             hook = ge_install_hook() if mode == "ge_graph" else acl_install_hook(graph_id)
-        gm, state, report = rewrite_for_offload(gm, example_inputs, self.options, install_hook=hook,
-                                                graph_id=graph_id)
+        keep = self.options.npu_bookkeeping
+        opts = self.options if keep else self.options.replace(update_ledger=False)
+        gm, state, report = rewrite_for_offload(gm, example_inputs, opts, install_hook=hook, graph_id=graph_id)
         report["mode"] = mode
         report["side_stream"] = bool(hook) and state is not None
+        report["bookkeeping"] = bool(keep) and state is not None
+        if state is not None:
+            if hook is not None:
+                report["joins_before"] = hook.finish(gm.graph)
+                gm.recompile()
+            if not keep:
+                stats = [v for k, v in report.get("buffers", {}).items() if k.startswith("stats_g")]
+                report["bookkeeping_nodes_removed"] = strip_bookkeeping(gm, stats)
         self.reports.append(report)
         if state is not None:
             self._states[self._next] = state
@@ -360,8 +521,12 @@ class NpuOffloadBackend:
             compiled = lower_npugraph_ex(gm, example_inputs, self.compiler_config, self.npu_options, **kwargs)
         if state is None:
             return compiled
+        # the stale-state rule of every mode (state.py): caches last served by other state -> reset first
+        binder = StateBinder.for_private(graph_id, state)
 
         def run(*args: Any) -> Any:
+            if binder is not None:
+                binder.state_for(args)
             return compiled(*args)
 
         run.offload_state = state  # the compiled artifact owns its state (the backend holds it weakly)

@@ -8,7 +8,9 @@ mismatch is refused (the graph is compiled unmodified) rather than silently trus
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -39,6 +41,9 @@ class OffloadOptions:
     strict: raise ``RuntimeError`` on any refusal instead of compiling the graph unmodified.
     id_range: ``id_to_slot`` width (IR); ``None`` = max(131072, cache length F).
     update_ledger: keep the model's gather ledger (``sel_status``) valid after serve.
+    npu_bookkeeping: in the NPU modes (ge_graph / npugraph_ex), keep the per-step pool statistics and the
+        ledger update in the graph. Off by default there: main-stream work the reference does not do
+        (``state.counters()`` then stays zero and the ledger is not kept). Ignored on CPU (always on).
     """
 
     pool_size: int | None = None
@@ -52,24 +57,29 @@ class OffloadOptions:
     pa_block_size: int | None = None
     next_n: int | None = None
     update_ledger: bool = True
+    npu_bookkeeping: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         ps = self.resolved_pool_size
-        if not isinstance(ps, int) or ps <= 0 or ps > MAX_POOL_SIZE:
-            raise ValueError(f"pool_size must be in (0, {MAX_POOL_SIZE}], got {ps}")
+        if ps <= 0 or ps > MAX_POOL_SIZE:
+            raise ValueError(f"option pool_size must be in (0, {MAX_POOL_SIZE}], got {ps}")
         if ps % WAYS:
-            raise ValueError(f"pool_size must be a multiple of {WAYS} (16-way sets), got {ps}")
+            raise ValueError(f"option pool_size must be a multiple of {WAYS} (16-way sets), got {ps}")
         if not _pow2(ps // WAYS):
-            raise ValueError(f"pool_size/16 (number of sets) must be a power of two, got pool_size={ps}")
+            raise ValueError(f"option pool_size: pool_size/16 (the number of sets) must be a power of two, "
+                             f"got pool_size={ps}")
         if self.exe_mode not in EXE_MODES:
-            raise ValueError(f"exe_mode must be one of {EXE_MODES}, got {self.exe_mode!r}")
+            raise ValueError(f"option exe_mode must be one of {EXE_MODES}, got {self.exe_mode!r}")
         if self.id_range is not None and self.id_range <= 0:
-            raise ValueError(f"id_range must be > 0, got {self.id_range}")
+            raise ValueError(f"option id_range must be > 0, got {self.id_range}")
         if self.next_n is not None and not 0 <= self.next_n <= 3:
-            raise ValueError(f"next_n must be in [0, 3] (raw_seq = 1 + next_n <= 4), got {self.next_n}")
+            raise ValueError(f"option next_n must be in [0, 3] (raw_seq = 1 + next_n <= 4), got {self.next_n}")
         if self.pa_block_size is not None and not (_pow2(self.pa_block_size) and 16 <= self.pa_block_size <= 128):
-            raise ValueError(f"pa_block_size must be a power of two in [16, 128], got {self.pa_block_size}")
+            raise ValueError(f"option pa_block_size must be a power of two in [16, 128], got {self.pa_block_size}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, str):  # a PathLike: keep it as text
+            object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
 
     @property
     def resolved_pool_size(self) -> int:
@@ -104,10 +114,7 @@ class OffloadOptions:
         else:
             raise ValueError(f"config must be OffloadOptions, a mapping or a yaml path, got {type(config).__name__}")
         base.update(kw)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(base) - names)
-        if unknown:
-            raise ValueError(f"unknown offload option(s) {unknown}; known: {sorted(names - {'extra'})}")
+        _known({k: v for k, v in base.items() if k != "extra"}, _option_names(cls), "")
         return cls(**base)
 
     @classmethod
@@ -116,19 +123,77 @@ class OffloadOptions:
 
     @classmethod
     def _from_yaml_dict(cls, data: Mapping) -> dict:
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        """Options from a mapping: a flat mapping of option names (every key must be known), or the
+        recipe's yaml (sections such as ``model_config``): then the recipe keys are read wherever they
+        sit, option names at top level too, and an ``offload_passes:`` section holds our options."""
+        names = _option_names(cls)
+        if not any(isinstance(v, Mapping) for v in data.values()):
+            return _known(dict(data), names, "")
         out: dict = {}
-        top_level = {k: v for k, v in data.items() if not isinstance(v, Mapping)}
-        # option names at top level win; recipe keys may sit in nested sections (model_config ...)
-        for k, v in _walk(data):
+        for k, v in _walk({k: v for k, v in data.items() if k != OWN_SECTION}):
             if k in RECIPE_KEYS and k not in out:
                 out[k] = v
-        for k, v in top_level.items():
+        for k, v in data.items():
+            if isinstance(v, Mapping):
+                continue
             if k in names:
                 out[k] = v
-        if "exe_mode" in out and out["exe_mode"] not in EXE_MODES:
-            raise ValueError(f"exe_mode must be one of {EXE_MODES}, got {out['exe_mode']!r}")
+            else:  # other recipe settings (model_path, world_size ...) are not ours, but a near-miss of
+                # one of our names is a typo, not a recipe setting
+                close = difflib.get_close_matches(str(k), names, n=1, cutoff=0.85)
+                if close:
+                    raise ValueError(f"unknown offload option {k!r} (did you mean {close[0]!r}?)")
+        own = data.get(OWN_SECTION)
+        if own is not None:
+            if not isinstance(own, Mapping):
+                raise ValueError(f"the {OWN_SECTION!r} section must be a mapping of option names")
+            out.update(_known(dict(own), names, f" in section {OWN_SECTION!r}"))
         return out
+
+
+#: A recipe yaml may carry our own options in a section of this name.
+OWN_SECTION = "offload_passes"
+
+
+def _option_names(cls: type) -> list[str]:
+    return sorted(f.name for f in dataclasses.fields(cls) if f.name != "extra")
+
+
+def _known(d: dict, names: list[str], where: str) -> dict:
+    unknown = sorted(set(d) - set(names), key=str)
+    if unknown:
+        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(str(k), names, n=1)) else repr(k)
+                 for k in unknown]
+        raise ValueError(f"unknown offload option(s){where}: {', '.join(hints)}; known options: {names}")
+    return d
+
+
+def _check_types(opts: "OffloadOptions") -> None:
+    """Type-check every field against its annotation (``bool``, ``int``, ``str``, ``X | None``), so a yaml
+    string ``"false"`` or a float ``1.5`` fails here, naming the option, instead of misbehaving later."""
+    hints = typing.get_type_hints(type(opts))
+    for f in dataclasses.fields(opts):
+        if f.name == "extra":
+            continue
+        v = getattr(opts, f.name)
+        allowed = typing.get_args(hints[f.name]) or (hints[f.name],)
+        if v is None and type(None) in allowed:
+            continue
+        ok = False
+        for t in allowed:
+            if t is bool:
+                ok = ok or isinstance(v, bool)
+            elif t is int:
+                ok = ok or (isinstance(v, int) and not isinstance(v, bool))
+            elif t is str:
+                ok = ok or isinstance(v, str) or (f.name == "dump_dir" and isinstance(v, os.PathLike))
+            elif t is float:
+                ok = ok or (isinstance(v, (int, float)) and not isinstance(v, bool))
+            elif isinstance(t, type) and t is not type(None):
+                ok = ok or isinstance(v, t)
+        if not ok:
+            want = " or ".join("None" if t is type(None) else getattr(t, "__name__", str(t)) for t in allowed)
+            raise ValueError(f"option {f.name} must be {want}, got {type(v).__name__} {v!r}")
 
 
 def _walk(data: Mapping):

@@ -13,8 +13,9 @@ lifts as inputs, so every method here works in place (never reallocates).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -24,25 +25,71 @@ KIND_HIT, KIND_MISS, KIND_WINDOW = 1, 2, 3
 STATS_WIDTH = 7  # kinds 0..5 + step count
 
 
-@dataclass
+class SharedGroup:
+    """The tensors of one IndexShare group on one set of full caches (shared by every graph serving them)."""
+
+    __slots__ = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "pools", "ran", "__weakref__")
+
+    def __init__(self, B: int, PS: int, IR: int, dims: Sequence[tuple[int, int, torch.dtype]],
+                 device: torch.device) -> None:
+        self.pool_ids = torch.full((B, PS), -1, dtype=torch.int32, device=device)
+        self.id_to_slot = torch.full((B, IR), -1, dtype=torch.int32, device=device)
+        self.lru_counter = torch.zeros((B, PS // 16), dtype=torch.int32, device=device)
+        self.stats = torch.zeros((2, STATS_WIDTH), dtype=torch.int64, device=device)
+        # the previous step's cache length per row: a row whose length goes down starts a new request
+        self.seen_len = torch.zeros((B,), dtype=torch.int32, device=device)
+        self.pools = [(torch.zeros((B, PS, dkv), dtype=dt, device=device),
+                       torch.zeros((B, PS, dr), dtype=dt, device=device)) for dkv, dr, dt in dims]
+        self.ran = False  # has served a step (a fresh group holds nothing that could be stale)
+
+
 class GroupState:
-    group_id: int
-    owner_layer: int
-    layers: list[int]
-    pool_ids: torch.Tensor
-    id_to_slot: torch.Tensor
-    lru_counter: torch.Tensor
-    stats: torch.Tensor
+    """One group of one compiled graph (``group_id``/``layers`` numbered in that graph), over the
+    :class:`SharedGroup` tensors of the caches it runs on."""
+
+    def __init__(self, group_id: int, owner_layer: int, layers: Sequence[int], shared: SharedGroup) -> None:
+        self.group_id = group_id
+        self.owner_layer = owner_layer
+        self.layers = list(layers)
+        self.shared = shared
+
+    pool_ids = property(lambda self: self.shared.pool_ids)
+    id_to_slot = property(lambda self: self.shared.id_to_slot)
+    lru_counter = property(lambda self: self.shared.lru_counter)
+    stats = property(lambda self: self.shared.stats)
+    seen_len = property(lambda self: self.shared.seen_len)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         g = self.group_id
         return {f"pool_ids_g{g}": self.pool_ids, f"id_to_slot_g{g}": self.id_to_slot,
-                f"lru_counter_g{g}": self.lru_counter, f"stats_g{g}": self.stats}
+                f"lru_counter_g{g}": self.lru_counter, f"stats_g{g}": self.stats, f"seen_len_g{g}": self.seen_len}
+
+
+@dataclass
+class GroupLayout:
+    """What a compiled graph needs to allocate one group's state (no fx nodes, no tensors)."""
+
+    group_id: int
+    owner_layer: int
+    layers: list[int]
+    B: int
+    pool_size: int
+    id_range: int
+    dims: list[tuple[int, int, torch.dtype]]  # per layer of the group: (Dkv, Dr, dtype)
+
+    @classmethod
+    def from_plan(cls, p) -> "GroupLayout":
+        return cls(p.group_id, p.owner_layer, list(p.layers), p.B, p.pool_size, p.id_range,
+                   [(p.geometry[l].Dkv, p.geometry[l].Dr, p.geometry[l].dtype) for l in p.layers])
+
+    @property
+    def signature(self) -> tuple:
+        return (self.B, self.pool_size, self.id_range, tuple(self.dims))
 
 
 @dataclass
 class OffloadState:
-    """State owned by one compiled graph (``graph_id``)."""
+    """The state one compiled graph (``graph_id``) uses on one set of full caches."""
 
     graph_id: str
     B: int
@@ -51,27 +98,40 @@ class OffloadState:
     groups: list[GroupState] = field(default_factory=list)
     pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> (kv, rope)
     resets: int = 0
+    _flat: dict = field(default_factory=dict, repr=False, compare=False)
+    # how the backend rebuilds / selects this state per call (set by backend.rewrite_for_offload)
+    layouts: Optional[list] = field(default=None, repr=False, compare=False)
+    cache_refs: Optional[list] = field(default=None, repr=False, compare=False)
+    shared: bool = field(default=False, repr=False, compare=False)
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def allocate(cls, graph_id: str, plans: Sequence, device: torch.device | None = None) -> "OffloadState":
         """Allocate pools and metadata for the ``GroupPlan``\\ s of one graph."""
-        device = device or torch.device("cpu")
-        p0 = plans[0]
+        layouts = [p if isinstance(p, GroupLayout) else GroupLayout.from_plan(p) for p in plans]
+        dev = device or torch.device("cpu")
+        return cls.from_shared(graph_id, layouts,
+                               [SharedGroup(g.B, g.pool_size, g.id_range, g.dims, dev) for g in layouts])
+
+    @classmethod
+    def from_shared(cls, graph_id: str, layouts: Sequence[GroupLayout], shared: Sequence[SharedGroup]
+                    ) -> "OffloadState":
+        p0 = layouts[0]
         st = cls(graph_id, p0.B, p0.pool_size, p0.id_range)
-        for p in plans:
-            B, PS, IR = p.B, p.pool_size, p.id_range
-            st.groups.append(GroupState(
-                p.group_id, p.owner_layer, list(p.layers),
-                torch.full((B, PS), -1, dtype=torch.int32, device=device),
-                torch.full((B, IR), -1, dtype=torch.int32, device=device),
-                torch.zeros((B, PS // 16), dtype=torch.int32, device=device),
-                torch.zeros((2, STATS_WIDTH), dtype=torch.int64, device=device)))
-            for l in p.layers:
-                geo = p.geometry[l]
-                st.pools[l] = (torch.zeros((B, PS, geo.Dkv), dtype=geo.dtype, device=device),
-                               torch.zeros((B, PS, geo.Dr), dtype=geo.dtype, device=device))
+        for lay, sg in zip(layouts, shared):
+            st.groups.append(GroupState(lay.group_id, lay.owner_layer, lay.layers, sg))
+            for l, pools in zip(lay.layers, sg.pools):
+                st.pools[l] = pools
         return st
+
+    def flat(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """The state tensors named ``names`` (graph-input order of the rewritten graph), memoised."""
+        key = tuple(names)
+        out = self._flat.get(key)
+        if out is None:
+            t = self.tensors()
+            out = self._flat[key] = [t[n] for n in names]
+        return out
 
     # -- inspection -----------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -133,11 +193,14 @@ class OffloadState:
 
         A full reset also clears the counters (``counters`` overrides); a row reset keeps them.
         """
+        if not self.groups:  # nothing compiled yet: nothing cached
+            return
         if rows is None:
             for g in self.groups:
                 g.pool_ids.fill_(-1)
                 g.id_to_slot.fill_(-1)
                 g.lru_counter.zero_()
+                g.seen_len.zero_()
             for kv, rope in self.pools.values():
                 kv.zero_()
                 rope.zero_()
@@ -156,6 +219,7 @@ class OffloadState:
             g.pool_ids[t] = -1
             g.id_to_slot[t] = -1
             g.lru_counter[t] = 0
+            g.seen_len[t] = 0
         for kv, rope in self.pools.values():
             kv[t] = 0
             rope[t] = 0
@@ -166,3 +230,234 @@ class OffloadState:
     def reset_counters(self) -> None:
         for g in self.groups:
             g.stats.zero_()
+
+    # -- trace recording (offload_passes.trace; format in offload_passes/trace/format.py) ------------
+    def record_trace(self, enable: bool = True) -> None:
+        """Start (``enable=False``: stop) recording the top-k and lengths every ``dsa_plan`` of this state's
+        groups receives, step by step; ``trace()`` returns them. Recording stays on until stopped."""
+        from .trace.record import attach
+
+        attach(self, enable)
+
+    def trace(self, model: str = "unknown"):
+        """The recorded steps as an ``offload_passes.trace.Trace`` (``save_trace`` writes the npz)."""
+        from .trace.record import state_trace
+
+        return state_trace(self, model)
+
+
+# -- state by caches -------------------------------------------------------------------------------------
+class StateRegistry:
+    """Which state serves which full caches (process-wide; everything keyed by live cache tensors).
+
+    * ``bind(graph_id, layouts, caches)``: the :class:`OffloadState` of one compiled graph on one set of
+      full caches; graphs with the same group layout on the same caches share the group tensors (the
+      pools mirror cache rows, which do not depend on the graph that planned them).
+    * ``activate(state, caches)``: the one stale-state rule of every mode: a group whose caches were
+      last served by *other* group tensors (another layout / pool size, or another graph's private
+      state) is reset before it runs: cold, never stale.
+    * Entries die with their caches (``weakref.finalize`` on each cache tensor) and with their graph
+      (``drop_graph``); the group tensors are held only by the live states that use them.
+    """
+
+    def __init__(self) -> None:
+        self._bindings: dict[tuple, OffloadState] = {}  # (graph_id, cache ids) -> state
+        self._shared: dict[tuple, "weakref.ref[SharedGroup]"] = {}  # (cache ids, signature) -> group tensors
+        self._claims: dict[int, "weakref.ref[SharedGroup]"] = {}  # cache id -> group tensors that ran last
+        self._watched: dict[int, "weakref.finalize"] = {}
+        self._by_cache: dict[int, set] = {}  # cache id -> binding / shared keys that name it
+        self._seen: "weakref.WeakKeyDictionary[SharedGroup, tuple]" = weakref.WeakKeyDictionary()  # -> cache ids
+
+    # -- lifetime -------------------------------------------------------------------------
+    def _watch(self, t: torch.Tensor, key: tuple) -> None:
+        i = id(t)
+        self._by_cache.setdefault(i, set()).add(key)
+        if i not in self._watched:
+            self._watched[i] = weakref.finalize(t, StateRegistry._cache_died, weakref.ref(self), i)
+
+    @staticmethod
+    def _cache_died(ref: "weakref.ref[StateRegistry]", i: int) -> None:
+        self = ref()
+        if self is None:
+            return
+        self._watched.pop(i, None)
+        self._claims.pop(i, None)
+        for key in self._by_cache.pop(i, ()):
+            self._bindings.pop(key, None)
+            self._shared.pop(key, None)
+
+    def drop_graph(self, graph_id: str) -> None:
+        """Forget the states of a compiled graph that no longer exists."""
+        for key in [k for k in self._bindings if k[0] == graph_id]:
+            del self._bindings[key]
+
+    # -- lookup ---------------------------------------------------------------------------
+    def bind(self, graph_id: str, layouts: Sequence[GroupLayout], caches: Sequence[Sequence[torch.Tensor]]
+             ) -> OffloadState:
+        """``caches[g]``: the full caches (kv, rope per layer) of group ``g`` of ``layouts``."""
+        ids = tuple(tuple(id(t) for t in cs) for cs in caches)
+        key = (graph_id, ids)
+        st = self._bindings.get(key)
+        if st is not None:
+            return st
+        shared = []
+        for lay, cs, gids in zip(layouts, caches, ids):
+            skey = (gids, lay.signature)
+            ref = self._shared.get(skey)
+            sg = ref() if ref is not None else None
+            if sg is None:
+                sg = SharedGroup(lay.B, lay.pool_size, lay.id_range, lay.dims, cs[0].device)
+                self._shared[skey] = weakref.ref(sg)
+                for t in cs:
+                    self._watch(t, skey)
+                log.debug("%s: new pools for group %d on caches %s", graph_id, lay.group_id, gids[:2])
+            shared.append(sg)
+        st = OffloadState.from_shared(graph_id, layouts, shared)
+        self._bindings[key] = st
+        for cs in caches:
+            for t in cs:
+                self._watch(t, key)
+        return st
+
+    def bindings(self, graph_ids: Optional[Iterable[str]] = None) -> list[OffloadState]:
+        ids = None if graph_ids is None else set(graph_ids)
+        return [s for k, s in self._bindings.items() if ids is None or k[0] in ids]
+
+    def activate(self, state: OffloadState, caches: Sequence[Sequence[torch.Tensor]]) -> bool:
+        """Apply the stale-state rule before ``state`` runs on ``caches``; True if something was reset."""
+        reset = False
+        for g, cs in zip(state.groups, caches):
+            sg = g.shared
+            if sg.ran:
+                for t in cs:
+                    ref = self._claims.get(id(t))
+                    if ref is None or ref() is not sg:
+                        reset = True
+                        _reset_shared(sg)
+                        break
+            sg.ran = True
+            self._seen[sg] = tuple(id(t) for t in cs)
+            ref = weakref.ref(sg)
+            for t in cs:
+                i = id(t)
+                if i not in self._watched:
+                    self._watch(t, ("claim", i))
+                self._claims[i] = ref
+        if reset:
+            state.resets += 1  # noqa: SIM113
+            log.info("%s: its caches were served by other offload state since its last run; its pools "
+                     "were reset (cold start)", state.graph_id)
+        return reset
+
+    def current_groups(self, cache_ids: set) -> list[tuple[tuple, SharedGroup]]:
+        """Group tensors that ran on caches all in ``cache_ids`` and still hold them (not superseded)."""
+        out = []
+        for sg, ids in list(self._seen.items()):
+            if not ids or not all(i in cache_ids for i in ids):
+                continue
+            claim = self._claims.get(ids[0])
+            if claim is not None and claim() is sg:
+                out.append((ids, sg))
+        return out
+
+
+def module_state(module: Any, registry: Optional[StateRegistry] = None) -> OffloadState:
+    """The offload state of every graph that serves ``module`` (its buffers are the full caches), graph
+    breaks included: one :class:`OffloadState` over all of them, layers numbered in the module's buffer
+    order, groups by first layer. Empty (``groups == []``, ``reset`` a no-op) before the first call."""
+    reg = registry or REGISTRY
+    pos: dict[int, int] = {}
+    for i, buf in enumerate(module.buffers()):
+        pos.setdefault(id(buf), i)
+    found = reg.current_groups(set(pos))
+    kv_ids = sorted({ids[j] for ids, _ in found for j in range(0, len(ids), 2)}, key=pos.__getitem__)
+    layer_of = {i: n for n, i in enumerate(kv_ids)}
+    entries = sorted(((([layer_of[ids[j]] for j in range(0, len(ids), 2)]), sg) for ids, sg in found),
+                     key=lambda e: e[0][0])
+    if not entries:
+        return OffloadState("module", 0, 0, 0)
+    layouts = []
+    for gi, (layers, sg) in enumerate(entries):
+        B, PS = sg.pool_ids.shape
+        layouts.append(GroupLayout(gi, layers[0], layers, int(B), int(PS), int(sg.id_to_slot.size(1)),
+                                   [(kv.size(-1), rope.size(-1), kv.dtype) for kv, rope in sg.pools]))
+    return OffloadState.from_shared("module", layouts, [sg for _, sg in entries])
+
+
+@torch.no_grad()
+def _reset_shared(sg: SharedGroup) -> None:
+    sg.pool_ids.fill_(-1)
+    sg.id_to_slot.fill_(-1)
+    sg.lru_counter.zero_()
+    sg.seen_len.zero_()
+    for kv, rope in sg.pools:
+        kv.zero_()
+        rope.zero_()
+
+
+REGISTRY = StateRegistry()
+
+
+class StateBinder:
+    """The piece every mode's compiled graph calls first (CPU backend and ``npu_modes``).
+
+    ``cache_refs``: per group, per layer the full caches as ``("arg", i)`` (graph input i) or
+    ``("const", tensor)`` (a buffer the graph holds). ``input_names`` set: the state is passed as extra
+    graph inputs and chosen per call by the identity of the caches; None: the graph holds ``initial``
+    as buffers (one private state). Either way :meth:`StateRegistry.activate` runs before the graph.
+    """
+
+    def __init__(self, graph_id: str, layouts: Sequence[GroupLayout], cache_refs: Sequence[Sequence[tuple]],
+                 input_names: Optional[Sequence[str]], initial: OffloadState,
+                 registry: Optional[StateRegistry] = None) -> None:
+        self.graph_id = graph_id
+        self.layouts = list(layouts)
+        self.cache_refs = [list(r) for r in cache_refs]
+        self.input_names = list(input_names) if input_names is not None else None
+        self.registry = registry or REGISTRY
+        self._initial = initial if self.input_names is None else None  # a private state lives with the graph
+        self._last: Optional["weakref.ref[OffloadState]"] = weakref.ref(initial)
+        self.calls = 0
+
+    @classmethod
+    def for_private(cls, graph_id: str, state: OffloadState) -> Optional["StateBinder"]:
+        """The binder of a graph that holds ``state`` as buffers (NPU modes); None when its caches are
+        unknown (``state.cache_refs`` unset)."""
+        if state.cache_refs is None or state.layouts is None:
+            return None
+        return cls(graph_id, state.layouts, state.cache_refs, None, state)
+
+    def caches(self, args: Sequence[Any]) -> list[list[torch.Tensor]]:
+        return [[args[v] if kind == "arg" else v for kind, v in refs] for refs in self.cache_refs]
+
+    def state_for(self, args: Sequence[Any]) -> OffloadState:
+        caches = self.caches(args)
+        if self.input_names is None:
+            st = self._initial
+        else:
+            st = self.registry.bind(self.graph_id, self.layouts, caches)
+        self.registry.activate(st, caches)
+        self._last = weakref.ref(st)
+        self.calls += 1
+        return st
+
+    def extra_inputs(self, args: Sequence[Any]) -> list[torch.Tensor]:
+        st = self.state_for(args)
+        return st.flat(self.input_names) if self.input_names is not None else []
+
+    @property
+    def last_state(self) -> Optional[OffloadState]:
+        return self._last() if self._last is not None else None
+
+    def states(self) -> list[OffloadState]:
+        if self.input_names is None:
+            return [self._initial]
+        return self.registry.bindings([self.graph_id])
+
+    def wrap(self, fn: Callable) -> Callable:
+        """``fn(*args, *state)`` with the state of the call's caches (see the class doc)."""
+        def run(*args: Any) -> Any:
+            return fn(*args, *self.extra_inputs(args))
+
+        run.offload_binder = self  # type: ignore[attr-defined]
+        return run

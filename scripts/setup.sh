@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test,viz]"
+python -m pip install -q -e ".[test,viz,hf]"
 if ! command -v dot >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq graphviz >/dev/null) || echo "setup: could not install graphviz; offload-inspect --svg/--png will ask for --dot" >&2

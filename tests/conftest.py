@@ -7,6 +7,15 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 import offload_passes  # noqa: E402,F401  (registers the ops)
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Hypothesis profiles (tests/ops/test_properties.py): "ci" (default) is fast and derandomized, so CI runs
+# the same examples every time; "long" digs deeper: `pytest --hypothesis-profile=long tests/ops/test_properties.py`.
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=_SLOW_OK)
+settings.register_profile("long", max_examples=2000, deadline=None, suppress_health_check=_SLOW_OK)
+settings.load_profile("ci")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -55,6 +55,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from offload_passes._cli import UsageError, finite, run_cli
+
 try:  # package import (console script) or flat import (python tools/capacity_plan.py)
     from .capacity_plan_model import WEIGHT_KEYS, ModelShape, list_presets, load_model_shape
 except ImportError:  # pragma: no cover - only when run as a loose script
@@ -475,6 +477,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=None, help="also check whether this global batch fits")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     ap.add_argument("--list-presets", action="store_true")
+    ap.add_argument("--what-if", action="store_true",
+                    help="A3 per-step latency what-if model instead (flags: offload-plan --what-if --help)")
     return ap
 
 
@@ -493,17 +497,48 @@ def budget_from_args(args: argparse.Namespace, shape: ModelShape) -> Budget:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--what-if" in argv:  # latency what-if model (capacity_plan_whatif.py), its own flags
+        try:
+            from . import capacity_plan_whatif as whatif
+        except ImportError:  # flat import (python tools/capacity_plan.py)
+            import capacity_plan_whatif as whatif
+        return whatif.main(argv)
     args = _parser().parse_args(argv)
     if args.list_presets:
         print("\n".join(list_presets()) or "(no presets installed)")
         return 0
-    try:
-        shape = load_model_shape(args.config)
-        like = load_model_shape(args.weights_like) if args.weights_like else None
-        result = plan(shape, budget_from_args(args, shape), batch=args.batch, weights_like=like)
-    except ValueError as e:
-        print(f"offload-plan: error: {e}", file=sys.stderr)
-        return 2
+    return run_cli("offload-plan", lambda: _main(args))
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every number must be finite and in range before any arithmetic (``nan`` / ``inf`` / negatives)."""
+    for name in ("hbm_gib", "host_gib", "weight_bytes", "weights_gib", "reserve_gib"):
+        v = getattr(args, name)
+        if v is not None:
+            finite(v, "--" + name.replace("_", "-"), positive=name != "reserve_gib")
+            if v < 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    for name in ("devices", "ranks_per_device", "context", "kv_bytes", "indexer_bytes", "prefill_mini_batch"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("indexer_scale_bytes",):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("block_size", "batch"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    for ps in args.pool_size or ():
+        if ps < 16 or ps % 16:
+            raise UsageError(f"--pool-size must be a positive multiple of 16, got {ps}")
+
+
+def _main(args: argparse.Namespace) -> int:
+    _check_args(args)
+    shape = load_model_shape(args.config)
+    like = load_model_shape(args.weights_like) if args.weights_like else None
+    result = plan(shape, budget_from_args(args, shape), batch=args.batch, weights_like=like)
     try:
         print(json.dumps(result.to_json(), indent=2) if args.json else render(result))
     except BrokenPipeError:  # `offload-plan | head`: the reader left, not an error

@@ -24,6 +24,9 @@ import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
+from offload_passes._cli import UsageError, run_cli, writable_file
+from offload_passes.passes.producers import TOPK_PRODUCERS
+
 from .inspect_dump_report import Dump, DumpError, GraphDump, layer_ranges, load_dump, summarize
 
 MiB = 1 << 20
@@ -49,9 +52,10 @@ def _table(rows: list[list[Any]], header: list[str]) -> list[str]:
 
 
 # Short names keep a 78-row table readable; the legend under the table spells them out.
-_SHORT = {"npu_lightning_indexer": "indexer", "npu_gather_selection_kv_cache": "gather",
+# Top-k producers (indexer / qindexer ...) come from the passes' one producer table.
+_SHORT = {**{p.name: p.short for p in TOPK_PRODUCERS}, "npu_gather_selection_kv_cache": "gather",
           "npu_sparse_flash_attention": "sfa", "dsa_plan": "plan", "dsa_serve": "serve", "dsa_install": "install"}
-_ORDER = ["indexer", "plan", "gather", "serve", "sfa", "install"]
+_ORDER = [p.short for p in TOPK_PRODUCERS] + ["plan", "gather", "serve", "sfa", "install"]
 
 
 def _short_ops(c: dict[str, int]) -> str:
@@ -103,7 +107,8 @@ def render_summary(s: dict[str, Any]) -> str:
                   _short_ops(x["ops_before"]), _short_ops(x["ops_after"])] for x in s["layers"]],
                 ["layer", "group", "role", "nodes", "ops before", "ops after"])
     if s["layers"]:
-        L.append("  (indexer/gather/sfa = npu_lightning_indexer / npu_gather_selection_kv_cache / "
+        producers = "/".join(p.short for p in TOPK_PRODUCERS) + " = " + " / ".join(p.name for p in TOPK_PRODUCERS)
+        L.append(f"  ({producers}; gather/sfa = npu_gather_selection_kv_cache / "
                  "npu_sparse_flash_attention; plan/serve/install = dsa_*; _f = functional twin)")
     if s["ops"]:
         L.append("")
@@ -249,11 +254,17 @@ def run(args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    return run_cli("offload-inspect", lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
+    for path, flag in ((args.svg, "--svg"), (args.png, "--png"), (args.dot, "--dot")):
+        if path is not None:
+            writable_file(path, flag)  # before any work: a bad path is a one-line error, exit 2
     try:
         text = run(args)
     except DumpError as e:
-        print(f"offload-inspect: error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     try:
         print(text)
     except BrokenPipeError:  # `offload-inspect DIR | head`: the reader left, not an error

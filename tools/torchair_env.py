@@ -7,7 +7,9 @@ labelled test stand-ins (``tests/converters/standins/``). This module obtains th
 installing torch_npu**:
 
 1. ``pip download --no-deps torch-npu==<version>`` into ``<cache>/wheels`` (nothing is installed;
-   ``import torch`` keeps working without ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``);
+   ``import torch`` keeps working without ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``). ``<version>`` is the
+   torch-npu release matching the running torch (:data:`TORCH_NPU_FOR_TORCH`), so each torch version
+   gets its own TorchAir and its own cache folder;
 2. extract only ``torch_npu/dynamo/torchair/**`` and ``torch_npu/dynamo/npugraph_ex/**`` (no ``.so``)
    into ``<cache>/torch_npu-<version>/site/`` as the top-level packages ``torchair`` and
    ``npugraph_ex``;
@@ -49,23 +51,86 @@ PACKAGES = ("torchair", "npugraph_ex")
 REQUIREMENTS = ("protobuf>=3.13", "packaging")
 _WHEEL_PREFIX = "torch_npu/dynamo/"
 _MARKER = ".offload_passes_torchair.json"
-#: Bump when the extraction layout changes, so stale caches are rebuilt.
-_LAYOUT_VERSION = 1
+#: Bump when the extraction layout changes, so stale caches are rebuilt (2: marker records the torch
+#: version the wheel was built for).
+_LAYOUT_VERSION = 2
+#: torch-npu release whose TorchAir / npugraph_ex the tests use, per torch ``major.minor``. torch-npu
+#: ships post releases for one torch version; the plain ``2.8.0`` has no npugraph_ex yet, so 2.8 takes
+#: its newest post release (checked here: 2.8.0.post5 and 2.13.0 both carry torchair + npugraph_ex).
+#: Other torch versions fall back to the plain ``major.minor.patch`` release.
+TORCH_NPU_FOR_TORCH = {"2.8": "2.8.0.post5", "2.13": "2.13.0"}
 
 
 class TorchAirEnvError(RuntimeError):
     """The TorchAir test environment could not be prepared (message says why and what to do)."""
 
 
+def _major_minor(version: str) -> str:
+    """``"2.8.0+cpu"`` / ``"2.13.0.*"`` / ``"2.8.0.post5"`` -> ``"2.8"`` / ``"2.13"`` / ``"2.8"``."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def matching_torch_npu_version(torch_version: Optional[str] = None) -> str:
+    """The torch-npu release for ``torch_version`` (default: the installed torch).
+
+    ``2.8.x`` -> ``2.8.0.post5``, ``2.13.x`` -> ``2.13.0`` (:data:`TORCH_NPU_FOR_TORCH`); any other
+    ``X.Y.Z`` -> ``X.Y.Z`` (the plain torch-npu release of that torch).
+    """
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
+    mm = _major_minor(torch_version)
+    if mm in TORCH_NPU_FOR_TORCH:
+        return TORCH_NPU_FOR_TORCH[mm]
+    parts = (torch_version.split("+")[0].split(".") + ["0", "0"])[:3]
+    return ".".join(p if p.isdigit() else "0" for p in parts)
+
+
 def default_torch_npu_version() -> str:
-    """torch_npu release matching the installed torch (``2.13.x`` -> ``2.13.0``); env override."""
+    """torch_npu release matching the installed torch (:func:`matching_torch_npu_version`); env override."""
     override = os.environ.get(ENV_VERSION, "").strip()
     if override:
         return override
-    import torch
+    return matching_torch_npu_version()
 
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return f"{major}.{minor}.0"
+
+def wheel_torch_requirement(wheel: os.PathLike) -> Optional[str]:
+    """The torch version a torch_npu wheel was built for (``Requires-Dist: torch==...``), or None."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1]
+        if not names:
+            return None
+        text = zf.read(names[0]).decode("utf-8", "replace")
+    for line in text.splitlines():
+        key, _, req = line.partition(":")
+        req = req.strip().replace(" ", "")
+        if key.strip().lower() == "requires-dist" and req.startswith("torch==") and ";" not in req:
+            return req[len("torch=="):]
+    return None
+
+
+def torch_mismatch(site: os.PathLike, torch_version: Optional[str] = None) -> Optional[str]:
+    """Why the TorchAir copy in ``site`` does not fit the installed torch, or None when it does.
+
+    TorchAir / npugraph_ex follow torch internals closely (FX passes, AOT, Inductor), so a copy
+    made for another torch ``major.minor`` is not used.
+    """
+    try:
+        info = json.loads((Path(site) / _MARKER).read_text())
+    except (OSError, ValueError):
+        return f"{site}: no readable {_MARKER}"
+    built_for = info.get("torch")
+    if not built_for:
+        return None  # a wheel without a torch requirement (hand-made): nothing to compare
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
+    if _major_minor(built_for) != _major_minor(torch_version):
+        return (f"torchair/npugraph_ex from {info.get('wheel')} were built for torch {built_for}, "
+                f"the installed torch is {torch_version}")
+    return None
 
 
 def cache_root(cache: Optional[os.PathLike] = None) -> Path:
@@ -95,6 +160,10 @@ def site_dir(version: Optional[str] = None, cache: Optional[os.PathLike] = None)
     if info.get("layout") != _LAYOUT_VERSION or info.get("version") != version:
         return None
     if not all((site / p / "__init__.py").is_file() for p in PACKAGES):
+        return None
+    why = torch_mismatch(site)
+    if why is not None:
+        log.warning("not using %s: %s", site, why)
         return None
     return site
 
@@ -189,6 +258,13 @@ def ensure(
     whl = Path(wheel) if wheel is not None else _download(version, vdir / "wheels")
     if not whl.is_file():
         raise TorchAirEnvError(f"wheel not found: {whl}")
+    built_for = wheel_torch_requirement(whl)
+    import torch
+
+    if built_for is not None and _major_minor(built_for) != _major_minor(torch.__version__):
+        raise TorchAirEnvError(
+            f"{whl.name} is built for torch {built_for}, the installed torch is {torch.__version__}; use "
+            f"torch-npu {matching_torch_npu_version()} (the default for this torch) or another torch")
     tmp = Path(tempfile.mkdtemp(prefix="site-", dir=vdir))
     try:
         count = _extract(whl, tmp)
@@ -199,6 +275,7 @@ def ensure(
             "sha256": _sha256(whl),
             "files": count,
             "packages": list(PACKAGES),
+            "torch": built_for,
         }
         (tmp / _MARKER).write_text(json.dumps(marker, indent=1))
         site = vdir / "site"
@@ -225,7 +302,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="python -m offload_passes.tools.torchair_env",
         description="Prepare TorchAir/npugraph_ex (Python only, from the torch-npu wheel) for the CPU tests.",
     )
-    p.add_argument("--version", default=None, help="torch-npu version (default: matches torch, e.g. 2.13.0)")
+    p.add_argument("--version", default=None,
+                   help="torch-npu version (default: matches torch, e.g. 2.8.0.post5 for torch 2.8, 2.13.0 for 2.13)")
     p.add_argument("--dir", default=None, help=f"cache folder (default: ${ENV_DIR} or ~/.cache/offload_passes/torchair)")
     p.add_argument("--wheel", default=None, help="use this local torch_npu wheel instead of downloading")
     p.add_argument("--check", action="store_true", help="do not download; exit 1 if not prepared")

@@ -13,7 +13,8 @@ A config file (yaml) has two sections::
       ...
 
 Unknown keys and inconsistent values raise ``ValueError`` naming the key. Presets live in
-``models/configs/<name>.yaml`` (``tiny``, ``small``, ``glm-5.2-78l``).
+``models/configs/<name>.yaml`` (``tiny``, ``small``, ``glm-5.2-78l``, and their W8A8C16 variants
+``tiny-w8a8``, ``glm-5.2-78l-w8a8`` with the recipe's ``quant_config``).
 
 IndexShare schedule (``indexer_types``), exactly as HF ``GlmMoeDsaConfig.__post_init__``:
 ``indexer_types`` if given; else ``index_topk_pattern`` ("F"/"S" per layer); else
@@ -36,6 +37,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXE_MODES = ("eager", "inductor", "npugraph_ex", "ge_graph")
+#: ``cache_write``: ``index_put`` (``cache.view(-1, D).index_put_``) or ``inplace`` (the reference's
+#: in-place cache-write ops: MLA-prolog KV write, ``npu_scatter_nd_update_`` for the indexer cache).
+CACHE_WRITES = ("index_put", "inplace")
 #: torch_npu's limit on the lightning indexer's ``sparse_count``.
 MAX_INDEX_TOPK = 2048
 MAX_NEXT_N = 3
@@ -43,6 +47,56 @@ MAX_NEXT_N = 3
 
 def _err(key: str, msg: str) -> ValueError:
     return ValueError(f"config key '{key}': {msg}")
+
+
+#: Values of the recipe's quant_config keys that this model implements (first = default).
+QUANT_MODES = {
+    "mm_quant_mode": ("w16a16",),
+    "kv_cache_quant_mode": ("unquant",),
+    "li_cache_quant_mode": ("unquant", "int8"),
+}
+#: Values the recipe knows but this model refuses, with the reason (named in the error).
+_QUANT_REFUSED = {
+    ("mm_quant_mode", "w8a8"): "int8 linears are not modelled (only the indexer path is quantised: "
+                               "li_cache_quant_mode 'int8'); the linears stay bf16",
+    ("kv_cache_quant_mode", "int8"): "int8 ('C8') KV caches are not modelled: W8A8C16 keeps a bf16 KV cache",
+    ("kv_cache_quant_mode", "float8"): "float8 KV caches are Ascend 950 only",
+    ("li_cache_quant_mode", "float8"): "float8 indexer caches are Ascend 950 only (no CPU reference)",
+    ("li_cache_quant_mode", "hifloat8"): "hifloat8 indexer caches are Ascend 950 only (no CPU reference)",
+}
+
+
+@dataclass
+class QuantConfig:
+    """The recipe's ``quant_config`` keys (cann-recipes-infer GLM-5: ``config.quant_config.*``).
+
+    * ``mm_quant_mode``: ``w16a16`` (bf16 linears; the W8A8 checkpoint's int8 linears are not modelled:
+      they change no DSA data flow);
+    * ``kv_cache_quant_mode``: ``unquant`` (the "C16" of W8A8C16: bf16 latent / rope KV cache);
+    * ``li_cache_quant_mode``: ``unquant`` or ``int8`` (Hadamard-rotated, per-token dynamic int8 indexer
+      q and k, int8 indexer key cache + fp16 dequant-scale cache, ``npu_quant_lightning_indexer``).
+      The recipe sets ``int8`` for every quantised checkpoint on A3.
+    """
+
+    mm_quant_mode: str = "w16a16"
+    kv_cache_quant_mode: str = "unquant"
+    li_cache_quant_mode: str = "unquant"
+
+    @classmethod
+    def from_any(cls, v: Any) -> Optional["QuantConfig"]:
+        if v is None or isinstance(v, QuantConfig):
+            return v
+        if not isinstance(v, Mapping):
+            raise _err("quant_config", f"must be a mapping of {sorted(QUANT_MODES)}, got {v!r}")
+        for k, val in v.items():
+            if k not in QUANT_MODES:
+                raise _err(f"quant_config.{k}", f"unknown key (known: {sorted(QUANT_MODES)})")
+            why = _QUANT_REFUSED.get((k, val))
+            if why is not None:
+                raise _err(f"quant_config.{k}", f"{val!r} is not supported: {why}; supported: {list(QUANT_MODES[k])}")
+            if val not in QUANT_MODES[k]:
+                raise _err(f"quant_config.{k}", f"must be one of {list(QUANT_MODES[k])}, got {val!r}")
+        return cls(**dict(v))
 
 
 @dataclass
@@ -94,6 +148,8 @@ class ModelConfig:
     indexer_rope_interleave: bool = True
     index_share_for_mtp_iteration: bool = True
     num_nextn_predict_layers: int = 0
+    #: The NPU recipe's ``quant_config`` (W8A8C16: ``li_cache_quant_mode: int8``); None = unquantised.
+    quant_config: Optional[Any] = None
     torch_dtype: str = "bfloat16"
     bos_token_id: Optional[Any] = None
     eos_token_id: Optional[Any] = None
@@ -111,6 +167,16 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         return self.qk_head_dim ** -0.5
+
+    @property
+    def quant(self) -> "QuantConfig":
+        """The validated ``quant_config`` (defaults = unquantised when none is given)."""
+        return self.quant_config if isinstance(self.quant_config, QuantConfig) else QuantConfig()
+
+    @property
+    def li_cache_int8(self) -> bool:
+        """True when the indexer cache is int8 (the indexer runs ``npu_quant_lightning_indexer``)."""
+        return self.quant.li_cache_quant_mode == "int8"
 
     def is_moe_layer(self, i: int) -> bool:
         return self.mlp_layer_types[i] == "sparse"
@@ -188,6 +254,12 @@ class ModelConfig:
             if len(self.mlp_layer_types) != n or any(t not in ("dense", "sparse") for t in self.mlp_layer_types):
                 raise _err("mlp_layer_types", f"must be {n} entries of 'dense'/'sparse', got {self.mlp_layer_types}")
         self.indexer_types = _derive_indexer_types(self)
+        self.quant_config = QuantConfig.from_any(self.quant_config)
+        if self.quant_config is not None and self.li_cache_int8:
+            d = self.index_head_dim
+            if d & (d - 1):
+                raise _err("index_head_dim", f"must be a power of two for li_cache_quant_mode 'int8' (Hadamard "
+                           f"rotation of the indexer q/k), got {d}")
         return self
 
 
@@ -261,6 +333,7 @@ class RunnerConfig:
     enlarge_pool_size: bool = False
     exe_mode: str = "eager"
     seed: int = 0
+    cache_write: str = "index_put"
 
     @property
     def seq_per_step(self) -> int:
@@ -289,6 +362,8 @@ class RunnerConfig:
                        f"copies only float16/bfloat16/int8 caches, got {model.torch_dtype!r}")
         if self.exe_mode not in EXE_MODES:
             raise _err("exe_mode", f"must be one of {EXE_MODES}, got {self.exe_mode!r}")
+        if self.cache_write not in CACHE_WRITES:
+            raise _err("cache_write", f"must be one of {CACHE_WRITES}, got {self.cache_write!r}")
         if self.pa_max_length % self.pa_block_size:
             raise _err("pa_max_length", f"must be a multiple of pa_block_size={self.pa_block_size}, "
                        f"got {self.pa_max_length}")

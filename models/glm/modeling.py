@@ -178,9 +178,23 @@ class GlmMoeDsaMoE(nn.Module):
 # ------------------------------------------------------------------------------------------ indexer
 
 
+def hadamard_matrix(n: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Orthonormal Sylvester Hadamard matrix ``[n, n]`` (``n`` a power of two): ``H @ H.T = I``."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.size(0) < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / n ** 0.5).to(dtype=dtype, device=device)
+
+
 class GlmMoeDsaIndexer(nn.Module):
     """Lightning indexer of a "full" layer (HF names ``wq_b``, ``wk``, ``k_norm``, ``weights_proj``) and
-    its own paged key cache ``key_cache [cache_len*B, BS, 1, index_head_dim]``."""
+    its own paged key cache ``key_cache [cache_len*B, BS, 1, index_head_dim]``.
+
+    ``li_cache_quant_mode: int8`` (W8A8C16, as the NPU recipe writes it): q and k are rotated by a
+    Hadamard matrix (fp16 result), quantised per token (and head) to int8 with dynamic scales; the key
+    cache is int8 with a float16 dequant-scale cache ``key_scale_cache [cache_len*B, BS, 1]``; the head
+    weights are float16; the top-k comes from ``npu_quant_lightning_indexer`` (one output).
+    """
 
     def __init__(self, cfg: ModelConfig, runner: RunnerConfig, device=None) -> None:
         super().__init__()
@@ -190,6 +204,8 @@ class GlmMoeDsaIndexer(nn.Module):
         self.head_dim = cfg.index_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.topk = cfg.index_topk
+        self.int8 = cfg.li_cache_int8
+        self.inplace_writes = runner.cache_write == "inplace"
         self.wq_b = _linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dt, device)
         self.wk = _linear(cfg.hidden_size, self.head_dim, dt, device)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=dt, device=device)
@@ -198,10 +214,22 @@ class GlmMoeDsaIndexer(nn.Module):
         # positively homogeneous, so folding both into the weights keeps the top-k identical.
         self.weight_scale = (self.n_heads ** -0.5) * (self.head_dim ** -0.5)
         blocks = runner.cache_len * runner.batch_size
+        cache_dt = torch.int8 if self.int8 else dt
         self.register_buffer(
-            "key_cache", torch.zeros(blocks, runner.pa_block_size, 1, self.head_dim, dtype=dt, device=device),
+            "key_cache", torch.zeros(blocks, runner.pa_block_size, 1, self.head_dim, dtype=cache_dt, device=device),
             persistent=False,
         )
+        if self.int8:
+            if npu_ops.quant_lightning_indexer is None:
+                raise RuntimeError(f"li_cache_quant_mode 'int8' needs torch.ops.{npu_ops.OPS_NAMESPACE}."
+                                   "npu_quant_lightning_indexer, which is not available")
+            # One fp16 dequant scale per cached key token (the recipe's past_key_scales_indexer).
+            self.register_buffer(
+                "key_scale_cache", torch.zeros(blocks, runner.pa_block_size, 1, dtype=torch.float16, device=device),
+                persistent=False,
+            )
+            # Not a checkpoint tensor: a fixed rotation, rebuilt here (the recipe builds it at init too).
+            self.register_buffer("hadamard", hadamard_matrix(self.head_dim, dt, device), persistent=False)
 
     def _qk(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q ``[..., Hi, Di]``, k ``[..., Di]`` with RoPE on the first ``rope_dim`` dims (HF order)."""
@@ -213,21 +241,59 @@ class GlmMoeDsaIndexer(nn.Module):
         k = torch.cat((apply_rope(k_pe, cos, sin, self.cfg.indexer_rope_interleave), k_nope), dim=-1).squeeze(-2)
         return q, k
 
+    def _rotate_quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hadamard rotation (float16 result, as the recipe), then per-token dynamic int8: ``(int8 x,
+        float16 dequant scale of shape x.shape[:-1])``."""
+        h = x.reshape(-1, self.head_dim).to(self.hadamard.dtype).matmul(self.hadamard).to(torch.float16)
+        q, scale = npu_ops.dynamic_quant(h.view(x.shape))
+        return q, scale.to(torch.float16)
+
+    # One method per cache write, so the write can be routed through an in-place (scatter) op.
+    def write_key_cache(self, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Rows ``slots`` (flat cache rows) of the indexer key cache := ``k [n, head_dim]``."""
+        if self.inplace_writes:  # the reference: npu_scatter_nd_update_ on the paged cache
+            bs = self.key_cache.size(1)
+            nd = torch.stack((slots // bs, slots % bs), dim=-1)
+            npu_ops.scatter_nd_update_(self.key_cache, nd, k.to(self.key_cache.dtype).unsqueeze(1))
+            return
+        self.key_cache.view(-1, self.head_dim).index_put_((slots,), k.to(self.key_cache.dtype))
+
+    def write_key_scale_cache(self, slots: torch.Tensor, scale: torch.Tensor) -> None:
+        """Rows ``slots`` of the int8 cache's dequant-scale cache := ``scale [n]`` (float16)."""
+        if self.inplace_writes:
+            bs = self.key_scale_cache.size(1)
+            nd = torch.stack((slots // bs, slots % bs), dim=-1)
+            npu_ops.scatter_nd_update_(self.key_scale_cache, nd,
+                                       scale.reshape(-1, 1).to(self.key_scale_cache.dtype))
+            return
+        self.key_scale_cache.view(-1).index_put_((slots,), scale.reshape(-1).to(self.key_scale_cache.dtype))
+
+    def _store_keys(self, slots: torch.Tensor, k: torch.Tensor) -> None:
+        if self.int8:
+            kq, ks = self._rotate_quant(k)
+            self.write_key_cache(slots, kq)
+            self.write_key_scale_cache(slots, ks)
+        else:
+            self.write_key_cache(slots, k)
+
     def decode(self, x, q_resid, cos, sin, slots, block_table, kv_len, cu_q) -> torch.Tensor:
         """Write this step's keys, then score the whole history: top-k ``[T, 1, K]`` int32, -1 padded."""
         q, k = self._qk(x, q_resid, cos, sin)
-        self.key_cache.view(-1, self.head_dim).index_put_((slots,), k)
+        self._store_keys(slots, k)
         weights = self.weights_proj(x) * self.weight_scale
-        topk, _ = npu_ops.lightning_indexer(
-            q, self.key_cache, weights,
-            actual_seq_lengths_query=cu_q, actual_seq_lengths_key=kv_len, block_table=block_table,
-            layout_query="TND", layout_key="PA_BSND", sparse_count=self.topk, sparse_mode=3,
-        )
+        kw = dict(actual_seq_lengths_query=cu_q, actual_seq_lengths_key=kv_len, block_table=block_table,
+                  layout_query="TND", layout_key="PA_BSND", sparse_count=self.topk, sparse_mode=3)
+        if self.int8:
+            qq, qs = self._rotate_quant(q)  # [T, Hi, Di] int8, [T, Hi] fp16
+            return npu_ops.quant_lightning_indexer(
+                qq, self.key_cache, weights.to(torch.float16), qs, self.key_scale_cache, 0, 0, **kw
+            )
+        topk, _ = npu_ops.lightning_indexer(q, self.key_cache, weights, **kw)
         return topk
 
     def prefill(self, x, q_resid, cos, sin, slots, valid) -> None:
         _, k = self._qk(x, q_resid, cos, sin)
-        self.key_cache.view(-1, self.head_dim).index_put_((slots,), k[valid].to(self.key_cache.dtype))
+        self._store_keys(slots, k[valid])
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -256,6 +322,7 @@ class GlmMoeDsaAttention(nn.Module):
         self.topk = cfg.index_topk
         self.enable_offload = runner.enable_offload
         self.block_size = runner.pa_block_size
+        self.inplace_writes = runner.cache_write == "inplace"
         self._batch = runner.batch_size
 
         self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank, dt, device)
@@ -314,6 +381,16 @@ class GlmMoeDsaAttention(nn.Module):
         k_pe = apply_rope(k_pe.unsqueeze(-2), cos, sin, self.cfg.rope_interleave).squeeze(-2)
         return q_resid, q_nope, q_pe, c, k_pe
 
+    def write_kv_cache(self, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Rows ``slots`` (flat cache rows) of the latent / rope caches := ``c [n, kv_lora_rank]``,
+        ``k_pe [n, rope]``."""
+        if self.inplace_writes:  # the reference: written in place inside its fused MLA prolog
+            npu_ops.mla_prolog_cache_write_(self.kv_cache, self.k_rope_cache, slots, c, k_pe)
+            return
+        # index_put_: the scatter form Inductor's re-inplacing pass maps back onto the input buffer.
+        self.kv_cache.view(-1, self.kv_lora_rank).index_put_((slots,), c)
+        self.k_rope_cache.view(-1, self.rope_dim).index_put_((slots,), k_pe)
+
     # -------------------------------------------------------------- decode (the graph the pass sees)
     def decode(
         self,
@@ -332,9 +409,7 @@ class GlmMoeDsaAttention(nn.Module):
         K = self.topk
         q_resid, q_nope, q_pe, c, k_pe = self._q_and_latent(x, cos, sin)
         # This step's KV goes into the full cache before any read (decode-window ids must be readable).
-        # index_put_: the scatter form Inductor's re-inplacing pass maps back onto the input buffer.
-        self.kv_cache.view(-1, self.kv_lora_rank).index_put_((slots,), c)
-        self.k_rope_cache.view(-1, self.rope_dim).index_put_((slots,), k_pe)
+        self.write_kv_cache(slots, c, k_pe)
 
         if self.indexer is not None:
             topk = self.indexer.decode(x, q_resid, cos, sin, slots, block_table, kv_len, cu_q)
@@ -382,8 +457,7 @@ class GlmMoeDsaAttention(nn.Module):
         R, P, _ = x.shape
         q_resid, q_nope, q_pe, c, k_pe = self._q_and_latent(x, cos, sin)
         # Stored in the cache dtype (prefill may compute in fp32, see GlmMoeDsaForCausalLM.prefill).
-        self.kv_cache.view(-1, self.kv_lora_rank).index_put_((slots,), c[valid].to(self.kv_cache.dtype))
-        self.k_rope_cache.view(-1, self.rope_dim).index_put_((slots,), k_pe[valid].to(self.k_rope_cache.dtype))
+        self.write_kv_cache(slots, c[valid].to(self.kv_cache.dtype), k_pe[valid].to(self.k_rope_cache.dtype))
         if self.indexer is not None:
             self.indexer.prefill(x, q_resid, cos, sin, slots, valid)
         kv = self.kv_b_proj(c).unflatten(-1, (self.num_heads, self.nope_dim + self.v_head_dim))
@@ -403,6 +477,8 @@ class GlmMoeDsaAttention(nn.Module):
             self.k_rope_cache[b * blocks_per_row : (b + 1) * blocks_per_row].zero_()
             if self.indexer is not None:
                 self.indexer.key_cache[b * blocks_per_row : (b + 1) * blocks_per_row].zero_()
+                if self.indexer.int8:
+                    self.indexer.key_scale_cache[b * blocks_per_row : (b + 1) * blocks_per_row].zero_()
             if self.enable_offload:
                 per_row = self.sel_kv.size(0) // self._batch
                 self.sel_kv[b * per_row : (b + 1) * per_row].zero_()
@@ -603,7 +679,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
 
     def cache_buffers(self) -> dict[str, torch.Tensor]:
         """All cache / ledger / table buffers by qualified name."""
-        return {n: b for n, b in self.named_buffers() if n not in ("inv_freq",) and "e_score" not in n}
+        return {n: b for n, b in self.named_buffers()
+                if n not in ("inv_freq",) and "e_score" not in n and not n.endswith("hadamard")}
 
     def memory_footprint(self) -> dict[str, int]:
         """Bytes: parameters, full caches, indexer caches, selection buffers + ledgers, tables."""
@@ -614,7 +691,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
             nb = b.numel() * b.element_size()
             if n.endswith(("kv_cache", "k_rope_cache")) and "indexer" not in n:
                 out["full_kv_cache"] += nb
-            elif n.endswith("key_cache"):
+            elif n.endswith(("key_cache", "key_scale_cache")):  # int8 indexer: + its dequant scales
                 out["indexer_key_cache"] += nb
             elif n.endswith(("sel_kv", "sel_rope", "sel_status")):
                 out["selection"] += nb

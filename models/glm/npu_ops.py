@@ -4,6 +4,9 @@
   NPU is available and those ops exist (the real recipe);
 * else ``torch.ops.offload_ref.*``: the CPU references registered by ``offload_passes.custom_ops``.
 
+The int8 indexer (``li_cache_quant_mode: int8``) calls ``npu_quant_lightning_indexer`` of the same
+namespace and quantises with ``dynamic_quant`` (``npu_dynamic_quant`` on the NPU).
+
 ``OFFLOAD_PASSES_MODEL_OPS=ref|npu`` forces the choice (``npu`` raises if it is not usable). The
 gather is always ``torch.ops.custom.npu_gather_selection_kv_cache`` (CANN's custom-op namespace; our
 package registers CPU kernels for it).
@@ -61,5 +64,35 @@ _ns = getattr(torch.ops, OPS_NAMESPACE)
 lightning_indexer = _ns.npu_lightning_indexer
 sparse_flash_attention = _ns.npu_sparse_flash_attention
 gather_selection_kv_cache = torch.ops.custom.npu_gather_selection_kv_cache
+
+
+try:  # a torch_npu without the int8 indexer still runs the unquantised model
+    #: ``npu_quant_lightning_indexer`` of the chosen namespace (one output: the top-k ids), or None.
+    quant_lightning_indexer = _ns.npu_quant_lightning_indexer
+except (AttributeError, RuntimeError):
+    quant_lightning_indexer = None
+
+
+def dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8 quantisation over the last dim: ``(int8 x, fp32 scale [...])`` with
+    ``x ~= q * scale`` (``torch_npu.npu_dynamic_quant`` on the NPU; this torch form elsewhere).
+
+    ``scale = max|x| / 127``; an all-zero row gets scale 0 and q 0 (no division by zero).
+    """
+    if OPS_NAMESPACE == "npu":
+        return torch.ops.npu.npu_dynamic_quant(x)
+    h = x.float()
+    scale = h.abs().amax(dim=-1) / 127.0
+    q = torch.round(h / scale.clamp_min(1e-30).unsqueeze(-1)).clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+#: ``cache_write: inplace`` (the reference's graph: caches written by in-place ops, not ``index_put_``).
+#: Always the ``offload_ref`` test doubles (custom_ops/cache_write.py): on the NPU the KV write is part
+#: of the fused MLA prolog this model does not call, and torch_npu's ``npu_scatter_nd_update_`` returns
+#: an alias of its input, which the double cannot.
+mla_prolog_cache_write_ = torch.ops.offload_ref.npu_mla_prolog_cache_write_
+scatter_nd_update_ = torch.ops.offload_ref.npu_scatter_nd_update_
+
 
 log.debug("GLM model uses torch.ops.%s for the indexer and SFA", OPS_NAMESPACE)

@@ -5,7 +5,7 @@ import contextlib
 import gc
 import operator
 from collections import Counter
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import fx
@@ -133,11 +133,67 @@ def placeholders(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
+def is_graph_input_or_attr(node: Any) -> bool:
+    """A tensor the graph does not compute: a placeholder, or a ``get_attr`` — how module buffers
+    (caches, block tables, ledgers) arrive when Dynamo does not inline built-in nn modules (torch
+    2.8 with ``inline_inbuilt_nn_modules = False``, as the reference compiles), and how our state
+    buffers appear after the rewrite."""
+    return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
+
+
+def attr_value(gm: fx.GraphModule, node: fx.Node) -> Any:
+    """The object a ``get_attr`` node reads (its dotted target resolved on ``gm``); None if missing."""
+    obj: Any = gm
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def hoist_attrs(graph: fx.Graph) -> int:
+    """Move every ``get_attr`` node up to just after the placeholders (always valid: it has no inputs),
+    so that a pass may use any graph input or module buffer at any point, whichever form Dynamo gave
+    the buffers (without inlining, Dynamo emits each ``get_attr`` where it is first used). Returns the
+    number of nodes moved."""
+    phs = placeholders(graph)
+    anchor: Optional[fx.Node] = phs[-1] if phs else None
+    moved = 0
+    for n in list(graph.nodes):
+        if n.op != "get_attr":
+            continue
+        if anchor is None:
+            first = next(iter(graph.nodes))
+            if first is not n:
+                first.prepend(n)
+                moved += 1
+        elif anchor.next is not n:
+            anchor.append(n)
+            moved += 1
+        anchor = n
+    return moved
+
+
+def input_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[fx.Node, torch.Tensor]:
+    """Tensor value of every placeholder (from ``example_inputs``, by position) and every tensor
+    ``get_attr`` (the module attribute) of ``gm``'s graph: the real values when the backend sees them."""
+    out = {p: t for p, t in zip(placeholders(gm.graph), example_inputs) if isinstance(t, torch.Tensor)}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            v = attr_value(gm, n)
+            if isinstance(v, torch.Tensor):
+                out[n] = v
+    return out
+
+
 def count_ops(graph: fx.Graph) -> dict[str, int]:
-    """Counts of our ops and the decode-path ops, keyed by the short op name."""
+    """Counts of our ops and the decode-path ops (every top-k producer of ``producers.TOPK_PRODUCERS``),
+    keyed by the short op name."""
+    from .producers import PRODUCER_NAMES  # lazy: producers imports this module
+
     interesting = {"dsa_plan", "dsa_serve", "dsa_install", "dsa_serve_functional", "dsa_install_functional",
                    "npu_gather_selection_kv_cache", "npu_gather_selection_kv_cache_functional",
-                   "npu_lightning_indexer", "npu_sparse_flash_attention"}
+                   "npu_sparse_flash_attention"} | PRODUCER_NAMES
     c: Counter = Counter()
     for n in graph.nodes:
         name = op_name(n)

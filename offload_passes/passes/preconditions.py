@@ -14,15 +14,16 @@ import torch
 from torch import fx
 
 from ..options import OffloadOptions
-from ._fx import example, placeholders, strip_views
+from ._fx import bind, example, input_values, is_graph_input_or_attr, strip_views
 from .detect import Refusal, Site
+from .producers import producer_of_call
 from .group import GroupReport
 
 MAX_TOPK = 2048
 MAX_RAW_SEQ = 4
 MAX_DKV = 512
 MAX_DR = 128
-KV_DTYPES = (torch.float16, torch.bfloat16)
+FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
 @dataclass
@@ -113,16 +114,18 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Option
     if any(t is None for t in (tk, fkv, frp, skv, srp, stb, sts, fbt, L)):
         chk(False, "no_example_values", f"{site.gather.name}: tensor shapes unknown")
         return None
-    if not chk(fkv.dtype in KV_DTYPES and srp.dim() == 3 and frp.dim() == 3, "quantised_kv",
-               f"full_kv_cache dtype {fkv.dtype}, selection_k_rope {tuple(srp.shape)}: only unquantised "
-               f"float16/bfloat16 KV with a rope cache is offloaded (int8 KV keeps the gather path)"):
+    # (a quantised cache was refused by detect already)
+    if not chk(srp.dim() == 3 and frp.dim() == 3, "no_rope",
+               f"selection_k_rope {tuple(srp.shape)}, full_k_rope {tuple(frp.shape)}: only a KV cache with a "
+               f"rope cache is offloaded (the no-rope gather mode keeps the gather path)"):
         return None
     if not chk(fkv.dim() == 3 and skv.dim() == 3 and fbt.dim() == 2, "paged_layout",
                f"full_kv_cache {tuple(fkv.shape)} must be [blocks, block_size, Dkv] with a 2-D block table"):
         return None
     K = tk.size(-1)
     chk(K % 64 == 0, "topk_alignment", f"top-k width K={K} must be a multiple of 64")
-    chk(0 < K <= MAX_TOPK, "topk_limit", f"top-k width K={K} must be <= {MAX_TOPK}")
+    # K <= MAX_TOPK needs no check of its own: every top-k producer detect accepts is a lightning indexer
+    # whose schema limits sparse_count to 2048 (torch_npu's documented limit), as does the gather.
     B, maxblk = fbt.shape
     T = tk.numel() // max(K, 1)
     S = T // max(B, 1)
@@ -166,7 +169,7 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Option
     chk(L.dim() == 1 and L.size(0) == B and L.dtype == torch.int32, "lengths",
         f"full_kv_actual_seq {tuple(L.shape)} {L.dtype} must be int32 [B={B}]")
     for name in ("selection_kv_cache", "selection_k_rope", "selection_kv_block_status", "selection_kv_block_table"):
-        chk(isinstance(a[name], fx.Node) and a[name].op == "placeholder", "selection_not_input",
+        chk(is_graph_input_or_attr(a[name]), "selection_not_input",
             f"{name} of {site.gather.name} is not a graph input (in-place serve needs the buffer itself)")
     geo = SiteGeometry(site.layer, a["full_kv_cache"], a["full_k_rope"], a["selection_kv_cache"],
                        a["selection_k_rope"], a["selection_kv_block_table"], a["selection_kv_block_status"],
@@ -176,7 +179,7 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Option
 
 def plan(gm: fx.GraphModule, groups: GroupReport, example_inputs: Sequence[Any],
          opts: OffloadOptions) -> PlanReport:
-    real = {p: t for p, t in zip(placeholders(gm.graph), example_inputs) if isinstance(t, torch.Tensor)}
+    real = input_values(gm, example_inputs)  # graph inputs, and module buffers Dynamo left as attributes
     out: list[GroupPlan] = []
     refusals: list[Refusal] = []
     PS = opts.resolved_pool_size
@@ -195,6 +198,11 @@ def plan(gm: fx.GraphModule, groups: GroupReport, example_inputs: Sequence[Any],
             chk(False, "group_inconsistent", f"group {g.group_id}: sites disagree on (B, S, K, BS): {sorted(dims)}")
         roots = {strip_views(s.args["full_kv_actual_seq"], casts=True) for s in g.sites}
         chk(len(roots) == 1, "group_inconsistent", f"group {g.group_id}: sites use different cache lengths")
+        # Float8 indexer caches (Ascend 950) have no CPU reference to verify a rewrite against.
+        ik = example(bind(g.producer).get(producer_of_call(g.producer).key_arg))
+        chk(ik is None or ik.dtype not in FLOAT8_DTYPES, "float8_indexer_cache",
+            f"group {g.group_id}: {g.producer.name} reads a {getattr(ik, 'dtype', None)} indexer key cache; "
+            f"float8 indexer caches (Ascend 950) are not supported (int8 / float16 / bfloat16 are)")
         refusals.extend(chk.refusals)
         if len(geos) != len(g.sites) or len(dims) != 1:
             continue

@@ -1,26 +1,43 @@
-"""Pass 5 — turn functional twins (+ ``copy_`` epilogues) back into in-place ops, after AOT.
+"""Pass 5 — turn functional ops (+ their ``copy_`` epilogues) back into in-place ops, after AOT.
 
-AOT functionalization (with our Functionalize kernels) rewrites ``custom.dsa_serve`` /
-``dsa_install`` / ``npu_gather_selection_kv_cache`` into their ``*_functional`` twins whose outputs
-are copied back into the mutated inputs at the end of the graph; in eager mode that would clone a
-pool / selection buffer per layer and step. This pass processes functional nodes in graph order and
-reinplaces node ``n`` only when, for every mutated argument ``v``:
+AOT functionalization rewrites every mutation into a functional op whose result is copied back into
+the mutated graph input at the end of the graph (``copy_(P, new)``): our ``custom.*_functional``
+twins (through our Functionalize kernels), ATen's out-of-place forms (``index_put``, ``index_copy``,
+``copy``) and, for any other mutable custom op, ``auto_functionalized`` / ``auto_functionalized_v2``.
+In eager mode each of them would clone its input (a pool, a selection buffer, a full cache) per layer
+and step. This pass puts the mutation back in place where that is provably unobservable, following
+the rules of Inductor's ``torch/_inductor/fx_passes/reinplace.py``:
 
-* ``v`` is a *version* of a graph input ``P`` (a placeholder — graph inputs and lifted state buffers
-  — or an output of an earlier twin that was reinplaced onto ``P``), never an intermediate (TorchAir's
-  multi-output reinplace mishandles intermediates, spec/torchair.md §4);
-* no node after ``n`` reads ``v`` (the old value), except the ``copy_(P, ·)`` epilogue writing ``P``;
-* the mutated arguments have distinct bases and no other argument of ``n`` aliases them;
-* the new value flows back to ``P``: ``copy_(P, out)`` epilogue, or a later twin consuming it as the
-  same kind of mutated argument (the install metadata chain md0 → md0 → md1).
+* **Aliasing is decided by storage**: nodes alias when their example values (``meta["val"]``, fake
+  tensors) share a storage, or when the op's schema declares its output a view of its first argument
+  (alias annotation ``Tensor(a)``, covers nodes without example values, e.g. ``get_attr``). No list of
+  view ops.
+* **Only graph state is reinplaced**: every mutated argument must be (a view of) a graph input or an
+  attribute ``P`` — or the new value of ``P`` left by an earlier reinplaced writer (a chain such as
+  the install metadata md0 -> md0' -> md1). Intermediates are never reinplaced (TorchAir's multi-output
+  reinplace mishandles them, spec/torchair.md §4).
+* **The graph must write P back**: a ``copy_(P, x)`` epilogue exists (otherwise the program does not
+  mutate ``P``: Inductor's "no copy_ back ... cannot re-inplace"), and the op's new value flows into it,
+  directly or through a later reinplaced writer of the same chain; a view of ``P`` as mutated argument
+  is accepted only when the copy back is layout-preserving (same size/stride/offset on both ends).
+* **Nobody sees the old value**: no node after the op reads any alias of ``P``'s old value (directly
+  or through any view), except reads after the epilogue of ``P`` itself (they see the final value in
+  both programs) and meta-only reads (sizes/strides); no other argument of the op aliases a mutated
+  one; mutated arguments have distinct storages; the new value is not a graph output (the caller
+  would receive the state buffer itself).
+* **Chains that start from a functional update** (``buf.copy_(where(m, -1, buf))`` then in-place
+  writers: functionalization drops the ``copy_`` and the first writer mutates the intermediate): the
+  intermediate is written into ``P`` right where it is computed (the program's own copy), under the
+  same old-value rule, so the writers run in place on ``P`` (:func:`_seeds`, ``written_early``).
 
-Then the node becomes the in-place op on ``P``, its outputs are replaced by ``P`` and the
-``copy_(P, P)`` self-copies are dropped. Anything else stays functional and is reported. The same
-rule covers the ATen single-output pairs AOT emits for the model's own cache writes
-(``index_put`` → ``index_put_``, ``copy`` → ``copy_``).
+Mutated-argument positions come from the in-place op's schema (``Tensor(a!)``), never from tables;
+the functional form's outputs are the in-place op's unaliased returns followed by the new values of
+the mutated arguments (our twins' contract, ATen's and ``auto_functionalized``'s). Everything else
+stays functional and is listed with its reason in :class:`ReinplaceReport`.
 """
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -28,183 +45,526 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
+from . import _fx
+
+log = logging.getLogger("offload_passes.passes.reinplace")
+
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class Pair:
-    inplace: Any
-    mutated: tuple[int, ...]  # positional indices of the mutated arguments
-    leading: int  # outputs of the functional op before the mutated ones (0 for single-output ATen ops)
-    single: bool = False  # the functional op returns the new value itself (not a tuple)
-
-
-def _pairs() -> dict[Any, Pair]:
-    c = torch.ops.custom
-    pairs = {
-        c.dsa_serve_functional.default: Pair(c.dsa_serve.default, (5, 6), 0),
-        c.dsa_install_functional.default: Pair(c.dsa_install.default, (4, 5, 6, 7, 8), 0),
-        c.npu_gather_selection_kv_cache_functional.default: Pair(c.npu_gather_selection_kv_cache.default,
-                                                                   (0, 1, 2, 3), 1),
-        aten.index_put.default: Pair(aten.index_put_.default, (0,), 0, True),
-        aten.index_copy.default: Pair(aten.index_copy_.default, (0,), 0, True),
-        aten.copy.default: Pair(aten.copy_.default, (0,), 0, True),
-    }
-    return pairs
+_HOP = torch.ops.higher_order
+#: Out-of-place ATen ops that AOT emits for the model's own in-place writes, reinplaced to ``<name>_``.
+ATEN_OUT_OF_PLACE = ("index_put", "index_copy", "copy")
+# Operators that read only metadata (Inductor's META_ONLY_OPS).
+_META_ONLY = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
 
 
 @dataclass
 class ReinplaceReport:
-    reinplaced: dict[str, int] = field(default_factory=dict)  # op -> count
+    reinplaced: dict[str, int] = field(default_factory=dict)  # in-place op -> count
     kept_functional: list[dict] = field(default_factory=list)  # {node, op, reason}
-    removed_copies: int = 0
+    removed_copies: int = 0  # copy_ epilogues made redundant
+    written_early: list[str] = field(default_factory=list)  # "x -> P": chain starts copied into P
 
     def to_dict(self) -> dict:
         return {"reinplaced": dict(self.reinplaced), "kept_functional": list(self.kept_functional),
-                "removed_copies": self.removed_copies}
+                "removed_copies": self.removed_copies, "written_early": list(self.written_early)}
 
 
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-          aten.squeeze.dim, aten.squeeze.default, aten.alias.default}
+# ----------------------------------------------------------------------------------------------
+# candidates: which node mutates what, where its new values are
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class _Cand:
+    node: fx.Node
+    kind: str  # "twin" (functional twin / ATen out-of-place), "af1", "af2"
+    inplace: Any  # the in-place OpOverload (twin) or the mutable op (auto_functionalized)
+    names: list[str]  # mutated argument names (af2: "_all_bases[i]")
+    args: list[Any]  # mutated argument nodes, at analysis time
+    leading: int  # outputs before the new values
+    single: bool  # the functional form returns the new value itself (not a tuple)
+    holders: list[list[fx.Node]] = field(default_factory=list)  # per mutated argument
+    owners: list[fx.Node] = field(default_factory=list)  # per mutated argument: the input P
+    epilogues: list[fx.Node] = field(default_factory=list)  # copy_ epilogues made redundant
+    chain: list[tuple["_Cand", int]] = field(default_factory=list)  # later writers continuing a value
+    ok: bool = False
+    why: str = ""
+
+    @property
+    def chain_only(self) -> bool:
+        """The new value continues only into later writers (no epilogue of its own)."""
+        return not self.epilogues and bool(self.chain)
 
 
-def _is_copy_(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target is aten.copy_.default
+def _mutated(schema: torch.FunctionSchema) -> list[int]:
+    return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
-def _is_view(n: Any) -> bool:
-    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in _VIEWS
+def _arg(node: fx.Node, schema: torch.FunctionSchema, i: int) -> Any:
+    return node.args[i] if i < len(node.args) else node.kwargs.get(schema.arguments[i].name)
 
 
-def _view_root(v: Any) -> Any:
-    while _is_view(v):
-        v = v.args[0]
-    return v
+def _inplace_of(target: Any) -> Optional[torch._ops.OpOverload]:
+    """The in-place op whose functional form ``target`` is (twin ``x_functional`` -> ``x``;
+    ATen ``index_put`` -> ``index_put_``), when both schemas take the same arguments."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    ns, _, name = target._schema.name.partition("::")
+    if name.endswith("_functional"):
+        base = name[: -len("_functional")]
+    elif ns == "aten" and name in ATEN_OUT_OF_PLACE:
+        base = name + "_"
+    else:
+        return None
+    packet = getattr(getattr(torch.ops, ns), base, None)
+    op = getattr(packet, target._overloadname, None) if packet is not None else None
+    if op is None or not _mutated(op._schema):
+        return None
+    if [a.name for a in op._schema.arguments] != [a.name for a in target._schema.arguments]:
+        return None
+    return op
 
 
-def _aliases(x: fx.Node) -> set[fx.Node]:
-    """``x`` and every node that views it (transitively)."""
-    out, todo = {x}, [x]
-    while todo:
-        for u in todo.pop().users:
-            if _is_view(u) and u.args[0] in out and u not in out:
-                out.add(u)
-                todo.append(u)
-    return out
-
-
-def _numel(n: fx.Node) -> Optional[int]:
-    v = n.meta.get("val", n.meta.get("example_value"))
-    return v.numel() if isinstance(v, torch.Tensor) else None
-
-
-def _is_self_copy(n: fx.Node) -> bool:
-    """``copy_(P, X)`` where X is P or a full-size view chain of P (left after reinplacing)."""
-    if not _is_copy_(n) or n.users:
-        return False
-    dst, src = n.args[0], n.args[1]
-    if src is dst:
-        return True
-    return _view_root(src) is dst and _numel(src) is not None and _numel(src) == _numel(dst)
-
-
-def _outputs(n: fx.Node, pair: Pair) -> dict[int, list[fx.Node]]:
-    """Output index -> nodes holding it (getitems, or the node itself for single-output ops)."""
-    if pair.single:
-        return {0: [n]}
+def _getitems(n: fx.Node) -> dict[int, list[fx.Node]]:
     out: dict[int, list[fx.Node]] = {}
     for u in n.users:
-        if u.op == "call_function" and u.target is operator.getitem:
+        if u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int):
             out.setdefault(u.args[1], []).append(u)
     return out
 
 
-def reinplace(graph: fx.Graph) -> ReinplaceReport:
-    pairs = _pairs()
-    rep = ReinplaceReport()
-    nodes = list(graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    version_base: dict[fx.Node, fx.Node] = {}  # value node -> placeholder it is a version of
-    decisions: list[tuple[fx.Node, Pair, list[fx.Node]]] = []
-
-    def base_of(v: Any) -> Optional[fx.Node]:
-        if not isinstance(v, fx.Node):
-            return None
-        if v.op == "placeholder":
-            return v
-        return version_base.get(v)
-
-    for n in nodes:
-        if n.op != "call_function" or n.target not in pairs:
-            continue
-        pair = pairs[n.target]
-        why = ""
-        vals = [n.args[i] if i < len(n.args) else None for i in pair.mutated]
-        # a single-output ATen op may mutate through a view of the input (cache.view(-1, D).index_copy_)
-        roots = [_view_root(v) if pair.single else v for v in vals]
-        bases = [base_of(r) for r in roots]
-        if any(bs is None for bs in bases):
-            bad = [str(v) for v, bs in zip(vals, bases) if bs is None]
-            why = f"mutated argument(s) {bad} are intermediates, not graph inputs / state buffers"
-        elif len(set(bases)) != len(bases):
-            why = "mutated arguments alias each other"
+def _candidate(n: fx.Node) -> Optional[_Cand]:
+    if n.op != "call_function":
+        return None
+    if n.target is _HOP.auto_functionalized or n.target is _HOP.auto_functionalized_v2:
+        op = n.args[0] if n.args else None
+        v2 = n.target is _HOP.auto_functionalized_v2
+        c = _Cand(n, "af2" if v2 else "af1", op, [], [], 0, False)
+        if not isinstance(op, torch._ops.OpOverload):
+            c.why = "the mutable operator is not an OpOverload (higher-order op)"
+            return c
+        schema = op._schema
+        c.leading = max(1, len(schema.returns))  # auto_functionalized returns (out or None, *new values)
+        if v2:
+            bases = n.kwargs.get("_all_bases", [])
+            c.names = [f"_all_bases[{i}]" for i in range(len(bases))]
+            c.args = list(bases)
+            if not bases:
+                c.why = "no mutated base (out= operator)"
         else:
-            others = [a for i, a in enumerate(n.args) if i not in pair.mutated and isinstance(a, fx.Node)]
-            if any(base_of(a) in bases for a in others):
-                why = "a read-only argument aliases a mutated one"
-        if not why:
-            for r, P in zip(roots, bases):
-                alias = _aliases(r)
-                late = [u for a in alias for u in a.users if u is not n and u not in alias
-                        and order[u] > order[n] and not (_is_copy_(u) and u.args[0] is P)]
-                if late:
-                    why = f"{r.name} (old value) is read after {n.name} by {late[0].name}"
-                    break
-        outs = _outputs(n, pair) if not why else {}
-        if not why:
-            for k, P in enumerate(bases):
-                holders = outs.get(pair.leading + k, [])
-                for h in holders:
-                    for u in h.users:
-                        if _is_copy_(u) and u.args[0] is not P and u.args[1] is h:
-                            why = f"output {k} of {n.name} is copied into another tensor {u.args[0]}"
-                        if _is_copy_(u) and u.args[0] is P and u.args[1] is not h:
-                            pass
-            # the epilogue must write P from this value (or a later twin must take it over)
-        if why:
-            rep.kept_functional.append({"node": n.name, "op": str(n.target), "reason": why})
-            continue
-        for k, P in enumerate(bases):
-            for h in outs.get(pair.leading + k, []):
-                version_base[h] = P
-        decisions.append((n, pair, bases))
+            idx = _mutated(schema)
+            c.names = [schema.arguments[i].name for i in idx]
+            c.args = [n.kwargs.get(nm) for nm in c.names]
+        if any(isinstance(a, (list, tuple)) for a in c.args) or any(
+                isinstance(schema.arguments[i].type, torch.ListType) for i in _mutated(schema)):
+            c.why = c.why or "a mutated argument is a tensor list"
+        gi = _getitems(n)
+        c.holders = [gi.get(c.leading + k, []) for k in range(len(c.args))]
+        if not schema.returns and any(g.users for g in gi.get(0, [])):
+            c.why = c.why or "the None output of an operator returning nothing is used"
+        return c
+    op = _inplace_of(n.target)
+    if op is None:
+        return None
+    idx = _mutated(op._schema)
+    leading = sum(1 for r in op._schema.returns if r.alias_info is None)
+    single = len(n.target._schema.returns) == 1
+    c = _Cand(n, "twin", op, [op._schema.arguments[i].name for i in idx],
+              [_arg(n, n.target._schema, i) for i in idx], leading, single)
+    if single:
+        c.holders = [[n]]
+    else:
+        gi = _getitems(n)
+        c.holders = [gi.get(leading + k, []) for k in range(len(idx))]
+    return c
 
-    for n, pair, bases in decisions:
-        with graph.inserting_before(n):
-            new = graph.call_function(pair.inplace, tuple(n.args), dict(n.kwargs))
-        new.meta.update(n.meta)
-        outs = _outputs(n, pair)
-        for k, P in enumerate(bases):
-            for h in outs.get(pair.leading + k, []):
-                h.replace_all_uses_with(P)
-        if pair.leading:
-            for i in range(pair.leading):
-                for h in outs.get(i, []):
-                    h.replace_all_uses_with(new)
-        for hs in outs.values():
-            for h in hs:
-                if h is not n and not h.users:
-                    graph.erase_node(h)
-        if pair.single:
-            # the in-place op mutated (a view of) P: readers of the new value read that view
-            n.replace_all_uses_with(n.args[0])
-        graph.erase_node(n)
-        name = str(pair.inplace)
-        rep.reinplaced[name] = rep.reinplaced.get(name, 0) + 1
 
-    for n in list(graph.nodes):
-        if _is_self_copy(n):
-            graph.erase_node(n)
-            rep.removed_copies += 1
+# ----------------------------------------------------------------------------------------------
+# storage classes
+# ----------------------------------------------------------------------------------------------
+
+def _value(n: fx.Node, gm: Optional[fx.GraphModule]) -> Any:
+    v = n.meta.get("val", n.meta.get("example_value"))
+    if v is None and n.op == "get_attr" and gm is not None:
+        obj: Any = gm
+        for part in str(n.target).split("."):
+            obj = getattr(obj, part, None)
+        v = obj
+    return v
+
+
+def _storage_key(v: Any) -> Optional[int]:
+    if isinstance(v, torch.Tensor) and torch._C._has_storage(v):
+        try:
+            return v.untyped_storage()._cdata
+        except Exception:  # pragma: no cover - tensors without a storage object
+            return None
+    return None
+
+
+def _schema_view_source(n: fx.Node) -> Optional[fx.Node]:
+    """The node ``n`` views according to its schema (first argument ``Tensor(a)``, not written),
+    or for ``getitem`` of a multi-output view (``split``), that view."""
+    if n.op != "call_function":
+        return None
+    t = n.target
+    if t is operator.getitem and isinstance(n.args[0], fx.Node):
+        src = n.args[0]
+        return src if _schema_view_source(src) is not None else None
+    if isinstance(t, torch._ops.OpOverload) and t._schema.arguments:
+        a0 = t._schema.arguments[0].alias_info
+        if a0 is not None and not a0.is_write and n.args and isinstance(n.args[0], fx.Node):
+            return n.args[0]
+    return None
+
+
+class _Classes:
+    """Union-find over nodes: same storage (example values) or schema-declared view."""
+
+    def __init__(self) -> None:
+        self.parent: dict[fx.Node, fx.Node] = {}
+
+    def find(self, x: fx.Node) -> fx.Node:
+        p = self.parent.setdefault(x, x)
+        while p is not self.parent[p]:
+            self.parent[p] = self.parent[self.parent[p]]
+            p = self.parent[p]
+        self.parent[x] = p
+        return p
+
+    def union(self, a: fx.Node, b: fx.Node) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra is not rb:
+            self.parent[ra] = rb
+
+
+def _meta_of(n: Any) -> Optional[tuple]:
+    v = n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
+    if not isinstance(v, torch.Tensor):
+        return None
+    try:
+        return (tuple(v.size()), tuple(v.stride()), v.storage_offset(), v.dtype)
+    except Exception:  # pragma: no cover - sparse / nested tensors
+        return None
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    ma, mb = _meta_of(a), _meta_of(b)
+    return ma is not None and ma == mb
+
+
+# ----------------------------------------------------------------------------------------------
+# the pass
+# ----------------------------------------------------------------------------------------------
+
+def reinplace(graph: fx.Graph) -> ReinplaceReport:
+    """Reinplace every functional op of ``graph`` whose mutation is unobservable (module docstring);
+    report the others with their reasons."""
+    gm = graph.owning_module
+    rep = ReinplaceReport()
+    order: dict[fx.Node, int] = {}
+    uf = _Classes()
+    by_storage: dict[int, fx.Node] = {}
+    cands: list[_Cand] = []
+    copies: list[fx.Node] = []
+    output: Optional[fx.Node] = None
+    for i, n in enumerate(graph.nodes):  # the one walk over the graph
+        order[n] = i
+        key = _storage_key(_value(n, gm))
+        if key is not None:
+            if key in by_storage:
+                uf.union(n, by_storage[key])
+            else:
+                by_storage[key] = n
+        src = _schema_view_source(n)
+        if src is not None:
+            uf.union(n, src)
+        if n.op == "output":
+            output = n
+        elif n.op == "call_function" and n.target is aten.copy_.default:
+            copies.append(n)
+        else:
+            c = _candidate(n)
+            if c is not None:
+                cands.append(c)
+    # value classes (before any reinplacing): root -> nodes; root -> input owning it
+    members: dict[fx.Node, list[fx.Node]] = {}
+    for n in order:
+        members.setdefault(uf.find(n), []).append(n)
+    input_of: dict[fx.Node, fx.Node] = {}
+    shared_inputs: dict[fx.Node, list[fx.Node]] = {}
+    for n in order:
+        if _fx.is_graph_input_or_attr(n):
+            r = uf.find(n)
+            if r in input_of:
+                shared_inputs.setdefault(r, [input_of[r]]).append(n)
+            else:
+                input_of[r] = n
+    epilogue: dict[fx.Node, fx.Node] = {}  # input P -> first copy_(P, ·)
+    for cp in copies:
+        dst = cp.args[0]
+        if _fx.is_graph_input_or_attr(dst) and dst not in epilogue:
+            epilogue[dst] = cp
+    by_node = {c.node: c for c in cands}
+    # value id (class root) -> (input P it belongs to, writer that produced it or None for P's own value)
+    owner: dict[fx.Node, tuple[fx.Node, Optional[_Cand]]] = {r: (p, None) for r, p in input_of.items()}
+    values_of: dict[fx.Node, list[fx.Node]] = {p: [r] for r, p in input_of.items()}  # P -> its value ids
+
+    returned = set(output.all_input_nodes) if output is not None else set()
+    seeds = _seeds(cands, epilogue, owner, uf)
+    pending = sorted(seeds, key=order.__getitem__)
+    for c in cands:
+        while pending and order[pending[0]] < order[c.node]:  # seeds in graph order with the writers
+            x = pending.pop(0)
+            P = seeds[x]
+            why = _old_value_read(x, P, epilogue[P], {uf.find(x)}, values_of, members, owner, uf, order, by_node)
+            if not why and any(m in returned for m in members[uf.find(x)]):
+                why = f"{x.name} is a graph output"
+            if why:
+                del seeds[x]
+                log.debug("not writing %s into %s early: %s", x.name, P, why)
+            else:
+                owner[uf.find(x)] = (P, _SEED)
+                values_of[P].append(uf.find(x))
+        if not c.why:
+            c.why = _check(c, uf, members, owner, values_of, shared_inputs, epilogue, order, returned, by_node)
+        c.ok = not c.why
+        if c.ok:  # its new values now live in P's storage
+            for k, hs in enumerate(c.holders):
+                P = c.owners[k]
+                for h in hs:
+                    r = uf.find(h)
+                    if r not in owner:
+                        owner[r] = (P, c)
+                        values_of[P].append(r)
+    for x in pending:  # after every writer: starts no chain
+        del seeds[x]
+    # a writer whose value only continues into writers that stay functional is not written back
+    for c in reversed(cands):
+        if c.ok and c.chain_only and not any(d.ok for d, _ in c.chain):
+            c.ok = False
+            c.why = (f"its new value of {[str(p) for p in c.owners]} flows only into "
+                     f"{sorted({d.node.name for d, _ in c.chain})}, which stay functional")
+    for x, P in seeds.items():
+        if any(c.ok for c in cands if any(a is x for a in c.args)):  # else nobody relies on it
+            _apply_seed(graph, x, P, rep)
+    for c in cands:
+        if c.ok:
+            _apply(graph, c, rep)
+        else:
+            rep.kept_functional.append({"node": c.node.name, "op": str(c.node.target if c.kind == "twin" else
+                                                                      c.inplace), "reason": c.why})
+            log.debug("kept %s functional: %s", c.node.name, c.why)
     graph.lint()
     return rep
+
+
+def _check(c: _Cand, uf: _Classes, members: dict, owner: dict, values_of: dict, shared_inputs: dict,
+           epilogue: dict, order: dict, returned: set, by_node: dict) -> str:
+    """Why ``c`` cannot be reinplaced ("" if it can); fills ``c.owners``, ``c.epilogues``, ``c.chain``."""
+    n = c.node
+    roots = []
+    for name, a in zip(c.names, c.args):
+        if not isinstance(a, fx.Node):
+            return f"mutated argument {name} is not a tensor node"
+        r = uf.find(a)
+        if r in shared_inputs:
+            return f"mutated argument {name} shares its storage with inputs {[str(p) for p in shared_inputs[r]]}"
+        if r not in owner:
+            return f"mutated argument {name} ({a}) is an intermediate, not a graph input / state buffer"
+        roots.append(r)
+        c.owners.append(owner[r][0])
+    if len(set(c.owners)) != len(c.owners):
+        return "mutated arguments alias each other"
+    mutated = set(c.args)
+    for a in list(n.args) + list(n.kwargs.values()):
+        for x in (a if isinstance(a, (list, tuple)) else [a]):
+            if isinstance(x, fx.Node) and x not in mutated and uf.find(x) in owner \
+                    and owner[uf.find(x)][0] in c.owners:
+                return f"read-only argument {x} aliases a mutated argument"
+    for k, (a, P) in enumerate(zip(c.args, c.owners)):
+        epi = epilogue.get(P)
+        if epi is None:
+            return f"no copy_ back into {P}: the graph does not mutate it, cannot re-inplace"
+        if order[epi] < order[n]:
+            return f"{P} is written back by {epi.name} before {n.name}"
+        new_roots = {uf.find(h) for h in c.holders[k]}
+        if not c.holders[k]:
+            return f"the new value of {c.names[k]} is unused"
+        # 1. nobody reads an old value of P after n
+        why = _old_value_read(n, P, epi, new_roots, values_of, members, owner, uf, order, by_node)
+        if why:
+            return why
+        # 2. the new value flows back to P: epilogue (layout-preserving) or a later writer of the chain
+        flow = _flow(c, k, a, P, epi, new_roots, members, uf, by_node)
+        if isinstance(flow, str):
+            return flow
+        # 3. the new value is not handed to the caller
+        for r in new_roots:
+            if any(m in returned for m in members[r]):
+                return f"the new value of {P} is a graph output"
+    return ""
+
+
+_SEED = "seed"  # owner marker: a value written into P early (``_seeds``)
+
+
+def _seeds(cands: list, epilogue: dict, owner: dict, uf: _Classes) -> dict:
+    """Intermediates that start a chain of writers ending in ``P``'s epilogue: ``x -> P``.
+
+    ``buf.copy_(f(buf))`` followed by in-place writers of ``buf`` reaches the functional graph as
+    ``x = f(buf); w1(x); w2(w1'); ...; copy_(buf, wn')``: functionalization dropped the ``copy_``,
+    so the writers' first mutated argument is an intermediate. Writing ``x`` into ``P`` right after it
+    is computed (the program's own ``copy_``, the size of ``P``) lets the whole chain run in place
+    on ``P`` instead of cloning every mutated argument of every writer.
+    """
+    holder_of: dict[fx.Node, tuple[_Cand, int]] = {}
+    for c in cands:
+        for k, hs in enumerate(c.holders):
+            for h in hs:
+                holder_of[h] = (c, k)
+    out: dict[fx.Node, fx.Node] = {}
+    for P, epi in epilogue.items():
+        x, steps = epi.args[1], 0
+        while isinstance(x, fx.Node) and x in holder_of and steps <= len(cands):
+            c, k = holder_of[x]
+            x, steps = c.args[k], steps + 1
+        if (steps and isinstance(x, fx.Node) and x.op == "call_function" and uf.find(x) not in owner
+                and x not in out and _same_layout(x, P)):
+            out[x] = P
+    return out
+
+
+def _apply_seed(graph: fx.Graph, x: fx.Node, P: fx.Node, rep: ReinplaceReport) -> None:
+    with graph.inserting_after(x):
+        cp = graph.call_function(aten.copy_.default, (P, x))
+    if "val" in P.meta:
+        cp.meta["val"] = P.meta["val"]
+    x.replace_all_uses_with(P, delete_user_cb=lambda u: u is not cp)
+    rep.written_early.append(f"{x.name} -> {P.name}")
+
+
+def _old_value_read(n: fx.Node, P: fx.Node, epi: fx.Node, new_roots: set, values_of: dict, members: dict,
+                    owner: dict, uf: _Classes, order: dict, by_node: dict) -> str:
+    """A reader of an old value of ``P`` (any alias, any view) that runs after ``n`` writes ``P``."""
+    for r in values_of[P]:
+        if r in new_roots:
+            continue
+        for m in members[r]:
+            for u in m.users:
+                if u is n or order[u] < order[n] or u.target in _META_ONLY:
+                    continue
+                if uf.find(u) is r and u.target is not aten.copy_.default and u not in by_node:
+                    continue  # a view: its own readers are members too
+                if u.target is aten.copy_.default and u.args[0] is m and _fx.is_graph_input_or_attr(m):
+                    continue  # a write of P, not a read
+                if owner[r][1] is None and order[u] > order[epi]:
+                    continue  # reads P after its epilogue: the final value in both programs
+                return f"{m.name} (old value of {P}) is read after {n.name} by {u.name}"
+    return ""
+
+
+def _flow(c: _Cand, k: int, a: fx.Node, P: fx.Node, epi: fx.Node, new_roots: set, members: dict,
+          uf: _Classes, by_node: dict) -> Any:
+    """Record where the new value of mutated argument ``k`` goes; a reason string if nowhere valid."""
+    holder = c.holders[k][0]
+    found = False
+    for r in new_roots:
+        for m in members[r]:
+            for u in m.users:
+                if u.target is aten.copy_.default and u.args[1] is m:
+                    if u.args[0] is not P:
+                        return f"the new value of {P} is copied into another tensor {u.args[0]}"
+                    if u is not epi:
+                        continue
+                    if not (_same_layout(m, P) and _same_layout(holder, a)):
+                        return f"the copy back into {P} ({u.name}) does not preserve the layout of {a}"
+                    c.epilogues.append(u)
+                    found = True
+                d = by_node.get(u)
+                if d is not None and d is not c and any(x is m for x in d.args):
+                    c.chain.append((d, k))
+                    found = True
+    if not found:
+        return f"the new value of {c.names[k]} does not flow back into {P}"
+    return None
+
+
+def _apply(graph: fx.Graph, c: _Cand, rep: ReinplaceReport) -> None:
+    n = c.node
+    if c.kind == "twin":
+        schema = n.target._schema
+        idx = _mutated(c.inplace._schema)
+        current = [_arg(n, schema, i) for i in idx]  # earlier rewrites may have replaced them
+        with graph.inserting_before(n):
+            new = graph.call_function(c.inplace, tuple(n.args), dict(n.kwargs))
+    else:
+        current, new = _apply_af(graph, c)
+    new.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+    val = n.meta.get("val")
+    if isinstance(val, (tuple, list)) and c.leading:
+        new.meta["val"] = val[0] if c.leading == 1 else tuple(val[: c.leading])
+    for k, hs in enumerate(c.holders):
+        for h in hs:
+            h.replace_all_uses_with(current[k])
+            if h is not n:
+                graph.erase_node(h)
+    if not c.single:
+        gi = _getitems(n)
+        nret = c.leading if c.kind == "twin" else len(c.inplace._schema.returns)
+        for i in range(c.leading):
+            for g in gi.get(i, []):
+                if nret > 1:
+                    g.args = (new, i)
+                else:  # the op's one return (or its None when it returns nothing)
+                    g.replace_all_uses_with(new)
+                    graph.erase_node(g)
+    for e in c.epilogues:  # now copy_(P, P): the in-place op already wrote P
+        if e.graph is graph:
+            e.replace_all_uses_with(e.args[0])
+            graph.erase_node(e)
+            rep.removed_copies += 1
+    if n.users:  # pragma: no cover - every output was re-routed above
+        raise RuntimeError(f"reinplace: {n.name} still has users {list(n.users)}")
+    graph.erase_node(n)
+    name = str(c.inplace)
+    rep.reinplaced[name] = rep.reinplaced.get(name, 0) + 1
+
+
+def _apply_af(graph: fx.Graph, c: _Cand) -> tuple[list[fx.Node], fx.Node]:
+    """Call the mutable op itself on the (views of the) mutated inputs."""
+    n, op = c.node, c.inplace
+    kw = dict(n.kwargs)
+    with graph.inserting_before(n):
+        if c.kind == "af1":
+            current = [kw[nm] for nm in c.names]
+            return current, graph.call_function(op, (), kw)
+        bases = list(kw.pop("_all_bases"))
+        kw.pop("_op_schema", None)
+        for i in _mutated(op._schema):
+            name = op._schema.arguments[i].name
+            kw[name] = _regenerate_view(graph, kw, f"_{name}", bases)
+        return bases, graph.call_function(op, (), kw)
+
+
+def _regenerate_view(graph: fx.Graph, kw: dict, prefix: str, bases: list) -> Any:
+    """auto_functionalized_v2's view encoding (``<prefix>_base_index`` + alias / slice / as_strided)
+    back to a node on the base."""
+    idx = kw.pop(f"{prefix}_base_index")
+    if idx is None:
+        return None
+    base = bases[idx]
+    if kw.pop(f"{prefix}_alias", None):
+        op, args = aten.alias.default, (base,)
+    elif f"{prefix}_storage_offset" in kw:
+        size, stride, off = (kw.pop(f"{prefix}_{s}") for s in ("size", "stride", "storage_offset"))
+        op, args = aten.as_strided.default, (base, list(size), list(stride), off)
+    elif f"{prefix}_slice_dim" in kw:
+        dim, start, end = (kw.pop(f"{prefix}_slice_{s}") for s in ("dim", "start", "end"))
+        op, args = aten.slice.Tensor, (base, dim, start, end)
+    else:
+        return base
+    view = graph.call_function(op, args)
+    bval = base.meta.get("val") if isinstance(base, fx.Node) else None
+    if isinstance(bval, torch.Tensor):  # later passes (Inductor's lowering) read example values
+        view.meta["val"] = op(bval, *args[1:])
+    return view

@@ -27,6 +27,8 @@ import torch
 from torch import fx
 
 from ..state import OffloadState
+from . import _fx
+from ._fx import hoist_attrs, strip_views
 from .group import GroupReport
 from .preconditions import PlanReport
 
@@ -58,6 +60,7 @@ class RewriteReport:
     buffers: dict[str, str]  # state tensor name -> attribute name on the GraphModule
     layer_nodes_before: dict[int, list[str]]
     layer_nodes_after: dict[int, list[str]]
+    guards: list[str] = field(default_factory=list)  # names of the in-graph run-time checks
 
 
 class _Builder:
@@ -71,12 +74,45 @@ class _Builder:
         return self.g.call_function(operator.getitem, (node, i))
 
 
+def _name(node: Any) -> str:
+    """The user-facing name of a graph input (the placeholder / attribute a tensor comes from)."""
+    root = strip_views(node, casts=True)
+    if isinstance(root, fx.Node):
+        return str(root.target) if root.op == "get_attr" else root.name
+    return str(root)
+
+
+def _guard(g: fx.Graph, b: "_Builder", first: fx.Node, order: dict, inputs: list, make: Callable[[], fx.Node],
+           msg: str, guards: list) -> None:
+    """An in-graph check raising ``RuntimeError(msg)`` when ``make()`` (a bool scalar) is false, placed
+    right after the last of ``inputs`` so that it runs before anything the assumption protects."""
+    last = None
+    for n in inputs:
+        # a get_attr may sit anywhere (Dynamo emits module buffers where first used when it does not
+        # inline nn modules): only placeholders are known to precede everything
+        if isinstance(n, fx.Node) and n.op != "placeholder":
+            if last is None or order[n] > order[last]:
+                last = n
+    # inserting_before(next): inserting_after(last) would put a chain of new nodes in reverse order
+    ctx = g.inserting_before(last.next) if last is not None else g.inserting_before(first)
+    with ctx:
+        ok = make()
+        node = b(aten._assert_async.msg, ok, msg)
+    guards.append(node.name)
+
+
 def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: OffloadState,
-            update_ledger: bool = True, install_hook: Optional[InstallHook] = None) -> RewriteReport:
+            update_ledger: bool = True, install_hook: Optional[InstallHook] = None,
+            in_graph_guards: bool = True, detect_new_requests: bool = True) -> RewriteReport:
+    """``in_graph_guards``: check every compile-time assumption at run time (see ``_add_guards``);
+    ``detect_new_requests``: invalidate, in the graph, the pool rows of batch rows that started a new
+    request (length went down, or the model reset their gather ledger)."""
     g = gm.graph
+    hoist_attrs(g)  # module buffers as get_attr (no nn-module inlining) become usable anywhere
     b = _Builder(g)
-    first = next(n for n in g.nodes if n.op != "placeholder")
+    first = next(n for n in g.nodes if n.op not in ("placeholder", "get_attr"))
     buffers: dict[str, str] = {}
+    guards: list[str] = []
 
     def attr(name: str, t: torch.Tensor) -> fx.Node:
         attr_name = f"_offload_{name}"
@@ -98,18 +134,24 @@ def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: Of
     plans = {p.group_id: p for p in plan.groups}
     gstates = {gs.group_id: gs for gs in state.groups}
 
+    if in_graph_guards:
+        _add_guards(g, b, first, groups, plans, guards)
+
     for grp in groups.groups:
         p, gs = plans[grp.group_id], gstates[grp.group_id]
         B, S, K, SBS = p.B, p.S, p.K, p.BS
         meta = {n: attr(f"{n}_g{grp.group_id}", t) for n, t in
                 (("pool_ids", gs.pool_ids), ("id_to_slot", gs.id_to_slot), ("lru_counter", gs.lru_counter),
-                 ("stats", gs.stats))}
+                 ("stats", gs.stats), ("seen_len", gs.seen_len))}
         pools = {}
         for s in grp.sites:
             kv, rope = state.pools[s.layer]
             pools[s.layer] = (attr(f"pool_kv_l{s.layer}", kv), attr(f"pool_rope_l{s.layer}", rope))
         dev = gs.stats.device
         owner = grp.owner
+        if detect_new_requests:
+            with g.inserting_before(owner.gather):
+                _invalidate_new_rows(b, p, grp, meta, update_ledger)
         with g.inserting_before(owner.gather):
             tk = b(aten.view.default, p.topk, [B, S, 1, K])
             pl = b(custom.dsa_plan.default, tk, p.lengths, meta["pool_ids"], meta["id_to_slot"],
@@ -182,4 +224,77 @@ def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: Of
     g.lint()
     gm.recompile()
     sites_out.sort(key=lambda r: r.layer)
-    return RewriteReport(sites_out, plan_nodes, buffers, before, after)
+    return RewriteReport(sites_out, plan_nodes, buffers, before, after, guards)
+
+
+def _invalidate_new_rows(b: "_Builder", p: Any, grp: Any, meta: dict, ledger: bool) -> None:
+    """Batch rows that started a new request lose their pool rows, in the graph, before the plan.
+
+    A row is new when its cache length went down since the previous step (``seen_len``), or when the
+    model reset its gather ledger (count column ``status[..., K] == -1``; the rewrite writes a count
+    >= 0 every step, so only the model's reset leaves -1). Cost: one masked pass over the group's
+    metadata per step, no host sync. The updates are ``copy_`` writes so that reinplacing keeps them
+    in place (see passes/reinplace.py).
+    """
+    B, K = p.B, p.K
+    L = p.lengths
+    new = b(aten.lt.Tensor, L, meta["seen_len"])
+    if ledger:
+        for s in grp.sites:
+            st = p.geometry[s.layer].status
+            cnt = b(aten.select.int, b(aten.view.default, st, [B, -1, K + 1]), 2, K)  # [B, S]
+            reset = b(aten.any.dim, b(aten.lt.Scalar, cnt, 0), 1)
+            new = b(aten.logical_or.default, new, reset)
+    col = b(aten.view.default, new, [B, 1])
+    for name, fill in (("pool_ids", -1), ("id_to_slot", -1), ("lru_counter", 0)):
+        buf = meta[name]
+        b(aten.copy_.default, buf, b(aten.where.ScalarSelf, col, fill, buf))
+    b(aten.copy_.default, meta["seen_len"], L)
+
+
+def _add_guards(g: fx.Graph, b: "_Builder", first: fx.Node, groups: GroupReport, plans: dict,
+                guards: list) -> None:
+    """Run-time checks of what preconditions.py verified on the example inputs only: identity full and
+    selection block tables, cache lengths within ``[0, min(F, id_range)]``. Shapes and dtypes are
+    static in the graph, so Dynamo's own guards recompile on any change."""
+    seen: set = set()
+    order = {n: i for i, n in enumerate(g.nodes)}  # original nodes only: guards never feed each other
+    for grp in groups.groups:
+        p = plans[grp.group_id]
+        B, S, K, SBS = p.B, p.S, p.K, p.BS
+        for s in grp.sites:
+            bt = s.args["full_kv_block_table"]
+            ex = _fx.example(bt)
+            root = strip_views(bt)
+            if ex is not None and ex.dim() == 2 and root not in seen:
+                seen.add(root)
+                rows, cols = int(ex.size(0)), int(ex.size(1))
+                _guard(g, b, first, order, [bt], lambda bt=bt, rows=rows, cols=cols, ex=ex: b(
+                    aten.all.default, b(aten.eq.Tensor, bt, b(aten.view.default, b(
+                        aten.arange.default, rows * cols, dtype=ex.dtype, device=ex.device), [rows, cols]))),
+                    f"offload guard: block table {_name(bt)!r} is no longer the identity layout "
+                    f"arange({rows}*{cols}).view({rows}, {cols}) this graph was rewritten for; the offload "
+                    f"pools would serve wrong rows (recompile after torch._dynamo.reset(), or keep the table)",
+                    guards)
+            st = s.args["selection_kv_block_table"]
+            ex = _fx.example(st)
+            root = strip_views(st)
+            smax = K // SBS
+            if ex is not None and ex.dim() == 2 and root not in seen:
+                seen.add(root)
+                rows = int(ex.size(0))
+                _guard(g, b, first, order, [st], lambda st=st, rows=rows, ex=ex, smax=smax: b(
+                    aten.all.default, b(aten.eq.Tensor, b(aten.slice.Tensor, st, 1, 0, smax), b(
+                        aten.view.default, b(aten.arange.default, rows * smax, dtype=ex.dtype, device=ex.device),
+                        [rows, smax]))),
+                    f"offload guard: selection block table {_name(st)!r} is no longer the identity layout "
+                    f"arange({rows}*{smax}).view({rows}, {smax}) this graph was rewritten for", guards)
+        L = p.lengths
+        lim = min(max(p.geometry[l].F for l in p.layers), p.id_range)
+        if strip_views(L, casts=True) not in seen:
+            seen.add(strip_views(L, casts=True))
+            _guard(g, b, first, order, [L], lambda L=L, lim=lim: b(
+                aten.logical_and.default, b(aten.all.default, b(aten.ge.Scalar, L, 0)),
+                b(aten.all.default, b(aten.le.Scalar, L, lim))),
+                f"offload guard: cache lengths {_name(L)!r} (full_kv_actual_seq of group {grp.group_id}) must "
+                f"be in [0, {lim}] (cache capacity / id_range the pools were sized for)", guards)

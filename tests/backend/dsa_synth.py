@@ -37,6 +37,15 @@ class SynthConfig:
     kv_dtype: torch.dtype | None = None  # None: same as dtype; torch.int8 for the quantised refusal
     identity_table: bool = True
     router: bool = True
+    graph_break_after: int = -1  # >= 0: a Dynamo graph break after that layer (layers over two graphs)
+    # variants that make a site unfit for the rewrite (each must be refused with its reason)
+    topk_source: str = "indexer"  # "torch_topk": the gather's ids come from torch.topk, not an indexer
+    sfa_indices_from_gather: bool = True  # False: sparse_indices ignore the gather's actual_seq
+    sel_extra_blocks: int = 0  # selection buffers larger than B*S*K rows
+    sel_views: bool = False  # selection buffers are slices of larger buffers (not graph inputs themselves)
+    shared_own_lengths: bool = False  # shared layers pass their own copy of the lengths to the gather
+    gather_block_size: int = 1  # selection_topk_block_size of the gather
+    rope: bool = True  # False: no rope caches (the gather's no-rope mode, 1-D empty rope tensors)
 
 
 class SynthDSA(nn.Module):
@@ -66,12 +75,15 @@ class SynthDSA(nn.Module):
         else:  # a permuted (non-identity) paged layout
             bt = torch.randperm(blocks, generator=g).to(torch.int32).view(c.B, c.maxblk)
         self.register_buffer("block_table", bt)
-        smax = c.K // c.BS
+        smax = c.K * c.gather_block_size // c.BS
         for l in range(n):
             self.register_buffer(f"full_kv_{l}", torch.zeros(blocks, c.BS, c.Dkv, dtype=kvd))
-            self.register_buffer(f"full_rope_{l}", torch.zeros(blocks, c.BS, c.Dr, dtype=kvd))
-            self.register_buffer(f"sel_kv_{l}", torch.zeros(T * smax, c.BS, c.Dkv, dtype=kvd))
-            self.register_buffer(f"sel_rope_{l}", torch.zeros(T * smax, c.BS, c.Dr, dtype=kvd))
+            self.register_buffer(f"full_rope_{l}", torch.zeros(blocks, c.BS, c.Dr, dtype=kvd) if c.rope
+                                 else torch.zeros(0, dtype=kvd))
+            nsel = T * smax + c.sel_extra_blocks + (1 if c.sel_views else 0)
+            self.register_buffer(f"sel_kv_{l}", torch.zeros(nsel, c.BS, c.Dkv, dtype=kvd))
+            self.register_buffer(f"sel_rope_{l}", torch.zeros(nsel, c.BS, c.Dr, dtype=kvd) if c.rope
+                                 else torch.zeros(0, dtype=kvd))
             self.register_buffer(f"sel_table_{l}", torch.arange(T * smax, dtype=torch.int32).view(T, smax))
             self.register_buffer(f"sel_status_{l}", torch.full((c.B, c.S, 1, c.K + 1), -1, dtype=torch.int32))
             if c.pattern[l] == "F":
@@ -85,7 +97,7 @@ class SynthDSA(nn.Module):
         g = torch.Generator().manual_seed(seed)
         rows = list(range(c.B)) if rows is None else rows
         for l in range(len(c.pattern)):
-            for name, d in ((f"full_kv_{l}", c.Dkv), (f"full_rope_{l}", c.Dr)):
+            for name, d in ((f"full_kv_{l}", c.Dkv), (f"full_rope_{l}", c.Dr))[:2 if c.rope else 1]:
                 buf = getattr(self, name)
                 for b in rows:
                     for p in range(lengths[b]):
@@ -119,16 +131,34 @@ class SynthDSA(nn.Module):
         off = (pos % c.BS).view(-1)
         topk4 = None
         outs = []
-        for l, kind in enumerate(c.pattern):
+        n = len(c.pattern)
+        gb = c.graph_break_after
+        if 0 <= gb < n - 1:
+            h, topk4 = self._layers(0, gb + 1, h, L, cu_q, blk, off, topk4, outs)
+            torch._dynamo.graph_break()  # outside any loop (Dynamo gives up on breaks inside loops)
+            h, topk4 = self._layers(gb + 1, n, h, L, cu_q, blk, off, topk4, outs)
+        else:
+            h, topk4 = self._layers(0, n, h, L, cu_q, blk, off, topk4, outs)
+        return h, torch.stack([o.float() for o in outs])
+
+    def _layers(self, lo: int, hi: int, h, L, cu_q, blk, off, topk4, outs):
+        """Layers ``lo .. hi-1`` of the decode step (appends their attention outputs to ``outs``)."""
+        c = self.cfg
+        B, S, K, T = c.B, c.S, c.K, c.B * c.S
+        for l in range(lo, hi):
+            kind = c.pattern[l]
             full_kv = getattr(self, f"full_kv_{l}")
             full_rope = getattr(self, f"full_rope_{l}")
             sel_kv = getattr(self, f"sel_kv_{l}")
             sel_rope = getattr(self, f"sel_rope_{l}")
+            if c.sel_views:
+                sel_kv, sel_rope = sel_kv[1:], sel_rope[1:]
             sel_table = getattr(self, f"sel_table_{l}")
             status = getattr(self, f"sel_status_{l}")
             if full_kv.dtype != torch.int8:
                 full_kv.index_put_((blk, off), (h @ self.Wkv[l]).to(full_kv.dtype))
-                full_rope.index_put_((blk, off), (h @ self.Wkr[l]).to(full_rope.dtype))
+                if c.rope:
+                    full_rope.index_put_((blk, off), (h @ self.Wkr[l]).to(full_rope.dtype))
             if kind == "F":
                 kidx = getattr(self, f"kidx_{l}")
                 kidx.index_put_((blk, off), (h @ self.Wki[l]).view(T, 1, c.Di))
@@ -139,17 +169,28 @@ class SynthDSA(nn.Module):
                     block_table=self.block_table, layout_query="TND", layout_key="PA_BSND",
                     sparse_count=K, sparse_mode=3)
                 topk4 = topk.view(B, S, 1, K)
+                if c.topk_source == "torch_topk":  # the same ids, but from a plain torch.topk
+                    pos_ok = torch.arange(c.maxblk * c.BS).view(1, -1) < L.repeat_interleave(S).view(-1, 1)
+                    score = torch.where(pos_ok, (h[:, :1] * torch.arange(c.maxblk * c.BS)).sin().abs(), -1.0)
+                    topk4 = torch.topk(score, K, dim=-1).indices.to(torch.int32).view(B, S, 1, K)
+            Ll = L + 0 if (c.shared_own_lengths and kind == "S") else L
             act = custom.npu_gather_selection_kv_cache(
-                sel_rope, sel_kv, sel_table, status, topk4, full_rope, full_kv, self.block_table, L, cu_q,
-                selection_topk_block_size=1)
+                sel_rope, sel_kv, sel_table, status, topk4, full_rope, full_kv, self.block_table, Ll, cu_q,
+                selection_topk_block_size=c.gather_block_size)
             ar = torch.arange(K, dtype=torch.int32)
-            idx = torch.where(ar.view(1, K) < act.view(-1, 1), ar.view(1, K), -1).view(T, 1, K)
+            if c.sfa_indices_from_gather:
+                idx = torch.where(ar.view(1, K) < act.view(-1, 1), ar.view(1, K), -1).view(T, 1, K)
+            else:
+                idx = ar.view(1, 1, K).expand(T, 1, K)
             q = (h @ self.Wq[l]).view(T, c.H, c.Dkv).to(c.dtype)
-            qr = (h @ self.Wqr[l]).view(T, c.H, c.Dr).to(c.dtype)
+            if sel_kv.dtype == torch.int8:  # an int8 cache is dequantised (scale 1) for attention
+                sel_kv, sel_rope = sel_kv.to(c.dtype), sel_rope.to(c.dtype)
+            rope_kw = dict(query_rope=(h @ self.Wqr[l]).view(T, c.H, c.Dr).to(c.dtype),
+                           key_rope=sel_rope.unsqueeze(2)) if c.rope else {}
             out, _, _ = ref.npu_sparse_flash_attention(
                 q, sel_kv.unsqueeze(2), sel_kv.unsqueeze(2), idx, c.Dkv ** -0.5,
                 block_table=sel_table, actual_seq_lengths_query=torch.arange(1, T + 1, dtype=torch.int32),
-                actual_seq_lengths_kv=act, query_rope=qr, key_rope=sel_rope.unsqueeze(2),
+                actual_seq_lengths_kv=act, **rope_kw,
                 sparse_block_size=1, layout_query="TND", layout_kv="PA_BSND", sparse_mode=3, attention_mode=2)
             outs.append(out)
             h = h + out.float().reshape(T, -1) @ self.Wo[l]
@@ -157,7 +198,7 @@ class SynthDSA(nn.Module):
                 r = torch.softmax(h @ self.Wr, dim=-1)
                 val, _ = torch.topk(r, 2, dim=-1)
                 h = h * val.sum(-1, keepdim=True)
-        return h, torch.stack([o.float() for o in outs])
+        return h, topk4
 
 
 def make_pair(cfg: SynthConfig, prefill: list[int], seed: int = 0):

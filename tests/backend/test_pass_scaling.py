@@ -158,7 +158,7 @@ def test_both_sizes_rewritten(scaling):
         rep = r["report"]
         assert rep["rewritten"] and rep["reinplace"]["kept_functional"] == []
         assert [len(g["layers"]) for g in rep["groups"]] == [1, 3] * units
-        assert len(rep["sites"]) == r["layers"] and r["max_a"] <= 2e-2
+        assert len(rep["sites"]) == r["layers"] and r["max_a"] == 0
         assert set(r["counts"]) == set(PASSES)
 
 

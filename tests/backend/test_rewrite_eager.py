@@ -1,7 +1,6 @@
 """Eager mode end to end on the synthetic model: equal outputs, pool invariants, final-graph structure."""
 from __future__ import annotations
 
-import gc
 import logging
 
 import pytest
@@ -32,9 +31,10 @@ def run64(request):
 
 
 def test_outputs_equal_and_invariants(run64):
-    # SFA over the served selection equals SFA over the gathered one (same set, other order)
-    assert run64["max_a"] <= 2e-2, run64["max_a"]
-    assert run64["max_h"] <= 2e-2, run64["max_h"]
+    # SFA over the served selection equals SFA over the gathered one, bit for bit (same rows; the
+    # reference SFA accumulates in fp64, so the order of the rows does not change the result)
+    assert run64["max_a"] == 0, run64["max_a"]
+    assert run64["max_h"] == 0, run64["max_h"]
     assert run64["resident"] > 0  # the pool really holds rows (invariants were checked every step)
 
 
@@ -96,7 +96,7 @@ def test_reset_rows_prevents_stale_rows():
         assert torch.equal(g.pool_ids[1], keep)  # other rows keep their pool
     check_pool_invariants(st, m)
     res2 = run_pair(cfg, 12, be, pair=(base, m), compiled=c, start_step=100, lengths=res["lengths"])
-    assert res2["max_a"] <= 2e-2 and res2["max_h"] <= 2e-2
+    assert res2["max_a"] == 0 and res2["max_h"] == 0
     with pytest.raises(RuntimeError, match="rows must be in"):
         st.reset(rows=[cfg.B])
 
@@ -110,37 +110,6 @@ def test_full_reset_and_counters():
     assert st.totals() == {"hits": 0, "misses": 0, "window": 0, "host_rows_read": 0}
     assert all(bool((g.pool_ids == -1).all()) for g in st.groups)
     assert all(float(kv.abs().sum()) == 0 for kv, _ in st.pools.values())
-
-
-def test_graph_switch_resets_state_and_no_leak():
-    """Dynamo switching graphs on the same caches leaves the graph switched to cold, never stale."""
-    cfg = synth.SynthConfig(pattern="FS", S=1)
-    base, m = synth.make_pair(cfg, [300, 280])
-    be = make_offload_backend(pool_size=PS)
-    c = torch.compile(m, backend=be)
-    L = torch.tensor([300, 280])
-    with torch.no_grad():
-        for s in range(3):
-            L = L + 1
-            c(*m.inputs(L, s))
-        g1 = be.state
-        m.cfg.router = False  # a guarded attribute: Dynamo compiles a second graph on the same buffers
-        base.cfg.router = False
-        L = L + 1
-        c(*m.inputs(L, 3))
-        g2 = be.state
-        assert g2 is not g1 and len(be.states) == 2
-        assert g1.resets == 0
-        m.cfg.router = True
-        L = L + 1
-        c(*m.inputs(L, 4))
-        assert be.state is g1 and g1.resets == 1  # switched back: reset before running (cold)
-        assert g1.counters()[0]["step"]["hits"] == 0
-        check_pool_invariants(g1, m)
-    del c, g1, g2
-    torch._dynamo.reset()
-    gc.collect()
-    assert be.states == []  # the backend holds no strong reference: no leak
 
 
 def test_graph_without_dsa_passes_through():

@@ -134,8 +134,8 @@ def test_ge_graph_never_copies_pools_selection_buffers_or_full_caches(ge_tiny):
             src = by_name[serve.input[i].split(":")[0]]
             while src.type == "Reshape":
                 src = by_name[src.input[0].split(":")[0]]
-            if src.type != "Data":
-                assert src.type == "ScatterElements" and _source_data(proto, src.input[0]) is not None
+            if src.type != "Data":  # the model's KV write of this step, in place on the cache input
+                assert src.type == "ScatterNdUpdate" and by_name[src.input[0].split(":")[0]].type == "Data"
     for inst in _ops(proto, "DsaInstall"):
         state |= {inst.input[i] for i in (4, 5)}
     assert len(state) == 8 * 4
@@ -145,7 +145,7 @@ def test_ge_graph_never_copies_pools_selection_buffers_or_full_caches(ge_tiny):
     assert readers <= dsa, readers  # only the DSA ops touch the state buffers
 
 
-def test_ge_installs_run_on_the_side_stream_after_their_attention(ge_tiny):
+def test_ge_installs_run_on_the_side_stream_after_their_serve(ge_tiny):
     proto, _ = ge_tiny
     order = {op.name: i for i, op in enumerate(proto.op)}
     serves, sfas, installs = _ops(proto, "DsaServe"), _ops(proto, "SparseFlashAttention"), _ops(proto, "DsaInstall")
@@ -165,9 +165,10 @@ def test_ge_installs_run_on_the_side_stream_after_their_attention(ge_tiny):
             serve = serves[layer]
             assert inst.input[0] == f"{plan.name}:1"  # the plan's own record buffer, never a copy
             assert list(inst.input[1:3]) == [f"{serve.name}:0", f"{serve.name}:1"]
-            assert order[serve.name] < order[sfas[layer].name] < order[inst.name]
-            if k < 3:  # waits (control edge) for its own layer's attention
-                assert f"{sfas[layer].name}:-1" in inst.input
+            assert order[serve.name] < order[inst.name]
+            assert f"{sfas[layer].name}:-1" not in inst.input  # overlaps its layer's attention
+            if k < 3:  # waits (control edge) for its own layer's serve
+                assert f"{serve.name}:-1" in inst.input
             meta = list(inst.input[6:9])
             if k == 0:
                 assert meta == list(plan.input[2:5])
@@ -219,7 +220,7 @@ def _name(n):
 def test_npugraph_ex_outputs_match_eager(ngx_tiny):
     _, be, diffs = ngx_tiny
     assert be.reports[-1]["rewritten"] and be.reports[-1]["refusals"] == []
-    assert max(diffs) <= 2e-2, diffs
+    assert max(diffs) == 0, diffs  # force_eager on CPU runs our kernels: exact
     assert be.state is not None and int((be.state.groups[0].pool_ids >= 0).sum()) > 0
 
 
@@ -242,6 +243,7 @@ def test_npugraph_ex_reinplaces_every_functional_twin_on_graph_inputs(ngx_tiny):
 
 
 def test_npugraph_ex_side_stream_scope_and_events_in_spec_order(ngx_tiny):
+    """Installs start once their layer's serve is done and run beside its SFA (the reference's schedule)."""
     graph, _, _ = ngx_tiny
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -262,11 +264,10 @@ def test_npugraph_ex_side_stream_scope_and_events_in_spec_order(ngx_tiny):
         (ready,) = waits
         layer = int(ready.split("_l")[-1].split("_")[0])
         done = ready.replace("_ready", "_done")
-        # main stream: serve -> SFA -> record(ready) -> [side: wait(ready) -> installs -> record(done)]
+        # main stream: serve -> record(ready) -> SFA; side: wait(ready) -> installs -> record(done)
         rec_ready = [n for n in nodes if _name(n) == "npugraph_ex.tagged_event_record.default"
                      and n.args[0] == ready]
-        assert len(rec_ready) == 1 and pos[sfas[layer]] < pos[rec_ready[0]] < pos[enter]
-        assert pos[serves[layer]] < pos[sfas[layer]]
+        assert len(rec_ready) == 1 and pos[serves[layer]] < pos[rec_ready[0]] < pos[enter] < pos[sfas[layer]]
         rec_done = [n for n in inside if _name(n) == "npugraph_ex.tagged_event_record.default"
                     and n.args[0] == done]
         assert len(rec_done) == 1 and pos[rec_done[0]] > max(pos[i] for i in inside if i in installs)

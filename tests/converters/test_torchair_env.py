@@ -13,9 +13,13 @@ import pytest
 from offload_passes.tools import torchair_env as te
 
 
-def _wheel(tmp_path, version="9.9.0", packages=("torchair", "npugraph_ex")):
+def _wheel(tmp_path, version="9.9.0", packages=("torchair", "npugraph_ex"), requires_torch=None):
     path = tmp_path / f"torch_npu-{version}-cp311-cp311-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(path, "w") as z:
+        if requires_torch is not None:  # the form torch_npu's wheels use
+            z.writestr(f"torch_npu-{version}.dist-info/METADATA",
+                       f"Metadata-Version: 2.1\nName: torch_npu\nVersion: {version}\n"
+                       f"Requires-Dist: numpy\nRequires-Dist: torch=={requires_torch}\n")
         for p in packages:
             z.writestr(f"torch_npu/dynamo/{p}/__init__.py", f"NAME = {p!r}\n")
             z.writestr(f"torch_npu/dynamo/{p}/sub/mod.py", "X = 1\n")
@@ -29,9 +33,58 @@ def test_version_follows_torch_and_can_be_overridden(monkeypatch):
     import torch
 
     monkeypatch.delenv(te.ENV_VERSION, raising=False)
-    assert te.default_torch_npu_version() == ".".join(torch.__version__.split("+")[0].split(".")[:2]) + ".0"
+    assert te.default_torch_npu_version() == te.matching_torch_npu_version(torch.__version__)
     monkeypatch.setenv(te.ENV_VERSION, "2.14.0")
     assert te.default_torch_npu_version() == "2.14.0"
+
+
+@pytest.mark.parametrize("torch_version, npu", [
+    ("2.8.0", "2.8.0.post5"),  # plain torch-npu 2.8.0 has no npugraph_ex: the checked post release
+    ("2.8.0+cu128", "2.8.0.post5"),
+    ("2.13.0+cpu", "2.13.0"),
+    ("2.11.1", "2.11.1"),  # unchecked versions: the plain release of that torch
+    ("2.15.0a0+git1234", "2.15.0"),
+])
+def test_matching_torch_npu_release(torch_version, npu):
+    assert te.matching_torch_npu_version(torch_version) == npu
+
+
+def test_each_torch_version_has_its_own_cache_folder(tmp_path, monkeypatch):
+    import torch
+
+    cache = tmp_path / "cache"
+    mine = te._major_minor(torch.__version__)
+    other = "2.8" if mine != "2.8" else "2.13"
+    site = te.ensure("9.9.0", cache, wheel=_wheel(tmp_path, "9.9.0", requires_torch=f"{mine}.0+cpu"))
+    assert json.loads((site / ".offload_passes_torchair.json").read_text())["torch"] == f"{mine}.0+cpu"
+    assert site.parent.name == "torch_npu-9.9.0" and te.site_dir("9.9.1", cache) is None
+    # a wheel built for another torch is refused with what to do instead, and nothing is extracted
+    with pytest.raises(te.TorchAirEnvError) as e:
+        te.ensure("9.9.1", cache, wheel=_wheel(tmp_path, "9.9.1", requires_torch=f"{other}.0.*"))
+    assert str(e.value) == (f"torch_npu-9.9.1-cp311-cp311-manylinux_2_28_x86_64.whl is built for torch {other}.0.*, "
+                            f"the installed torch is {torch.__version__}; use torch-npu "
+                            f"{te.matching_torch_npu_version()} (the default for this torch) or another torch")
+    assert not (cache / "torch_npu-9.9.1" / "site").exists()
+
+
+def test_copy_for_another_torch_is_not_used(tmp_path):
+    import torch
+
+    site = te.ensure("9.9.0", tmp_path / "cache", wheel=_wheel(tmp_path, requires_torch=torch.__version__))
+    assert te.torch_mismatch(site) is None
+    why = te.torch_mismatch(site, torch_version="1.0.0")
+    assert why == (f"torchair/npugraph_ex from torch_npu-9.9.0-cp311-cp311-manylinux_2_28_x86_64.whl "
+                   f"were built for torch {torch.__version__}, "
+                   f"the installed torch is 1.0.0")
+    marker = site / ".offload_passes_torchair.json"
+    info = json.loads(marker.read_text())
+    marker.write_text(json.dumps(dict(info, torch="1.0.0")))  # as if prepared under another torch
+    assert te.site_dir("9.9.0", tmp_path / "cache") is None
+
+
+def test_wheel_torch_requirement(tmp_path):
+    assert te.wheel_torch_requirement(_wheel(tmp_path, "1.0.0", requires_torch="2.8.0+cpu")) == "2.8.0+cpu"
+    assert te.wheel_torch_requirement(_wheel(tmp_path, "1.0.1")) is None
 
 
 def test_cache_root_from_env_or_home(monkeypatch, tmp_path):

@@ -10,7 +10,7 @@ from offload_passes.models.glm.config import indexer_types_from_freq
 
 
 def test_presets_and_their_schedules():
-    assert models.list_presets() == ["glm-5.2-78l", "small", "tiny"]
+    assert models.list_presets() == ["glm-5.2-78l", "glm-5.2-78l-w8a8", "small", "tiny", "tiny-w8a8"]
     tiny = models.load_config("tiny")
     assert tiny.model.num_hidden_layers >= 8 and tiny.model.index_topk == 64
     assert tiny.model.indexer_types == ["full", "shared", "shared", "shared"] * 2
@@ -59,6 +59,7 @@ def test_explicit_indexer_types_and_agreement():
     (dict(pa_block_size=128), "pa_block_size"),  # must divide index_topk = 64
     (dict(pa_max_length=300), "pa_max_length"),
     (dict(exe_mode="graph"), "exe_mode"),
+    (dict(cache_write="scatter"), "cache_write"),
     (dict(enable_offload="yes"), "enable_offload"),
     (dict(batch_size=0), "batch_size"),
     (dict(rope_scaling={"type": "yarn"}), "rope_scaling"),

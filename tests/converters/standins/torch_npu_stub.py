@@ -95,6 +95,15 @@ class NPUGraph:
 
 _current = Stream()
 
+#: Raised where npugraph_ex would begin ACL graph capture (tests stop a real compile there).
+CAPTURE_UNAVAILABLE = "TEST DOUBLE torch_npu: NPU graph capture is unavailable on CPU"
+
+
+def graph(*args, **kwargs):
+    """``torch_npu.npu.graph(g, pool=, stream=)``: the capture context; raises (no capture on CPU)."""
+    CALLS.append("graph")
+    raise RuntimeError(CAPTURE_UNAVAILABLE)
+
 
 @contextlib.contextmanager
 def stream(s=None):
@@ -136,6 +145,7 @@ def make_npu_module() -> types.ModuleType:
     npu.Event = Event
     npu.ExternalEvent = Event
     npu.NPUGraph = NPUGraph
+    npu.graph = graph
     npu.stream = stream
     npu.current_stream = current_stream
     npu.default_stream = current_stream

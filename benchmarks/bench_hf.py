@@ -1,0 +1,107 @@
+"""Decode-step time of the unmodified HF GLM-5 DSA model vs the same model compiled with the backend,
+at several context lengths, measured in one run (``hf-glm5-attn``: GLM-5's real attention dimensions,
+narrow elsewhere).
+
+    python benchmarks/bench_hf.py                          # 4K, 16K, 32K; bf16; sdpa
+    python benchmarks/bench_hf.py --contexts 4096 --steps 2 --json
+
+The dense model expands the whole latent cache through kv_b_proj and attends over all T positions at
+every step (O(T)); the rewritten one gathers / serves K = 2048 rows (O(K)), so the ratio grows with T.
+Columns: ``sparse`` = the sparse rewrite alone (``enable_offload=False``), ``offload`` = sparse +
+shared-indexer plan / serve / install (pools on the CPU here, so it measures the extra op cost, not
+host-link savings). The context is synthetic (``HfDecoder.synthetic_context``): seeded random cache
+rows, since the step's cost does not depend on where they came from.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+import torch  # noqa: E402
+
+from offload_passes.backend import make_offload_backend  # noqa: E402
+from offload_passes.models import hf  # noqa: E402
+
+
+def _time_steps(dec, fn, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        dec.step(fn)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench(config: str, contexts: list[int], steps: int, attn: str, dtype: str) -> list[dict]:
+    built = hf.build(config, attn=attn, dtype=dtype)
+    model = built.model
+    rows = []
+    for ctx in contexts:
+        row: dict = {"context": ctx}
+        variants = (("unmodified", None), ("sparse", False), ("offload", True))
+        for name, offload in variants:
+            torch._dynamo.reset()
+            gc.collect()
+            dec = built.decoder(max_cache_len=ctx + steps + 2)
+            dec.synthetic_context(ctx)
+            if offload is None:
+                fn = None
+            else:
+                backend = make_offload_backend(enable_offload=offload)
+                fn = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+            t0 = time.perf_counter()
+            dec.step(fn)  # warm-up (compiles the rewritten graph)
+            row[f"{name}_first_s"] = time.perf_counter() - t0
+            ts = _time_steps(dec, fn, steps)
+            row[f"{name}_ms"] = 1e3 * statistics.median(ts)
+            if offload is not None:
+                rep = backend.reports[-1]
+                row[f"{name}_rewritten"] = bool(rep["rewritten"]) and bool(rep["hf"]["offload"]) == offload
+                row["K"] = rep["hf"]["sites"][0]["K"]
+            del dec, fn
+        row["speedup_sparse"] = row["unmodified_ms"] / row["sparse_ms"]
+        row["speedup_offload"] = row["unmodified_ms"] / row["offload_ms"]
+        rows.append(row)
+        print(f"  {ctx:>6}: unmodified {row['unmodified_ms']:9.1f} ms   sparse {row['sparse_ms']:8.1f} ms "
+              f"({row['speedup_sparse']:5.1f}x)   sparse+offload {row['offload_ms']:8.1f} ms "
+              f"({row['speedup_offload']:5.1f}x)", file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="hf-glm5-attn")
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--steps", type=int, default=3, help="timed decode steps per variant (median)")
+    p.add_argument("--attn", choices=("eager", "sdpa"), default="sdpa")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.steps < 1 or any(c < 2 for c in a.contexts):
+        p.error("--steps must be >= 1 and every context >= 2")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    print(f"bench_hf: {a.config} attn={a.attn} dtype={a.dtype} threads={torch.get_num_threads()} "
+          f"steps={a.steps} (median)", file=sys.stderr)
+    rows = bench(a.config, a.contexts, a.steps, a.attn, a.dtype)
+    if a.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print("| context | unmodified ms/step | sparse ms/step | speed-up | sparse + offload ms/step | speed-up |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['context']} | {r['unmodified_ms']:.1f} | {r['sparse_ms']:.1f} | {r['speedup_sparse']:.1f}x "
+                  f"| {r['offload_ms']:.1f} | {r['speedup_offload']:.1f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""KV-cache writes that GE can run in place (``ge_graph`` mode).
+
+A model writes this step's KV rows into its full caches with ``cache.view(-1, D).index_put_((slots,), kv)``
+(or ``index_copy_`` on dim 0). After AOT functionalization that is
+
+    v = view(cache, [-1, D]); w = index_put(v, [slots], kv); x = view(w, cache.shape); copy_(cache, x)
+
+TorchAir has no GE converter for ``index_put`` / ``index_copy``, and any out-of-place form (e.g. the
+``ScatterElements`` of ``aten.scatter``) writes a full-cache-sized result every step. GE runs a write in
+place only for ref ops it knows (``_ge_concrete_graph/graph_pass.py::_get_output_to_input_ref_idx``:
+``Scatter``, ``ScatterNdUpdate``, ...) and only when the pattern is exactly
+``Data -> TensorMove -> <ref op> -> Assign(Data)`` with no other reader of the ``Data``
+(``optimize_reference_op_redundant_copy``, verified on CPU against TorchAir's code).
+
+:func:`cache_writes_to_scatter_nd` (a ``post_grad_custom_pre_pass``) therefore rewrites each such write
+into ``offload_ge.scatter_nd_update(cache, nd_index, rows)`` *on the graph input itself* (the flat row
+index unravelled over the cache's leading dims, so no reshape sits between the ``Data`` and the op); the
+op's GE converter emits ``TensorMove`` + ``ScatterNdUpdate``, and TorchAir's own pass then removes the
+``TensorMove`` and the ``Assign``: only the ``n`` written rows move. Other single-index
+``index_put`` / dim-0 ``index_copy`` nodes become the same op on their (intermediate) input, which is
+correct but keeps its ``TensorMove`` (a real copy: the old value is still needed).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+from torch import fx
+
+log = logging.getLogger("offload_passes.converters")
+
+aten = torch.ops.aten
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+_LIB = torch.library.Library("offload_ge", "FRAGMENT")
+_DEFINED = False
+
+
+def _define() -> None:
+    """``offload_ge::scatter_nd_update(self, indices[n,k], updates) -> Tensor`` (functional; CPU + fake)."""
+    global _DEFINED
+    if _DEFINED or hasattr(torch.ops.offload_ge, "scatter_nd_update"):
+        _DEFINED = True
+        return
+    _LIB.define("scatter_nd_update(Tensor self, Tensor indices, Tensor updates) -> Tensor")
+
+    def cpu(self: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+        k = indices.shape[-1]
+        if indices.dim() != 2 or k > self.dim():
+            raise ValueError(f"offload_ge::scatter_nd_update: indices must be [n, k] with k <= {self.dim()}, "
+                             f"got {list(indices.shape)}")
+        out = self.clone()
+        out[tuple(indices[:, j] for j in range(k))] = updates.to(self.dtype)
+        return out
+
+    def fake(self: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(self)
+
+    _LIB.impl("scatter_nd_update", cpu, "CompositeExplicitAutograd")
+    torch.library.register_fake("offload_ge::scatter_nd_update", fake, lib=_LIB)
+    _DEFINED = True
+
+
+_define()
+
+
+def register_ge_converter() -> None:
+    """GE converter: ``TensorMove(self)`` + ``ScatterNdUpdate`` (TorchAir drops the copy for graph inputs)."""
+    from torchair._ge_concrete_graph import ge_apis as ge
+    from torchair._ge_concrete_graph.fx2ge_converter import register_fx_node_ge_converter
+
+    def convert(self, indices, updates, meta_outputs: Any = None):
+        copy = ge.TensorMove(self)
+        return ge.ScatterNdUpdate(copy, indices, updates)
+
+    convert.__name__ = "convert_offload_ge_scatter_nd_update"
+    register_fx_node_ge_converter(torch.ops.offload_ge.scatter_nd_update.default)(convert)
+
+
+@dataclass
+class CacheWriteReport:
+    in_place: List[str] = field(default_factory=list)     # graph inputs now written in place
+    copied: List[str] = field(default_factory=list)       # index writes on intermediates (functional)
+    left: List[str] = field(default_factory=list)         # index writes this pass cannot express
+
+    def to_dict(self) -> dict:
+        return {"in_place": list(self.in_place), "copied": list(self.copied), "left": list(self.left)}
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, fx.Node) else n
+
+
+def _emit(graph: fx.Graph, target, args: tuple) -> fx.Node:
+    """A node with its fake ``meta['val']`` computed from its inputs' (converters need it)."""
+    node = graph.call_function(target, args)
+    vals = [_val(a) for a in args]
+    flat = [v for v in vals if isinstance(v, torch.Tensor)]
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            flat += [_val(x) for x in a if isinstance(_val(x), torch.Tensor)]
+    mode = torch._guards.detect_fake_mode(flat)
+    real = [[_val(x) for x in a] if isinstance(a, (list, tuple)) else _val(a) for a in args]
+    if mode is not None:
+        with mode:
+            node.meta["val"] = target(*real)
+    else:
+        node.meta["val"] = target(*real)
+    return node
+
+
+def _index_write(n: fx.Node) -> Optional[tuple]:
+    """``(self, index, values)`` of a single 1-D integer index write on dim 0, else None."""
+    if n.target is aten.index_put.default:
+        self, indices, values = n.args[:3]
+        acc = n.args[3] if len(n.args) > 3 else n.kwargs.get("accumulate", False)
+        if acc or len(indices) != 1 or not isinstance(indices[0], fx.Node):
+            return None
+        idx = indices[0]
+    elif n.target is aten.index_copy.default:
+        self, dim, idx, values = n.args[:4]
+        if _val(self) is None or dim % max(_val(self).dim(), 1) != 0:
+            return None
+    else:
+        return None
+    iv = _val(idx)
+    if iv is None or iv.dim() != 1 or iv.dtype in (torch.bool, torch.uint8) or iv.is_floating_point():
+        return None
+    return self, idx, values
+
+
+def _strip_views(n: fx.Node) -> fx.Node:
+    while isinstance(n, fx.Node) and n.target in _VIEWS:
+        n = n.args[0]
+    return n
+
+
+def _leading_dims(cache_shape: List[int], flat_shape: List[int]) -> Optional[int]:
+    """k such that ``flat_shape == [prod(cache_shape[:k]), *cache_shape[k:]]`` (the write's flattening)."""
+    for k in range(1, len(cache_shape) + 1):
+        if list(flat_shape[1:]) == list(cache_shape[k:]) and flat_shape[0] == math.prod(cache_shape[:k]):
+            return k
+    return None
+
+
+def _unravel(graph: fx.Graph, idx: fx.Node, dims: List[int]) -> fx.Node:
+    """``[n]`` flat row index -> ``[n, len(dims)]`` index over ``dims`` (row-major)."""
+    if len(dims) == 1:
+        return _emit(graph, aten.unsqueeze.default, (idx, -1))
+    cols = []
+    stride = math.prod(dims)
+    for j, d in enumerate(dims):
+        stride //= d
+        c = _emit(graph, aten.floor_divide.default, (idx, stride)) if stride != 1 else idx
+        if j > 0:
+            c = _emit(graph, aten.remainder.Scalar, (c, d))
+        cols.append(c)
+    return _emit(graph, aten.stack.default, (cols, -1))
+
+
+def _epilogue(write: fx.Node, cache: fx.Node) -> Optional[tuple]:
+    """``(copy_ node, the viewed write result it copies)`` when ``write`` is copied back into ``cache``."""
+    todo, seen = [write], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.target is aten.copy_.default and u.args[0] is cache and u.args[1] is n:
+                return u, n
+            if u.target in _VIEWS:
+                todo.append(u)
+    return None
+
+
+def _erase_dead_views(graph: fx.Graph, nodes: List[fx.Node]) -> None:
+    """Erase the views this pass orphaned (only views: never a side-effecting node such as a scope)."""
+    todo = list(nodes)
+    while todo:
+        n = todo.pop()
+        if n.target in _VIEWS and not n.users:
+            todo += list(n.all_input_nodes)
+            graph.erase_node(n)
+
+
+def _only_feeds(cache: fx.Node, write: fx.Node, copy_node: fx.Node) -> bool:
+    """Every reader of ``cache`` (through views) is ``write`` or the epilogue: no one reads the old value."""
+    todo = [cache]
+    while todo:
+        for u in todo.pop().users:
+            if u is write or u is copy_node:
+                continue
+            if u.target not in _VIEWS:
+                return False
+            todo.append(u)
+    return True
+
+
+def cache_writes_to_scatter_nd(gm: fx.GraphModule) -> CacheWriteReport:
+    """Rewrite index writes into ``offload_ge.scatter_nd_update`` (see module doc). Mutates ``gm``."""
+    graph = gm.graph
+    op = torch.ops.offload_ge.scatter_nd_update.default
+    rep = CacheWriteReport()
+    for w in [n for n in graph.nodes if n.target in (aten.index_put.default, aten.index_copy.default)]:
+        got = _index_write(w)
+        if got is None:
+            rep.left.append(w.name)
+            continue
+        self_, idx, values = got
+        sv = _val(self_)
+        cache = _strip_views(self_)
+        ep = _epilogue(w, cache) if cache.op == "placeholder" else None
+        k = _leading_dims(list(_val(cache).shape), list(sv.shape)) if ep is not None else None
+        # the graph input may be written in place only if nothing else reads its old value
+        chain_ok = ep is not None and k is not None and _only_feeds(cache, w, ep[0])
+        if chain_ok:
+            shape = list(_val(cache).shape)
+            with graph.inserting_before(w):
+                nd = _unravel(graph, idx, shape[:k])
+                rows = _emit(graph, aten.expand.default, (values, [_val(idx).shape[0], *shape[k:]]))
+                new = _emit(graph, op, (cache, nd, rows))
+                flat = _emit(graph, aten.view.default, (new, list(sv.shape)))
+            copy_node, viewed = ep
+            for u in list(w.users):
+                u.replace_input_with(w, flat)
+            copy_node.replace_input_with(viewed, new)
+            rep.in_place.append(cache.name)
+            extra = [viewed]
+        else:
+            with graph.inserting_before(w):
+                nd = _emit(graph, aten.unsqueeze.default, (idx, -1))
+                rows = _emit(graph, aten.expand.default, (values, [_val(idx).shape[0], *sv.shape[1:]]))
+                new = _emit(graph, op, (self_, nd, rows))
+            w.replace_all_uses_with(new)
+            rep.copied.append(w.name)
+            extra = []
+        dead = list(w.all_input_nodes) + extra
+        graph.erase_node(w)
+        _erase_dead_views(graph, dead)
+    if rep.in_place or rep.copied:
+        graph.lint()
+        gm.recompile()
+        log.debug("cache writes: in place %s, copied %s", rep.in_place, rep.copied)
+    if rep.left:
+        log.warning("index writes GE cannot convert (no single 1-D integer index on dim 0): %s", rep.left)
+    return rep
+
+
+def cache_writes_in_place(gm: fx.GraphModule) -> CacheWriteReport:
+    """npugraph_ex: ``copy_(cache, view(index_put(view(cache), [i], v)))`` -> ``index_put_(view(cache), [i], v)``.
+
+    npugraph_ex's reinplace passes handle only its registry ops, so the functional cache write would copy
+    the full cache every step. The in-place ATen op on the graph input's view is the same computation when
+    nothing else reads the cache's old value (checked as for GE). Mutates ``gm``; returns what it did.
+    """
+    graph = gm.graph
+    rep = CacheWriteReport()
+    inplace = {aten.index_put.default: aten.index_put_.default, aten.index_copy.default: aten.index_copy_.default}
+    for w in [n for n in graph.nodes if n.target in inplace]:
+        got = _index_write(w)
+        cache = _strip_views(w.args[0])
+        ep = _epilogue(w, cache) if got is not None and cache.op == "placeholder" else None
+        if ep is None or not _only_feeds(cache, w, ep[0]):
+            rep.left.append(w.name)
+            continue
+        copy_node, viewed = ep
+        with graph.inserting_before(w):
+            node = graph.call_function(inplace[w.target], w.args, w.kwargs)
+        node.meta["val"] = w.args[0].meta.get("val")
+        w.replace_all_uses_with(w.args[0])  # the view of the cache now holds the written value
+        graph.erase_node(w)
+        graph.erase_node(copy_node)  # it would copy the cache onto itself
+        _erase_dead_views(graph, [viewed])
+        rep.in_place.append(cache.name)
+    if rep.in_place:
+        graph.lint()
+        gm.recompile()
+        log.debug("cache writes in place (npugraph_ex): %s", rep.in_place)
+    return rep

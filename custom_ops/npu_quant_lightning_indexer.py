@@ -1,0 +1,241 @@
+"""offload_ref::npu_quant_lightning_indexer — CPU reference of torch_npu's int8 ("C8") lightning indexer.
+
+Same schema as ``torch.ops.npu.npu_quant_lightning_indexer`` (torch_npu's native_functions, TorchAir's
+``QuantLightningIndexer`` converter) in the ``offload_ref`` namespace. It returns ONE tensor, the top-k
+ids (``sparse_indices``), not the ``(indices, values)`` pair of ``npu_lightning_indexer``.
+
+Semantics (CANN's QuantLightningIndexer formula; per query token ``t`` of batch ``b``, ``i`` = position
+of ``t`` among the ``Sq`` query tokens of ``b``)::
+
+    n       = L[b] - Sq + i + 1   (sparse_mode 3, right-down causal)   |   L[b]   (sparse_mode 0)
+    score_j = sum_h W[t, h] * relu( (qscale[t, h] * kscale[j]) * (Qq[t, h] . Kq[j]) )      for j < n
+    out[t, 0, :min(K, n)] = ids of the largest scores (score desc, ties: smaller id first); rest = -1
+
+``Qq``/``Kq`` are int8 (the int8 dot product is exact, accumulated in int32 range then fp32), the
+dequant scales are per token and head (query, ``[T, N]`` / ``[B, S, N]``) and per key token (key,
+``key.shape[:3]`` = ``[blocks, block_size, 1]`` paged or ``[B, S_kv, 1]``), float16 (A3) or float32;
+weights float16 or float32. Scale products, ReLU and the head sum are fp32.
+
+Supported: ``query_quant_mode = key_quant_mode = 0`` (per-token(-head) scales, the only mode the recipe
+uses), int8 query and key, ``query_dtype = key_dtype = None`` (they only select HiFloat8 on Ascend 950).
+Float8 / HiFloat8 caches (Ascend 950) raise. Layouts, lengths and block-table rules are those of
+``npu_lightning_indexer.py`` (shared checks in ``_attention_common.py``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ._attention_common import (
+    INDEX_DTYPES,
+    check_kv_layout,
+    check_query_shape,
+    indexer_topk,
+    indexer_window,
+    kv_addressing,
+    paged_rows,
+    ref_check,
+    ref_define,
+    ref_impl,
+    ref_register_fake,
+    token_positions,
+)
+
+log = logging.getLogger("offload_passes.custom_ops.npu_quant_lightning_indexer")
+
+SCHEMA = (
+    "npu_quant_lightning_indexer(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, "
+    "Tensor key_dequant_scale, int query_quant_mode, int key_quant_mode, *, "
+    "Tensor? actual_seq_lengths_query=None, Tensor? actual_seq_lengths_key=None, Tensor? block_table=None, "
+    "str layout_query=\"BSND\", str layout_key=\"BSND\", int sparse_count=2048, int sparse_mode=3, "
+    "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, "
+    "int? query_dtype=None, int? key_dtype=None) -> Tensor"
+)
+OP = "npu_quant_lightning_indexer"
+
+#: torch_npu's documented upper limit of ``sparse_count``.
+MAX_SPARSE_COUNT = 2048
+#: Quantised operand dtype the reference computes with.
+QUANT_DTYPES = (torch.int8,)
+#: weights / dequant-scale dtypes of the documented op.
+SCALE_DTYPES = (torch.float16, torch.float32)
+#: Ascend 950 cache dtypes (float8 e4m3 / e5m2); named in the error, never computed.
+FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+# --------------------------------------------------------------------------------------------
+# validation (shapes, dtypes, attributes only: shared by the fake and the CPU kernel)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_quant_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype in FLOAT8_DTYPES:
+        ref_check(False, OP, f"{name} is {t.dtype}: float8 indexer caches are Ascend 950 only; the CPU "
+                             "reference supports int8 (li_cache_quant_mode 'int8') only")
+    ref_check(t.dtype in QUANT_DTYPES, OP, f"{name} must be int8, got {t.dtype}")
+
+
+def validate_npu_quant_lightning_indexer(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: torch.Tensor,
+    query_dequant_scale: torch.Tensor,
+    key_dequant_scale: torch.Tensor,
+    query_quant_mode: int,
+    key_quant_mode: int,
+    actual_seq_lengths_query: Optional[torch.Tensor],
+    actual_seq_lengths_key: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor],
+    layout_query: str,
+    layout_key: str,
+    sparse_count: int,
+    sparse_mode: int,
+    query_dtype: Optional[int],
+    key_dtype: Optional[int],
+) -> dict:
+    """Check every supported-case limit; return ``{B, S, T, N, D}`` (S = None for ragged TND)."""
+    op = OP
+    ref_check(layout_query in ("TND", "BSND"), op, f"layout_query must be 'TND' or 'BSND', got {layout_query!r}")
+    ref_check(
+        layout_key in ("PA_BSND", "BSND"), op, f"layout_key must be 'PA_BSND' or 'BSND', got {layout_key!r}"
+    )
+    ref_check(sparse_mode in (0, 3), op, f"sparse_mode must be 0 or 3, got {sparse_mode}")
+    ref_check(
+        0 < sparse_count <= MAX_SPARSE_COUNT,
+        op,
+        f"sparse_count must be in (0, {MAX_SPARSE_COUNT}], got {sparse_count}",
+    )
+    ref_check(query_quant_mode == 0, op,
+              f"query_quant_mode must be 0 (per-token-head dequant scales), got {query_quant_mode}")
+    ref_check(key_quant_mode == 0, op, f"key_quant_mode must be 0 (per-token dequant scales), got {key_quant_mode}")
+    for name, v in (("query_dtype", query_dtype), ("key_dtype", key_dtype)):
+        ref_check(v is None, op, f"{name} must be None ({name} only selects HiFloat8 on Ascend 950), got {v}")
+    _check_quant_dtype("query", query)
+    _check_quant_dtype("key", key)
+    for name, t in (("weights", weights), ("query_dequant_scale", query_dequant_scale),
+                    ("key_dequant_scale", key_dequant_scale)):
+        ref_check(t.dtype in SCALE_DTYPES, op, f"{name} must be float16/float32, got {t.dtype}")
+
+    B, S, T, N, D = check_query_shape(op, query, layout_query, actual_seq_lengths_query)
+    if layout_query == "TND":
+        per_token = (T, N)
+        B = actual_seq_lengths_query.size(0) if actual_seq_lengths_query.dim() == 1 else -1
+    else:
+        per_token = (B, S, N)
+    for name, t in (("weights", weights), ("query_dequant_scale", query_dequant_scale)):
+        ref_check(
+            tuple(t.shape) == per_token,
+            op,
+            f"{name} must be {list(per_token)} for layout_query {layout_query!r}, got {list(t.shape)}",
+        )
+    if actual_seq_lengths_query is not None:
+        ref_check(
+            actual_seq_lengths_query.dim() == 1 and actual_seq_lengths_query.size(0) == B and B > 0,
+            op,
+            f"actual_seq_lengths_query must be 1-D of length B={B} (> 0), got {tuple(actual_seq_lengths_query.shape)}",
+        )
+        ref_check(
+            actual_seq_lengths_query.dtype in INDEX_DTYPES,
+            op,
+            f"actual_seq_lengths_query must be int32/int64, got {actual_seq_lengths_query.dtype}",
+        )
+
+    ref_check(key.dim() == 4, op, f"key must be 4-D ({layout_key}), got {key.dim()}-D")
+    ref_check(key.size(2) == 1, op, f"key dim 2 (key heads N2) must be 1, got {key.size(2)}")
+    ref_check(key.size(3) == D, op, f"key head dim {key.size(3)} must equal query head dim D={D}")
+    ref_check(
+        tuple(key_dequant_scale.shape) == tuple(key.shape[:3]),
+        op,
+        f"key_dequant_scale must be key.shape[:3] = {list(key.shape[:3])} (one scale per key token), "
+        f"got {list(key_dequant_scale.shape)}",
+    )
+    check_kv_layout(
+        op, key, block_table, actual_seq_lengths_key, layout_key, B,
+        layout_arg="layout_key", lengths_arg="actual_seq_lengths_key",
+    )
+    return {"B": B, "S": S, "T": T, "N": N, "D": D}
+
+
+def _out_shape(info: dict, layout_query: str, K: int) -> tuple:
+    if layout_query == "TND":
+        return (info["T"], 1, K)
+    return (info["B"], info["S"], 1, K)
+
+
+def _fake(
+    query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode, key_quant_mode, *,
+    actual_seq_lengths_query=None, actual_seq_lengths_key=None, block_table=None,
+    layout_query="BSND", layout_key="BSND", sparse_count=2048, sparse_mode=3,
+    pre_tokens=9223372036854775807, next_tokens=9223372036854775807, query_dtype=None, key_dtype=None,
+):
+    info = validate_npu_quant_lightning_indexer(
+        query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode, key_quant_mode,
+        actual_seq_lengths_query, actual_seq_lengths_key, block_table, layout_query, layout_key,
+        sparse_count, sparse_mode, query_dtype, key_dtype,
+    )
+    return query.new_empty(_out_shape(info, layout_query, sparse_count), dtype=torch.int32)
+
+
+def reference_npu_quant_lightning_indexer(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: torch.Tensor,
+    query_dequant_scale: torch.Tensor,
+    key_dequant_scale: torch.Tensor,
+    query_quant_mode: int,
+    key_quant_mode: int,
+    *,
+    actual_seq_lengths_query: Optional[torch.Tensor] = None,
+    actual_seq_lengths_key: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    layout_query: str = "BSND",
+    layout_key: str = "BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+    pre_tokens: int = 9223372036854775807,
+    next_tokens: int = 9223372036854775807,
+    query_dtype: Optional[int] = None,
+    key_dtype: Optional[int] = None,
+) -> torch.Tensor:
+    """Pure-torch reference (vectorised over tokens and heads; exact int8 dots, fp32 scaling)."""
+    info = validate_npu_quant_lightning_indexer(
+        query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode, key_quant_mode,
+        actual_seq_lengths_query, actual_seq_lengths_key, block_table, layout_query, layout_key,
+        sparse_count, sparse_mode, query_dtype, key_dtype,
+    )
+    B, T, N, D = info["B"], info["T"], info["N"], info["D"]
+    b_of_t, i_of_t, sq_of_t = token_positions(layout_query, actual_seq_lengths_query, T, info["S"], OP)
+    table, kv_len, num_blocks, bs = kv_addressing(key, block_table, actual_seq_lengths_key, layout_key, B)
+    ref_check(bool((kv_len >= 0).all().item()), OP, "actual_seq_lengths_key must be >= 0")
+    n, nmax = indexer_window(kv_len, b_of_t, i_of_t, sq_of_t, sparse_mode)
+    score = torch.zeros((T, 0), dtype=torch.float32)
+    needed = torch.zeros((T, 0), dtype=torch.bool)
+    if nmax > 0:
+        pos = torch.arange(nmax, dtype=torch.int64)
+        needed = pos.unsqueeze(0) < n.unsqueeze(1)  # [T, nmax]
+        rows = paged_rows(
+            table, b_of_t.unsqueeze(1).expand(T, nmax), pos.unsqueeze(0).expand(T, nmax), needed, bs, num_blocks, OP
+        )
+        keys = key.reshape(num_blocks * bs, D)[rows]  # [T, nmax, D] int8
+        kscale = key_dequant_scale.reshape(num_blocks * bs)[rows].float()  # [T, nmax]
+        q = query.reshape(T, N, D)
+        # int8 x int8 dot: |.| <= 128*128*D, exact in int64 and (for D <= 1024) in fp32.
+        dots = torch.bmm(q.to(torch.int64), keys.to(torch.int64).transpose(1, 2)).float()  # [T, N, nmax]
+        qscale = query_dequant_scale.reshape(T, N).float()
+        scaled = torch.relu((qscale.unsqueeze(2) * kscale.unsqueeze(1)) * dots)  # [T, N, nmax]
+        w = weights.reshape(T, N).float()
+        score = torch.bmm(w.unsqueeze(1), scaled).squeeze(1)  # [T, nmax]
+    out = indexer_topk(score, n, needed, sparse_count)
+    return out.view(_out_shape(info, layout_query, sparse_count))
+
+
+def _cpu(query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode, key_quant_mode, **kwargs):
+    return reference_npu_quant_lightning_indexer(
+        query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode, key_quant_mode, **kwargs
+    )
+
+
+ref_define(SCHEMA)
+ref_register_fake(OP, _fake)
+ref_impl(OP, "CPU", _cpu)

@@ -1,0 +1,197 @@
+"""Adapter for the *unmodified* Hugging Face ``transformers`` GLM-5 DSA model (``GlmMoeDsaForCausalLM``,
+model type ``glm_moe_dsa``): presets, random initialisation (no weights download; or a local
+``from_pretrained`` directory), a ``StaticCache`` decode driver and a synthetic long context.
+
+Never imports the passes. Needs the ``hf`` extra (``pip install .[hf]``).
+
+    from offload_passes.models import hf
+    b = hf.build("hf-tiny", attn="sdpa")          # preset name or yaml path; any model / runner key as override
+    b.model                                       # GlmMoeDsaForCausalLM (eval, random init, seeded)
+    dec = b.decoder()                             # StaticCache of max_cache_len, batch_size rows
+    dec.prefill()                                 # deterministic prompt of prefill_len tokens (eager, dense)
+    logits = dec.step(step_fn)                    # one decode step (S = 1) through step_fn (default: the model)
+    res = b.run(step_fn, steps=64)                # prefill + steps, teacher-forced tokens -> list of logits
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import yaml
+
+log = logging.getLogger("offload_passes.models.hf")
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+RUNNER_KEYS = ("batch_size", "prefill_len", "max_cache_len", "decode_steps", "dtype", "attn_implementation", "seed")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TRANSFORMERS_PIN = "5.23.0"  # the version this adapter and the HF pass are verified against
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - the [hf] extra is part of the documented set-up
+        raise ImportError("the Hugging Face adapter needs transformers: pip install 'offload_passes[hf]'") from e
+    return transformers
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("hf-*.yaml"))
+
+
+@dataclass
+class HfRunner:
+    batch_size: int = 2
+    prefill_len: int = 96
+    max_cache_len: int = 192
+    decode_steps: int = 64
+    dtype: str = "float32"
+    attn_implementation: str = "eager"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"runner dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attn_implementation not in ("eager", "sdpa"):
+            raise ValueError(f"attn_implementation must be 'eager' or 'sdpa', got {self.attn_implementation!r}")
+        for k in ("batch_size", "prefill_len", "max_cache_len"):
+            if int(getattr(self, k)) < 1:
+                raise ValueError(f"runner {k} must be >= 1, got {getattr(self, k)}")
+        if self.prefill_len + self.decode_steps > self.max_cache_len:
+            raise ValueError(f"prefill_len + decode_steps = {self.prefill_len + self.decode_steps} exceeds "
+                             f"max_cache_len = {self.max_cache_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def load_config(config: Union[str, Path, Mapping], **over: Any) -> tuple[Any, HfRunner]:
+    """``(GlmMoeDsaConfig, HfRunner)`` from a preset name (``hf-tiny``), a yaml path or a mapping with
+    ``model_config`` / ``runner_config``; keyword overrides go to whichever section knows the key."""
+    tf = _transformers()
+    if isinstance(config, Mapping):
+        raw = dict(config)
+    else:
+        p = Path(config)
+        if not p.suffix:
+            p = CONFIG_DIR / f"{config}.yaml"
+            if not p.exists():
+                raise ValueError(f"unknown HF preset {config!r}; presets: {list_presets()}")
+        raw = yaml.safe_load(p.read_text())
+    mc = dict(raw.get("model_config", {}))
+    rc = dict(raw.get("runner_config", {}))
+    for k, v in over.items():
+        (rc if k in RUNNER_KEYS else mc)[k] = v
+    runner = HfRunner(**rc)
+    cfg = tf.GlmMoeDsaConfig(**mc)
+    cfg._attn_implementation = runner.attn_implementation
+    return cfg, runner
+
+
+@dataclass
+class HfBuilt:
+    model: Any
+    config: Any
+    runner: HfRunner
+
+    def decoder(self, batch_size: Optional[int] = None, max_cache_len: Optional[int] = None) -> "HfDecoder":
+        return HfDecoder(self.model, self.config, self.runner, batch_size or self.runner.batch_size,
+                         max_cache_len or self.runner.max_cache_len)
+
+    def run(self, step_fn: Optional[Callable] = None, steps: Optional[int] = None) -> list[torch.Tensor]:
+        """Prefill (eager) + ``steps`` teacher-forced decode steps through ``step_fn``; the logits per step."""
+        dec = self.decoder()
+        dec.prefill()
+        return [dec.step(step_fn) for _ in range(self.runner.decode_steps if steps is None else steps)]
+
+
+def build(config: Union[str, Path, Mapping] = "hf-tiny", weights: Optional[str] = None, attn: Optional[str] = None,
+          **over: Any) -> HfBuilt:
+    """The unmodified HF model: seeded random init (no download), or ``weights`` = a local
+    ``from_pretrained`` directory. ``attn`` overrides ``attn_implementation`` (eager / sdpa)."""
+    tf = _transformers()
+    if attn is not None:
+        over["attn_implementation"] = attn
+    cfg, runner = load_config(config, **over)
+    if weights is not None:
+        model = tf.GlmMoeDsaForCausalLM.from_pretrained(weights, config=cfg, torch_dtype=runner.torch_dtype,
+                                                        local_files_only=True)
+    else:
+        torch.manual_seed(runner.seed)
+        model = tf.GlmMoeDsaForCausalLM(cfg).to(runner.torch_dtype)
+    model.eval()
+    return HfBuilt(model, cfg, runner)
+
+
+@dataclass
+class HfDecoder:
+    """Decode driver over a ``StaticCache`` (the static-shape cache: one decode graph, no recompiles)."""
+
+    model: Any
+    config: Any
+    runner: HfRunner
+    batch_size: int
+    max_cache_len: int
+    pos: int = 0
+    tokens: torch.Tensor = field(init=False)
+    cache: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        tf = _transformers()
+        self.cache = tf.StaticCache(config=self.config, max_cache_len=self.max_cache_len,
+                                    max_batch_size=self.batch_size)
+        g = torch.Generator().manual_seed(self.runner.seed + 1)
+        # deterministic token stream, the same for every model built from one preset (teacher forcing)
+        self.tokens = torch.randint(0, self.config.vocab_size, (self.batch_size, self.max_cache_len), generator=g)
+
+    @torch.no_grad()
+    def prefill(self, length: Optional[int] = None) -> torch.Tensor:
+        n = self.runner.prefill_len if length is None else length
+        if not 0 < n <= self.max_cache_len:
+            raise ValueError(f"prefill length must be in [1, max_cache_len={self.max_cache_len}], got {n}")
+        out = self.model(self.tokens[:, :n], past_key_values=self.cache, use_cache=True)
+        self.pos = n
+        return out.logits
+
+    @torch.no_grad()
+    def step(self, step_fn: Optional[Callable] = None) -> torch.Tensor:
+        """One decode step at position ``pos`` (S = 1); returns the logits ``[B, 1, V]``."""
+        if self.pos >= self.max_cache_len:
+            raise ValueError(f"cache full: position {self.pos} >= max_cache_len {self.max_cache_len}")
+        fn = self.model if step_fn is None else step_fn
+        ids = self.tokens[:, self.pos:self.pos + 1]
+        pos = torch.full((self.batch_size, 1), self.pos, dtype=torch.long)
+        out = fn(ids, past_key_values=self.cache, use_cache=True, position_ids=pos)
+        self.pos += 1
+        return out.logits
+
+    @torch.no_grad()
+    def synthetic_context(self, length: int, seed: int = 0) -> None:
+        """Make the cache look like ``length`` tokens were already processed, without a prefill:
+        a one-token prefill initialises the static buffers, then every latent / rope / indexer row
+        below ``length`` is seeded random data and the cache counters are set to ``length``.
+        (Benchmarks at 32K context; the decode step's cost does not depend on where the rows came from.)"""
+        if not 1 <= length < self.max_cache_len:
+            raise ValueError(f"context length must be in [1, max_cache_len={self.max_cache_len}), got {length}")
+        self.prefill(1)
+        g = torch.Generator().manual_seed(seed)
+        for layer in self.cache.layers:
+            for name in ("keys", "values", "indexer_keys"):
+                t = getattr(layer, name, None)
+                if t is None:
+                    continue
+                seq_dim = 2 if t.dim() == 4 else 1
+                src = torch.randn(t.narrow(seq_dim, 0, length).shape, generator=g).to(t.dtype)
+                t.narrow(seq_dim, 0, length).copy_(src)
+            for name in ("cumulative_length", "indexer_cumulative_length"):
+                c = getattr(layer, name, None)
+                if isinstance(c, torch.Tensor):
+                    c.fill_(length)
+        self.pos = length
+
+
+__all__ = ["HfBuilt", "HfDecoder", "HfRunner", "build", "list_presets", "load_config", "TRANSFORMERS_PIN"]

@@ -1,0 +1,162 @@
+"""The one place where offload_passes uses private torch / TorchAir / npugraph_ex symbols and handles
+differences between torch versions.
+
+Supported: torch 2.8 and 2.13 (``setup.py``; ``scripts/test_matrix.sh`` runs the suite on both), with
+TorchAir / npugraph_ex from the matching torch-npu wheel (2.8.0.post5, 2.13.0). Every symbol below
+says why no public API does the job, and the versions it was checked against ("2.8/2.13": torch
+2.8.0 and 2.13.0; "npu 2.8/2.13": torch-npu 2.8.0.post5 and 2.13.0). TorchAir and npugraph_ex are
+optional (NPU modes, converter tests): their symbols are imported by functions, on first use.
+
+Torch-version differences found (and where they are handled):
+
+* Inductor 2.8 cannot run a mutable custom op that has a Functionalize kernel as a FallbackKernel;
+  2.13 can. Handled version-independently by ``passes/inductor_targets.py``.
+* ``torch._dynamo.config.inline_inbuilt_nn_modules = False`` is honoured by 2.8 (module buffers
+  reach the graph as ``get_attr``) and ignored by 2.13 (deprecated, always inlined: placeholders).
+  The passes accept both (``passes/_fx.py``: :func:`is_graph_input_or_attr`, :func:`input_values`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+#: ``(major, minor)`` of the running torch.
+TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+# ---------------------------------------------------------------------------------------- torch
+# FX call targets of ATen / custom ops; torch exposes the classes only in torch._ops (2.8/2.13).
+from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402
+
+
+def dispatcher_has_schema(qualname: str) -> bool:
+    """``ns::name[.overload]`` is known to the dispatcher (ours, CANN's or torch_npu's). torch.library
+    has no query; ``hasattr(torch.ops.ns, name)`` would also accept Python-only packets (2.8/2.13)."""
+    try:
+        torch._C._dispatch_find_schema_or_throw(qualname, "")
+        return True
+    except RuntimeError:
+        return False
+
+
+def dispatcher_has_kernel(qualname: str, dispatch_key: str) -> bool:
+    """A kernel for ``dispatch_key`` is registered (so we never replace CANN's / torch_npu's); no
+    public query exists (2.8/2.13)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, dispatch_key)
+
+
+def has_python_fake_kernel(qualname: str) -> bool:
+    """A fake kernel registered with ``torch.library.register_fake`` exists (registering a second one
+    raises); only torch._library's registry knows (2.8/2.13)."""
+    try:
+        from torch._library.simple_registry import singleton
+
+        return singleton.find(qualname).fake_impl.kernel is not None
+    except Exception:  # registry layout changed: treat as absent, register_fake then reports a clash
+        return False
+
+
+# Functionalize kernels for ops with CANN's fixed in-place schemas (torch.library.custom_op would
+# auto-functionalize instead, but AOT must emit our *_functional twins): the C++ functionalization
+# API as torch's own Python Functionalize kernels use it (2.8/2.13).
+is_functional_tensor = torch._is_functional_tensor
+from_functional_tensor = torch._from_functional_tensor
+to_functional_tensor = torch._to_functional_tensor
+functionalize_sync = torch._functionalize_sync
+functionalize_replace = torch._functionalize_replace
+functionalize_commit_update = torch._functionalize_commit_update
+
+
+@contextlib.contextmanager
+def functionalize_excluded() -> Iterator[None]:
+    """Run the functional twin below the Functionalize key (2.8/2.13)."""
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)):
+        yield
+
+
+def aot_module_simplified() -> Any:
+    """AOTAutograd entry point for a Dynamo backend (functionalization + our compiler on the
+    functional graph); the public ``torch.compile`` offers no hook there (2.8/2.13)."""
+    from torch._functorch.aot_autograd import aot_module_simplified as f
+
+    return f
+
+
+def make_boxed_func() -> Any:
+    """Boxed-calling wrapper AOT expects from a compiler (2.8/2.13)."""
+    from torch._functorch.aot_autograd import make_boxed_func as f
+
+    return f
+
+
+def inductor_compile_fx() -> Any:
+    """Inductor's backend function, called with our post-grad pass in ``config_patches`` (2.8/2.13)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx
+
+
+def custom_graph_pass_base() -> type:
+    """Base class that makes a ``post_grad_custom_pre_pass`` cacheable (``uuid``) (2.8/2.13)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def constant_source(name: str) -> Any:
+    """Dynamo source for a buffer the rewrite adds to the graph module (AOT maps every lifted
+    parameter/buffer to a source via ``_param_name_to_source``) (2.8/2.13)."""
+    from torch._dynamo.source import ConstantSource
+
+    return ConstantSource(name)
+
+
+def torch_logs_registry() -> Any:
+    """``torch._logging._internal``: registers ``TORCH_LOGS="offload_passes"``; torch has no public
+    API to add a log alias (2.8/2.13). None when absent."""
+    try:
+        from torch._logging import _internal
+    except ImportError:
+        return None
+    return _internal
+
+
+# ----------------------------------------------------------------- TorchAir / npugraph_ex (lazy)
+def torchair_ge_apis() -> Any:
+    """``torchair._ge_concrete_graph.ge_apis``: the generated GE op builders (``TensorMove`` ...);
+    ``torchair.ge`` re-exports only a few of them (npu 2.8/2.13)."""
+    from torchair._ge_concrete_graph import ge_apis
+
+    return ge_apis
+
+
+def torchair_ge_graph_pass() -> Any:
+    """``torchair._ge_concrete_graph.graph_pass``: its ref-op table is taught DsaServe / DsaInstall
+    (``converters/ge_ref_patch.py``); no registration API exists (npu 2.8/2.13)."""
+    from torchair._ge_concrete_graph import graph_pass
+
+    return graph_pass
+
+
+def torchair_fx2ge_converter() -> Any:
+    """``torchair._ge_concrete_graph.fx2ge_converter``: the copy pass patched by
+    ``converters/ge_ref_patch.py``; converters themselves use the public
+    ``torchair.register_fx_node_ge_converter`` (npu 2.8/2.13)."""
+    from torchair._ge_concrete_graph import fx2ge_converter
+
+    return fx2ge_converter
+
+
+def npugraph_ex_tagged_event() -> Any:
+    """``npugraph_ex.ops._tagged_event``: creates npugraph_ex's tagged events (its
+    ``_npu_create_tagged_event`` / ``_GLOBAL_TAG_TO_EVENT``); the public ``npu_create_tagged_event``
+    is TorchAir's, with its own registry (npu 2.8/2.13)."""
+    import npugraph_ex.ops._tagged_event as tagged
+
+    return tagged
+
+
+#: Modules holding TorchAir's / npugraph_ex's reinplace registries (``converters/reinplace.py``
+#: registers our in-place ops there; no public registration API) (npu 2.8/2.13).
+REINPLACE_REGISTRY_MODULES = ("npugraph_ex._acl_concrete_graph.graph_pass", "torchair._acl_concrete_graph.graph_pass")

@@ -1,0 +1,86 @@
+"""Mutable custom ops in the form every Inductor version can run (the last step of ``inductor`` mode).
+
+Inductor runs a mutable custom op as a ``FallbackKernel`` only if torch could auto-functionalize it,
+which excludes ops with a ``Functionalize`` kernel: torch 2.8 refuses them ("NYI: Can't generate
+FallbackKernel for custom.dsa_serve.default"); 2.13 also accepts them. Our in-place ops need their
+Functionalize kernel (AOT must emit our ``*_functional`` twins, which GE and TorchAir know), so after
+:func:`~offload_passes.passes.reinplace.reinplace` each call of such an op is retargeted to its
+*Inductor alias*: the same schema (same ``(a!)`` annotations) in the ``offload_inductor`` namespace,
+whose kernels call the original op and which has no Functionalize kernel. The alias is derived from
+the op's schema (no op facts are repeated here) and used on every torch version, so the Inductor
+graphs are the same on 2.8 and 2.13.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch import fx
+
+from .. import _compat
+
+log = logging.getLogger("offload_passes.passes.inductor_targets")
+
+NAMESPACE = "offload_inductor"
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+_aliases: dict[_compat.OpOverload, _compat.OpOverload] = {}
+
+
+@dataclass
+class RetargetReport:
+    retargeted: dict[str, int] = field(default_factory=dict)  # original op -> calls now using its alias
+
+    def to_dict(self) -> dict:
+        return {"retargeted": dict(self.retargeted)}
+
+
+def needs_alias(op: object) -> bool:
+    """A mutable, non-ATen op with a Functionalize kernel: what Inductor 2.8 cannot run as it is."""
+    if not isinstance(op, _compat.OpOverload) or op.namespace in ("aten", "prims", NAMESPACE):
+        return False
+    return op._schema.is_mutable and _compat.dispatcher_has_kernel(op.name(), "Functionalize")
+
+
+def inductor_alias(op: _compat.OpOverload) -> _compat.OpOverload:
+    """``offload_inductor::<name>`` for the mutable op ``op`` (defined on first use, then cached)."""
+    if op in _aliases:
+        return _aliases[op]
+    schema = str(op._schema)
+    ns, _, rest = schema.partition("::")
+    if not rest or ns != op.namespace:
+        raise RuntimeError(f"unexpected schema for {op}: {schema!r}")
+    name = rest.split("(", 1)[0]  # "dsa_serve" or "dsa_serve.overload"
+    base, _, overload = name.partition(".")
+    if not _compat.dispatcher_has_schema(f"{NAMESPACE}::{name}"):
+        _lib.define(rest)
+
+        def kernel(*args, _op=op, **kwargs):
+            return _op(*args, **kwargs)
+
+        # One composite kernel serves CPU and fake tensors: under FakeTensorMode the original op
+        # dispatches to its own fake kernel.
+        _lib.impl(name, kernel, "CompositeExplicitAutograd")
+    alias = getattr(getattr(getattr(torch.ops, NAMESPACE), base), overload or "default")
+    _aliases[op] = alias
+    return alias
+
+
+def define_aliases(ops: Iterable[object]) -> list[_compat.OpOverload]:
+    """Define the aliases of ``ops`` that need one (before an Inductor compile: a warm FX-graph cache
+    loads code that calls the aliases without running :func:`retarget_for_inductor`)."""
+    return [inductor_alias(op) for op in ops if needs_alias(op)]
+
+
+def retarget_for_inductor(graph: fx.Graph) -> RetargetReport:
+    """Point every call of a :func:`needs_alias` op at its alias (arguments and meta unchanged)."""
+    rep = RetargetReport()
+    for n in graph.nodes:
+        if n.op == "call_function" and needs_alias(n.target):
+            key = str(n.target)
+            n.target = inductor_alias(n.target)
+            rep.retargeted[key] = rep.retargeted.get(key, 0) + 1
+    if rep.retargeted:
+        log.debug("retargeted for Inductor: %s", rep.retargeted)
+    return rep

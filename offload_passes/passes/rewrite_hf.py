@@ -1,0 +1,481 @@
+"""Pass 4 (Hugging Face form) — dense DSA → sparse attention, then (optionally) the shared-indexer offload.
+
+For every site found by ``detect_hf`` the dense attention over all T cached positions is replaced by
+one call that attends over the K selected positions only:
+
+* **sparse** (always): gather the K selected latent rows ``[B, S, K, C]`` and rope rows ``[B, S, K, r]``
+  from the caches, expand only those through ``kv_b_proj``, attend. The mask is the model's own base
+  mask (causal limit, padding) gathered at the selected ids, and an id outside ``[0, T)`` (``-1``
+  padding) is masked: the same terms the dense softmax keeps, so the result is the same attention
+  (only the summation order differs). K is the graph's top-k width, i.e. already ``min(index_topk, T)``.
+* **offload** (``enable_offload`` and ``shared_indexer_offload``, f16/bf16 caches, the op limits of
+  spec/ops.md): the gather becomes the shared-indexer scheme exactly as for the recipe graph — one
+  ``dsa_plan`` per group before the owner's attention, a ``dsa_serve`` per layer filling a per-layer
+  selection buffer (state) from the pool / the full cache (the HF cache viewed ``[B, T, D]``), the
+  attention reads the selection buffer, ``dsa_install`` ``metadata_update=0`` after every non-owner
+  layer and the owner's ``metadata_update=1`` after the group's last layer. Pools and metadata are
+  ``OffloadState`` buffers of the GraphModule. An offload precondition that fails leaves the sparse
+  rewrite in place (it is exact) and is reported / logged; ``strict`` raises.
+
+The dense nodes (scatter-mask, full expansion, dense attention) are then removed by a local dead-code
+walk from each replaced attention: only pure nodes and writes into dead fresh allocations
+(``key_states = new_empty(...)``) are erased; cache writes and other in-place ops always stay.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from ..options import OffloadOptions
+from ..state import OffloadState
+from . import _fx
+from .detect import Refusal
+from .detect_hf import HfDetectReport, HfSite, detect_hf
+from .group import GroupReport, group
+from .preconditions import MAX_DKV, MAX_DR, MAX_RAW_SEQ, MAX_TOPK, GroupPlan, SiteGeometry, _pow2
+
+log = logging.getLogger("offload_passes.passes.rewrite_hf")
+aten = torch.ops.aten
+custom = torch.ops.custom
+
+__all__ = ["hf_sparse_attention", "hf_sparse_attention_rows", "rewrite_hf", "HfRewriteReport"]
+
+OFFLOAD_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# -- the sparse attention (traced into the graph by AOT / run directly in eager) ----------------------
+def _attend(query: torch.Tensor, rows: torch.Tensor, rope_rows: torch.Tensor, weight: torch.Tensor,
+            idx: torch.Tensor, base_mask: torch.Tensor, T: int, scaling: float, nope: int, vdim: int,
+            kind: str, fill: float) -> torch.Tensor:
+    B, H, S, D = query.shape
+    K = idx.shape[-1]
+    R = rope_rows.shape[-1]
+    idx = idx.long()
+    valid = (idx >= 0) & (idx < T)
+    safe = idx.clamp(0, T - 1)
+    msel = torch.gather(base_mask.expand(B, 1, S, T)[:, 0], 2, safe)  # the model's mask at the selected ids
+    kv = F.linear(rows, weight).view(B, S, K, H, nope + vdim)
+    k_nope, v = kv.split([nope, vdim], dim=-1)
+    k = torch.cat([k_nope, rope_rows.view(B, S, K, 1, R).expand(B, S, K, H, R)], dim=-1)
+    k = k.permute(0, 1, 3, 2, 4).reshape(B * S, H, K, D)
+    v = v.permute(0, 1, 3, 2, 4).reshape(B * S, H, K, vdim)
+    q = query.transpose(1, 2).reshape(B * S, H, 1, D)
+    if kind == "sdpa":
+        allowed = (msel & valid).view(B * S, 1, 1, K)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=0.0, scale=scaling)
+    else:
+        add = torch.where(valid, msel, torch.full_like(msel, fill)).view(B * S, 1, 1, K)
+        w = torch.matmul(q, k.transpose(2, 3)) * scaling + add
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(w, v)
+    return out.view(B, S, H, vdim).transpose(1, 2)
+
+
+def hf_sparse_attention(query: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, weight: torch.Tensor,
+                        topk: torch.Tensor, base_mask: torch.Tensor, scaling: float, nope: int, vdim: int,
+                        kind: str, fill: float) -> torch.Tensor:
+    """Attention of ``query [B,H,S,n+r]`` over the ``topk [B,S,K]`` rows of the latent / rope caches
+    ``[B,1,T,C]`` / ``[B,1,T,r]``, expanded through ``weight`` (kv_b_proj); returns ``[B,H,S,v]``."""
+    B, _, T, C = latent.shape
+    S, K = topk.shape[1], topk.shape[2]
+    safe = topk.long().clamp(0, T - 1).reshape(B, S * K)
+    bidx = torch.arange(B, device=topk.device).view(B, 1)
+    rows = latent[:, 0][bidx, safe].view(B, S, K, C)  # row gather (indexing kernel: ~8x torch.gather here)
+    rrows = rope[:, 0][bidx, safe].view(B, S, K, rope.shape[-1])
+    return _attend(query, rows, rrows, weight, topk, base_mask, T, scaling, nope, vdim, kind, fill)
+
+
+def hf_sparse_attention_rows(query: torch.Tensor, sel_kv: torch.Tensor, sel_rope: torch.Tensor,
+                             weight: torch.Tensor, topk: torch.Tensor, base_mask: torch.Tensor, T: int,
+                             scaling: float, nope: int, vdim: int, kind: str, fill: float) -> torch.Tensor:
+    """As :func:`hf_sparse_attention`, reading the rows ``dsa_serve`` placed in the selection buffers
+    (top-k column k of query row r at flat row ``r*K + k``)."""
+    B, S, K = topk.shape
+    rows = sel_kv.reshape(B, S, K, sel_kv.shape[-1])
+    rrows = sel_rope.reshape(B, S, K, sel_rope.shape[-1])
+    return _attend(query, rows, rrows, weight, topk, base_mask, T, scaling, nope, vdim, kind, fill)
+
+
+# -- dead code removal, local to the replaced attentions ------------------------------------------------
+_FRESH = {"new_empty", "new_zeros", "new_ones", "new_full", "empty", "zeros", "ones", "full", "empty_like",
+          "zeros_like"}
+
+
+def _name(n: fx.Node) -> str:
+    if n.op == "call_method":
+        return str(n.target)
+    return getattr(n.target, "__name__", "") or ""
+
+
+_OPERATOR_INPLACE = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                     operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                     operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+
+
+def _is_inplace(n: fx.Node) -> bool:
+    if n.op == "call_function" and getattr(n.target, "__module__", None) == "_operator":
+        return n.target in _OPERATOR_INPLACE  # operator.and_ / or_ are not in-place
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._schema.is_mutable
+    nm = _name(n)
+    return nm.endswith("_") and not nm.startswith("_")
+
+
+def _write_only(u: fx.Node) -> bool:
+    """A view / slice of a fresh allocation whose only users are unused in-place writes into it."""
+    if not (_fx.is_view(u) or (u.op == "call_function" and u.target is operator.getitem)):
+        return False
+    return all(_is_inplace(w) and w.args and w.args[0] is u and not w.users for w in u.users)
+
+
+def _dce(g: fx.Graph, seeds: Sequence[fx.Node]) -> int:
+    erased = 0
+    todo = list(seeds)
+    dead: set[fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in dead or n.op not in ("call_function", "call_method"):
+            continue
+        if n.users and _name(n) in _FRESH and all(_write_only(u) for u in n.users):
+            for u in list(n.users):
+                for w in list(u.users):
+                    todo.extend(a for a in w.all_input_nodes if a is not u)
+                    g.erase_node(w)
+                    dead.add(w)
+                    erased += 1
+                g.erase_node(u)
+                dead.add(u)
+                erased += 1
+        if n.users or n.is_impure() or _is_inplace(n):
+            continue
+        inputs = n.all_input_nodes
+        g.erase_node(n)
+        dead.add(n)
+        erased += 1
+        todo.extend(inputs)
+    return erased
+
+
+# -- reports ----------------------------------------------------------------------------------------
+@dataclass
+class HfSiteRewrite:
+    layer: int
+    group_id: int
+    kind: str
+    dense_attn: str
+    sparse_node: str
+    serve_node: Optional[str] = None
+    install_nodes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"layer": self.layer, "group_id": self.group_id, "kind": self.kind, "gather_node": self.dense_attn,
+                "sfa_node": self.sparse_node, "serve_node": self.serve_node, "install_nodes": list(self.install_nodes)}
+
+
+@dataclass
+class HfRewriteReport:
+    sites: list[HfSiteRewrite]
+    offload: bool
+    plan_nodes: dict[int, str]
+    buffers: dict[str, str]
+    erased: int
+    layer_nodes_before: dict[int, list[str]]
+    layer_nodes_after: dict[int, list[str]]
+
+
+# -- offload preconditions ----------------------------------------------------------------------------
+def _cache_length(site: HfSite) -> Optional[fx.Node]:
+    """The index the model writes this step's latent rows at (``index_copy_`` into the latent cache)."""
+    for u in site.latent.users:
+        if _name(u) in ("index_copy_", "index_copy") and u.args and u.args[0] is site.latent and len(u.args) >= 3:
+            return u.args[2]
+    return None
+
+
+def _selection_block(K: int) -> int:
+    sbs = 128
+    while sbs > 16 and K % sbs:
+        sbs //= 2
+    return sbs
+
+
+def offload_plan(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOptions) -> tuple[list[GroupPlan], dict, list[Refusal]]:
+    """GroupPlans (as the recipe graph's plan step) plus per group the cache-position node; refusals."""
+    refusals: list[Refusal] = []
+    plans: list[GroupPlan] = []
+    positions: dict[int, fx.Node] = {}
+    PS = opts.resolved_pool_size
+    for g in grp.groups:
+        def chk(cond: bool, reason: str, detail: str, layer: Optional[int] = None) -> bool:
+            if not cond:
+                refusals.append(Refusal(reason, detail, g.owner.layer if layer is None else layer))
+            return cond
+
+        d0 = g.owner.dims
+        B, S, K = d0["B"], d0["S"], d0["K"]
+        for s in g.sites:
+            d = s.dims
+            chk((d["B"], d["S"], d["K"]) == (B, S, K), "group_inconsistent",
+                f"group {g.group_id}: layer {s.layer} has (B, S, K) {(d['B'], d['S'], d['K'])} != {(B, S, K)}", s.layer)
+            chk(s.dtype in OFFLOAD_DTYPES, "kv_dtype",
+                f"latent cache dtype {s.dtype}: the offload ops take float16/bfloat16 KV (sparse attention kept)", s.layer)
+            chk(0 < d["C"] <= MAX_DKV and 0 < d["R"] <= MAX_DR, "dims",
+                f"Dkv={d['C']} must be in (0, {MAX_DKV}], Dr={d['R']} in (0, {MAX_DR}]", s.layer)
+            chk(_cache_length(s) is not None, "cache_layout",
+                f"{s.latent.name}: no index_copy_ write into the latent cache (cache length unknown)", s.layer)
+        chk(K % 64 == 0 and 0 < K <= MAX_TOPK, "topk_alignment",
+            f"top-k width K={K} must be a multiple of 64 and <= {MAX_TOPK}")
+        chk(1 <= S <= MAX_RAW_SEQ, "raw_seq", f"raw_seq S={S} must be in [1, {MAX_RAW_SEQ}]")
+        if opts.next_n is not None:
+            chk(S == opts.next_n + 1, "next_n", f"graph has raw_seq S={S}, config next_n={opts.next_n}")
+        SBS = _selection_block(K)
+        chk(PS % SBS == 0 and PS % 16 == 0 and _pow2(PS // 16) and PS <= 16384, "pool_size",
+            f"pool_size={PS}: needs PS % {SBS} == 0, PS % 16 == 0, PS/16 a power of two, PS <= 16384")
+        if refusals:
+            continue
+        T = max(s.dims["T"] for s in g.sites)
+        IR = opts.id_range if opts.id_range is not None else max(131072, T)
+        geos = {s.layer: SiteGeometry(s.layer, s.latent, s.rope, None, None, None, None, s.dims["T"], s.dims["C"],
+                                      s.dims["R"], s.dtype) for s in g.sites}
+        plans.append(GroupPlan(g.group_id, g.owner.layer, g.last.layer, g.layers, B, S, K, SBS, PS, PS // 16, IR,
+                               _cache_length(g.owner), g.owner.topk, g.producer.name, geos))
+        positions[g.group_id] = _cache_length(g.owner)
+    return plans, positions, refusals
+
+
+# -- the rewrite --------------------------------------------------------------------------------------
+def rewrite_sparse(gm: fx.GraphModule, grp: GroupReport, plans: Optional[list[GroupPlan]] = None,
+                   state: Optional[OffloadState] = None) -> HfRewriteReport:
+    """Replace every site's dense attention; with ``plans`` + ``state`` through plan/serve/install."""
+    g = gm.graph
+    b = lambda target, *a, **kw: g.call_function(target, a, kw)  # noqa: E731
+    first = next(n for n in g.nodes if n.op != "placeholder")
+    buffers: dict[str, str] = {}
+    offload = plans is not None and state is not None
+
+    def attr(name: str, t: torch.Tensor) -> fx.Node:
+        attr_name = f"_offload_{name}"
+        gm.register_buffer(attr_name, t)
+        buffers[name] = attr_name
+        if hasattr(gm, "_param_name_to_source"):
+            from torch._dynamo.source import ConstantSource
+
+            gm._param_name_to_source[attr_name] = ConstantSource(f"offload_state.{attr_name}")
+        with g.inserting_before(first):
+            return g.get_attr(attr_name)
+
+    before = {s.layer: [s.scatter.name, s.combine.name, s.attn.name] for gr in grp.groups for s in gr.sites}
+    after: dict[int, list[str]] = {}
+    out: list[HfSiteRewrite] = []
+    plan_nodes: dict[int, str] = {}
+    seeds: list[fx.Node] = []
+    pplans = {p.group_id: p for p in plans or []}
+    gstates = {gs.group_id: gs for gs in state.groups} if offload else {}
+    for gr in grp.groups:
+        p = pplans.get(gr.group_id)
+        if offload:
+            gs = gstates[gr.group_id]
+            B, S, K, SBS = p.B, p.S, p.K, p.BS
+            dev = gs.stats.device
+            meta = {n: attr(f"{n}_g{gr.group_id}", t) for n, t in
+                    (("pool_ids", gs.pool_ids), ("id_to_slot", gs.id_to_slot), ("lru_counter", gs.lru_counter),
+                     ("stats", gs.stats))}
+            table = attr(f"sel_table_g{gr.group_id}",
+                         torch.arange(B * S * K // SBS, dtype=torch.int32, device=dev).view(B * S, K // SBS))
+            sel: dict[int, tuple[fx.Node, fx.Node]] = {}
+            pools: dict[int, tuple[fx.Node, fx.Node]] = {}
+            for s in gr.sites:
+                geo = p.geometry[s.layer]
+                nb = B * S * K // SBS
+                sel[s.layer] = (attr(f"sel_kv_l{s.layer}", torch.zeros(nb, SBS, geo.Dkv, dtype=geo.dtype, device=dev)),
+                                attr(f"sel_rope_l{s.layer}", torch.zeros(nb, SBS, geo.Dr, dtype=geo.dtype, device=dev)))
+                kv, rope = state.pools[s.layer]
+                pools[s.layer] = (attr(f"pool_kv_l{s.layer}", kv), attr(f"pool_rope_l{s.layer}", rope))
+            with g.inserting_before(gr.owner.attn):
+                pos = p.lengths  # this step's cache positions [S]; L = last position + 1, one per batch row
+                L = b(aten.add.Tensor, b(aten.amax.default, pos, [0]), 1)
+                L = b(aten.repeat.default, b(aten.view.default, b(aten._to_copy.default, L, dtype=torch.int32), [1]), [B])
+                tk = p.topk
+                if _fx.example(tk) is None or _fx.example(tk).dtype != torch.int32:
+                    tk = b(aten._to_copy.default, tk, dtype=torch.int32)
+                tk = b(aten.view.default, tk, [B, S, 1, K])
+                pl = b(custom.dsa_plan.default, tk, L, meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"],
+                       raw_seq=S, group_id=gr.group_id, owner_layer=gr.owner.layer)
+                plan_n, rec = g.call_function(operator.getitem, (pl, 0)), g.call_function(operator.getitem, (pl, 1))
+                kinds = b(aten.select.int, plan_n, 1, 0)
+                eq = b(aten.eq.Tensor, b(aten.unsqueeze.default, kinds, 1),
+                       b(aten.arange.default, 6, dtype=torch.int32, device=dev))
+                cnt = b(aten.sum.dim_IntList, eq, [0])
+                new = b(aten.cat.default, [cnt, b(aten.ones.default, [1], dtype=torch.int64, device=dev)])
+                cum = b(aten.add.Tensor, b(aten.select.int, meta["stats"], 0, 1), new)
+                b(aten.copy_.default, meta["stats"], b(aten.stack.default, [new, cum]))
+            plan_nodes[gr.group_id] = pl.name
+        recs: dict[int, HfSiteRewrite] = {}
+        for s in gr.sites:
+            d = s.dims
+            fill = float(s.combine.args[2]) if s.kind == "eager" else 0.0
+            serve = None
+            with g.inserting_before(s.attn):
+                if offload:
+                    geo = p.geometry[s.layer]
+                    fkv = b(aten.view.default, s.latent, [B, geo.F, geo.Dkv])
+                    frp = b(aten.view.default, s.rope, [B, geo.F, geo.Dr])
+                    skv, srp = sel[s.layer]
+                    serve = b(custom.dsa_serve.default, plan_n, fkv, frp, pools[s.layer][0], pools[s.layer][1], skv, srp,
+                              raw_seq=S, topk=K, selection_block_size=SBS, compact_layout=1)
+                    new_attn = g.call_function(hf_sparse_attention_rows, (
+                        s.query, skv, srp, s.weight, s.topk, s.base_mask, d["T"], s.scaling, d["n"], d["v"], s.kind, fill))
+                else:
+                    new_attn = g.call_function(hf_sparse_attention, (
+                        s.query, s.latent, s.rope, s.weight, s.topk, s.base_mask, s.scaling, d["n"], d["v"], s.kind, fill))
+            new_attn.meta.update({k: v for k, v in s.attn.meta.items() if k in ("example_value", "val")})
+            dense_name = s.attn.name
+            s.attn.replace_all_uses_with(new_attn)
+            seeds.append(s.attn)
+            rw = HfSiteRewrite(s.layer, gr.group_id, s.kind, dense_name, new_attn.name,
+                               serve.name if serve is not None else None)
+            recs[s.layer] = rw
+            out.append(rw)
+            after[s.layer] = ([pl.name] if offload and s is gr.owner else []) + \
+                ([serve.name] if serve is not None else []) + [new_attn.name]
+            s.sparse_node = new_attn  # type: ignore[attr-defined]
+        if offload:
+            for s in gr.sites:
+                cursor = s.sparse_node  # type: ignore[attr-defined]
+                placed = []
+
+                def install(layer: int, md: int, cur: fx.Node) -> fx.Node:
+                    skv, srp = sel[layer]
+                    kv, rp = pools[layer]
+                    with g.inserting_after(cur):
+                        return b(custom.dsa_install.default, rec, skv, srp, table, kv, rp, meta["pool_ids"],
+                                 meta["id_to_slot"], meta["lru_counter"], raw_seq=S, topk=K,
+                                 selection_block_size=SBS, metadata_update=md)
+
+                if s is not gr.owner:
+                    cursor = install(s.layer, 0, cursor)
+                    placed.append(cursor)
+                    recs[s.layer].install_nodes.append(cursor.name)
+                if s is gr.last:
+                    cursor = install(gr.owner.layer, 1, cursor)
+                    placed.append(cursor)
+                    recs[gr.owner.layer].install_nodes.append(cursor.name)
+                after[s.layer] += [n.name for n in placed]
+    erased = _dce(g, seeds)
+    g.lint()
+    gm.recompile()
+    out.sort(key=lambda r: r.layer)
+    return HfRewriteReport(out, offload, plan_nodes, buffers, erased, before, after)
+
+
+def dense_masks_left(graph: fx.Graph) -> int:
+    """Boolean scatter-masks still in ``graph`` (0 after a complete rewrite)."""
+    n_left = 0
+    for n in graph.nodes:
+        if _name(n) == "scatter" and n.args:
+            ex = _fx.example(n.args[0])
+            if ex is not None and ex.dtype == torch.bool:
+                n_left += 1
+    return n_left
+
+
+# -- pipeline entry (called by the backend when the graph has no recipe-form DSA site) ----------------
+def _make_state(gm: fx.GraphModule, plans: list[GroupPlan], example_inputs: Sequence[Any], graph_id: str,
+                shared_state: bool) -> OffloadState:
+    """The group state, built exactly as the backend builds it for the recipe graph: shared per set of
+    full caches (``state.REGISTRY``) when the caches are graph inputs, else private buffers."""
+    from ..backend import _cache_refs  # lazy: the backend imports this module
+    from ..state import REGISTRY, GroupLayout
+
+    layouts = [GroupLayout.from_plan(p) for p in plans]
+    found = _cache_refs(gm, plans, example_inputs)
+    if shared_state and found is not None:
+        state = REGISTRY.bind(graph_id, layouts, found[1])
+    else:
+        dev = _fx.example(plans[0].geometry[plans[0].owner_layer].full_kv)
+        state = OffloadState.allocate(graph_id, layouts, device=dev.device if dev is not None else None)
+    state.layouts = layouts
+    state.cache_refs = found[0] if found is not None else None
+    state.shared = bool(shared_state and found is not None)
+    return state
+
+
+def rewrite_hf(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions, graph_id: str,
+               timings: dict, ops_before: dict, shared_state: bool = False,
+               ) -> Optional[tuple[fx.GraphModule, Optional[OffloadState], dict]]:
+    """Detect / group / (plan) / rewrite the HF form. None when the graph holds no HF DSA pattern;
+    otherwise ``(gm, state, report)`` like ``backend.rewrite_for_offload``."""
+    t0 = time.perf_counter()
+    det: HfDetectReport = detect_hf(gm)
+    timings["detect_s"] = timings.get("detect_s", 0.0) + time.perf_counter() - t0
+    if not det.has_dsa:
+        return None
+    t1 = time.perf_counter()
+    grp = group(det)  # same grouping as the recipe graph: by the shared top-k node
+    timings["group_s"] = time.perf_counter() - t1
+    report: dict = {
+        "graph_id": graph_id, "rewritten": False, "mode": opts.exe_mode, "options": opts.to_dict(),
+        "groups": [], "sites": [], "layer_nodes": {"before": {}, "after": {}},
+        "ops": {"before": ops_before, "after": ops_before}, "state": [],
+        "refusals": [r.to_dict() for r in det.refusals], "timings": timings,
+        "passes": [{"name": "detect", "file": "passes/detect_hf.py"}, {"name": "group", "file": "passes/group.py"},
+                   {"name": "rewrite", "file": "passes/rewrite_hf.py"}],
+        "detect": {"gathers": det.candidates, "sites": len(det.sites), "indexers": det.topk_nodes, "other_topk": []},
+        "hf": {"form": "transformers", "sites": [s.to_dict() for s in det.sites], "offload": False,
+               "offload_refusals": []},
+    }
+    timings["rewrite_s"] = 0.0
+    if det.refusals:
+        msg = (f"{graph_id}: HF DSA rewrite not applied (hf_site_not_verified): "
+               + "; ".join(r.detail for r in det.refusals[:4]) + (" ..." if len(det.refusals) > 4 else ""))
+        if opts.strict:
+            from ..backend import OffloadRefused
+
+            raise OffloadRefused(msg)
+        log.warning("%s; compiling the graph unmodified", msg)
+        return gm, None, report
+    t1 = time.perf_counter()
+    plans, state, off_ref = None, None, []
+    if opts.enable_offload and opts.shared_indexer_offload:
+        plans, _, off_ref = offload_plan(gm, grp, opts)
+        if off_ref:
+            msg = (f"{graph_id}: shared-indexer offload not applied to the HF graph "
+                   f"({', '.join(sorted({r.reason for r in off_ref}))}): " + "; ".join(r.detail for r in off_ref[:3]))
+            if opts.strict:
+                from ..backend import OffloadRefused
+
+                raise OffloadRefused(msg)
+            log.warning("%s; sparse attention only", msg)
+            plans = None
+    timings["plan_s"] = time.perf_counter() - t1
+    if plans:
+        t1 = time.perf_counter()
+        state = _make_state(gm, plans, example_inputs, graph_id, shared_state)
+        timings["alloc_s"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    rr = rewrite_sparse(gm, grp, plans, state)
+    timings["rewrite_s"] = time.perf_counter() - t1
+    report.update({
+        "rewritten": True,
+        "groups": [p.to_dict() for p in plans] if plans else
+        [{"group_id": g.group_id, "owner_layer": g.owner.layer, "layers": g.layers, "topk_node": g.producer.name,
+          "K": g.owner.dims["K"], "S": g.owner.dims["S"], "B": g.owner.dims["B"]} for g in grp.groups],
+        "sites": [s.to_dict() for s in rr.sites],
+        "layer_nodes": {"before": rr.layer_nodes_before, "after": rr.layer_nodes_after},
+        "ops": {"before": ops_before, "after": _fx.count_ops(gm.graph)},
+        "state": state.describe() if state is not None else [],
+        "state_bytes": state.total_bytes if state is not None else 0,
+        "buffers": rr.buffers,
+    })
+    report["hf"].update({"offload": rr.offload, "offload_refusals": [r.to_dict() for r in off_ref],
+                         "erased_nodes": rr.erased, "dense_masks_left": dense_masks_left(gm.graph)})
+    log.info("%s: HF DSA: %d layers in %d groups %s -> sparse attention%s", graph_id, len(rr.sites),
+             len(grp.groups), grp.layer_lists(), " + shared-indexer offload" if rr.offload else "")
+    return gm, state, report

@@ -1,0 +1,14 @@
+"""Trace science for the shared-indexer KV-offload pool (issue 14).
+
+* :mod:`.format`  — the ``offload_passes.trace`` npz format (:class:`Trace`, :func:`save_trace`, :func:`load_trace`);
+* :mod:`.record`  — recorders: compiled runs (``OffloadState.record_trace()``, ``offload-demo --record-trace``)
+  and the unmodified model with top-P ranks (``python -m offload_passes.trace.record``);
+* :mod:`.sim`     — replacement-policy simulator (C++ core), ``offload-sim`` in :mod:`.cli`;
+* :mod:`.synth`   — synthetic traces with interpretable locality and their calibration;
+* :mod:`.kernel_replay` — the same trace through the real ``dsa_plan`` / ``dsa_install`` kernels.
+
+Nothing here is imported by the backend or the passes; importing it never compiles.
+"""
+from .format import Trace, load_trace, save_trace  # noqa: F401
+
+__all__ = ["Trace", "load_trace", "save_trace"]

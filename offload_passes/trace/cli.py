@@ -1,0 +1,146 @@
+"""``offload-sim TRACE``: replay a top-k trace through replacement policies at chosen pool sizes.
+
+TRACE is a trace file (``offload-demo --record-trace``, ``offload-trace record``) or a synthetic spec
+``synth[:calibrated][,key=value...]`` (see ``offload_passes.trace.synth``). Prints a table (hit rate,
+host rows, metadata work per step, simulator speed), or ``--json``; ``--plot out.png`` draws hit rate vs
+pool size per policy with Belady on top.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import textwrap
+from pathlib import Path
+from typing import Optional, Sequence
+
+from . import sim
+from .format import Trace, load_trace, save_trace
+
+log = logging.getLogger("offload_passes.trace.cli")
+
+
+def _load(spec: str) -> Trace:
+    if spec.startswith("synth"):
+        from . import synth
+
+        return synth.generate(synth.parse_spec(spec))
+    return load_trace(spec)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"{what} must be positive integers, got {text!r}")
+    return vals
+
+
+def table(results: list[sim.SimResult]) -> str:
+    head = (f"{'policy':<14}{'pool':>7}{'hit %':>8}{'entry hit %':>13}{'host rows/step':>16}"
+            f"{'prefetch/step':>15}{'writes/step':>13}{'scans/step':>12}{'Mlookups/s':>12}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        pool = "K/row" if r.policy == "adjacent" else str(r.pool_size)
+        lines.append(
+            f"{r.policy:<14}{pool:>7}{100 * r.hit_rate:>8.2f}{100 * r.entry_hit_rate:>13.2f}"
+            f"{r.host_rows_per_step:>16.1f}{_per_step(r, 'prefetch'):>15.1f}{r.writes_per_step:>13.1f}"
+            f"{r.scans_per_step:>12.1f}{r.lookups / max(r.seconds, 1e-9) / 1e6:>12.2f}")
+    return "\n".join(lines)
+
+
+def _per_step(r: sim.SimResult, what: str) -> float:
+    # prefetch rows per step: the same denominator as host_rows_per_step
+    total = r.misses + r.window + r.prefetch
+    return r.host_rows_per_step * (getattr(r, what) / total) if total else 0.0
+
+
+def plot(results: list[sim.SimResult], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by: dict[str, list] = {}
+    for r in results:
+        by.setdefault(r.policy, []).append(r)
+    sizes = sorted({r.pool_size for r in results if r.policy != "adjacent"})
+    for pol, rs in by.items():
+        if pol == "adjacent":
+            ax.axhline(100 * rs[0].hit_rate, color="grey", ls=":", label="adjacent (K per row)")
+            continue
+        rs = sorted(rs, key=lambda r: r.pool_size)
+        style = dict(lw=2.5, color="black") if pol == "belady" else {}
+        label = pol + (" (+prefetched rows)" if pol == "rank_prefetch" else "")
+        ax.plot([r.pool_size for r in rs], [100 * r.hit_rate for r in rs], marker="o", label=label, **style)
+    ax.set_xscale("log", base=2)
+    if sizes:
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("pool slots per batch row")
+    ax.set_ylabel("hit rate (%)")
+    ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=7)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="offload-sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", help="trace file (.npz) or synth[:calibrated][,key=value...]")
+    p.add_argument("--pool-sizes", default="2048,4096,8192,16384",
+                   type=lambda s: _ints(s, "--pool-sizes"), help="comma-separated pool slots per row")
+    p.add_argument("--policies", default=None, help=f"comma-separated subset of: {', '.join(sim.POLICIES)}")
+    p.add_argument("--k", type=int, default=None, help="replay with a smaller top-k (first K ranked columns)")
+    p.add_argument("--warmup", type=int, default=0, help="leave the first N steps out of the figures")
+    p.add_argument("--ways", type=int, default=sim.WAYS, help="associativity of the set-associative policies")
+    p.add_argument("--save-trace", default=None, help="also write the (e.g. synthetic) trace to this npz")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", default=None, help="write hit rate vs pool size to this PNG")
+    p.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, stream=sys.stderr)
+    try:
+        tr = _load(a.trace)
+        if a.k is not None:
+            tr = tr.with_k(a.k)
+        pols = a.policies.split(",") if a.policies else sim.default_policies(tr)
+        bad = [x for x in pols if x not in sim.POLICIES]
+        if bad:
+            p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(sim.POLICIES)}")
+        if a.save_trace:
+            save_trace(tr, a.save_trace)
+        from ._native import module
+
+        module()  # build/load the C++ core before timing
+        results = sim.sweep(tr, pols, a.pool_sizes, a.ways, a.warmup)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"offload-sim: error: {e}", file=sys.stderr)
+        return 2
+    lookups = sum(r.lookups for r in results)
+    secs = sum(r.seconds for r in results)
+    out = {"trace": a.trace, "header": tr.header(), "warmup": a.warmup,
+           "results": [r.as_dict() for r in results],
+           "lookups_per_s": lookups / secs if secs else 0.0}
+    if a.plot:
+        out["plot"] = str(plot(results, Path(a.plot), f"{tr.model[:90]}  K={tr.K} S={tr.S} steps={tr.steps}"))
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"trace {a.trace}: model={tr.model[:100]} K={tr.K} P={tr.P} S={tr.S} B={tr.B} steps={tr.steps} "
+              f"groups={len(tr.groups)} warmup={a.warmup}")
+        print(table(results))
+        print(f"simulator: {lookups} id lookups in {secs:.3f} s = {out['lookups_per_s'] / 1e6:.2f} M lookups/s")
+        if a.plot:
+            print(f"plot: {out['plot']}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

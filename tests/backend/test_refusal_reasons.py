@@ -1,0 +1,146 @@
+"""Every refusal reason the passes can give is triggered here by a real graph: a variant of the synthetic
+DSA model (a model option, or a backend option), compiled through Dynamo exactly as a user would.
+
+For each: the graph is compiled unmodified (identical results, == 0), exactly one warning names the
+reason and its detail, the report lists it, and ``strict=True`` raises ``OffloadRefused`` with it.
+``test_every_reason_in_the_code_is_exercised`` keeps this table complete: a reason code added to the
+passes without a test here fails it.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import fx
+
+import dsa_synth as synth
+from backend_helpers import run_pair
+from offload_passes.backend import OffloadRefused, make_offload_backend, rewrite_for_offload
+from offload_passes.options import OffloadOptions
+
+PS = 256
+ROOT = Path(__file__).resolve().parents[2]
+
+# reason -> (SynthConfig changes, backend options, a fragment the warning's detail must contain)
+VARIANTS: dict[str, tuple[dict, dict, str]] = {
+    "disabled": ({}, {"enable_offload": False}, "enable_offload / shared_indexer_offload is off"),
+    "unknown_topk_producer": (dict(topk_source="torch_topk"), {}, "not a lightning indexer"),
+    "site_not_verified": (dict(sfa_indices_from_gather=False), {},
+                          "sparse_indices are not derived from the gather's result"),
+    "topk_alignment": (dict(K=96), {}, "top-k width K=96 must be a multiple of 64"),
+    "gather_block_size": (dict(K=32, BS=16, gather_block_size=2), {}, "selection_topk_block_size=2 (only 1"),
+    "paged_layout": (dict(identity_table=False), {}, "is not the identity layout"),
+    "raw_seq": (dict(S=5), {}, "raw_seq S=5 must be in [1, 4]"),
+    "next_n": (dict(S=2), {"next_n": 0}, "graph has raw_seq S=2, config next_n=0"),
+    "pa_block_size": ({}, {"pa_block_size": 32}, "graph block size 16 != config pa_block_size 32"),
+    "dims": (dict(Dkv=576), {}, "Dkv=576 must be in (0, 512]"),
+    "selection_layout": (dict(sel_extra_blocks=2), {}, "must hold exactly B*S*K"),
+    "selection_not_input": (dict(sel_views=True), {}, "is not a graph input"),
+    "group_inconsistent": (dict(shared_own_lengths=True), {}, "sites use different cache lengths"),
+    "pool_size": (dict(BS=32, pattern="F"), {"pool_size": 16}, "pool_size=16 must be a multiple of the selection block size 32"),
+    "quantised_kv": (dict(kv_dtype=torch.int8), {}, "full_kv_cache dtype torch.int8: only unquantised"),
+    "no_rope": (dict(rope=False), {}, "only a KV cache with a rope cache is offloaded"),
+}
+
+
+def _cfg(changes: dict) -> synth.SynthConfig:
+    base = dict(pattern="FS", S=1, router=False)
+    base.update(changes)
+    return synth.SynthConfig(**base)
+
+
+def _capture(cfg: synth.SynthConfig):
+    """The Dynamo graph and example inputs of a synthetic variant, as the backend receives them."""
+    got = {}
+
+    def grab(gm, ex):
+        got["gm"], got["ex"] = gm, list(ex)
+        return gm.forward
+
+    _, m = synth.make_pair(cfg, [300, 280])
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(m, backend=grab)(*m.inputs(torch.tensor([300, 280]) + cfg.S, 0))
+    return got["gm"], got["ex"]
+
+
+def _assert_refused(reason: str, detail: str, gm: fx.GraphModule, ex: list, opts: dict, caplog) -> None:
+    code = gm.code
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload_passes"):
+        gm2, state, rep = rewrite_for_offload(gm, ex, OffloadOptions(pool_size=opts.pop("pool_size", PS), **opts))
+    assert state is None and rep["rewritten"] is False and gm2.code == code
+    assert reason in {r["reason"] for r in rep["refusals"]}
+    assert any(detail in r["detail"] for r in rep["refusals"] if r["reason"] == reason), rep["refusals"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and reason in warnings[0] and detail in warnings[0], warnings
+
+
+@pytest.mark.parametrize("reason", sorted(VARIANTS))
+def test_refusal_reason(reason, caplog):
+    changes, opts, detail = VARIANTS[reason]
+    cfg = _cfg(changes)
+    caplog.clear()
+    be = make_offload_backend(**{"pool_size": PS, **opts})
+    with caplog.at_level(logging.WARNING, logger="offload_passes"):
+        res = run_pair(cfg, 2, be)
+    rep = be.reports[-1]
+    assert rep["rewritten"] is False
+    reasons = {r["reason"] for r in rep["refusals"]}
+    assert reason in reasons
+    assert any(detail in r["detail"] for r in rep["refusals"] if r["reason"] == reason), rep["refusals"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "not applied" in r.getMessage()]
+    assert len(warnings) == 1 and reason in warnings[0], warnings
+    # the unmodified graph ran: identical results, gathers still there
+    assert res["max_h"] == 0.0 and res["max_a"] == 0.0
+    assert rep["ops"]["after"]["npu_gather_selection_kv_cache"] == len(cfg.pattern)
+    # strict: the same graph raises instead
+    _, m = synth.make_pair(cfg, [300, 280])
+    c = torch.compile(m, backend=make_offload_backend(**{"pool_size": PS, **opts, "strict": True}))
+    with pytest.raises(Exception, match=reason) as ei, torch.no_grad():
+        c(*m.inputs(torch.tensor([300, 280]) + cfg.S, 0))
+    chain = [ei.value, ei.value.__cause__, ei.value.__context__]
+    assert any(isinstance(e, OffloadRefused) for e in chain) or "OffloadRefused" in str(ei.value)
+
+
+def test_no_example_values_is_refused(caplog):
+    """``rewrite_for_offload`` is public and takes any ``fx.GraphModule``: one from a tool that records no
+    example values (hand-built, ``fx.symbolic_trace``, or a copy without meta) cannot have its shapes
+    checked, so nothing is rewritten. Modelled by the Dynamo graph of a valid variant without its meta."""
+    gm, ex = _capture(_cfg({}))
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            n.meta.pop("example_value", None)
+            n.meta.pop("val", None)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload_passes"):
+        gm2, state, rep = rewrite_for_offload(gm, ex, OffloadOptions(pool_size=PS))
+    assert state is None and rep["rewritten"] is False
+    assert {r["reason"] for r in rep["refusals"]} == {"no_example_values"}
+    assert all("tensor shapes unknown" in r["detail"] for r in rep["refusals"])
+    with pytest.raises(OffloadRefused, match="no_example_values"):
+        rewrite_for_offload(gm, ex, OffloadOptions(pool_size=PS, strict=True))
+
+
+TESTED_ELSEWHERE: dict[str, str] = {}
+
+
+def _reasons_in_code() -> set[str]:
+    """Reason codes as written in the passes: ``Refusal("<code>", <detail>)`` and the precondition checker's
+    ``chk(<cond>, "<code>", <detail>)``: a snake_case literal followed by the (f-)string detail."""
+    found: set[str] = set()
+    call = re.compile(r'\b(?:Refusal|chk)\((.*?)"([a-z][a-z0-9_]*)",\s*f?"(?![a-z][a-z0-9_]*",)', re.S)
+    for p in (ROOT / "offload_passes").rglob("*.py"):
+        found |= {m.group(2) for m in call.finditer(p.read_text())}
+    return found
+
+
+def test_every_reason_in_the_code_is_exercised():
+    in_code = _reasons_in_code()
+    exercised = set(VARIANTS) | {"no_example_values"} | set(TESTED_ELSEWHERE)
+    assert in_code, "no reason codes found: the grep no longer matches the code"
+    assert in_code == exercised, (f"untested reasons: {sorted(in_code - exercised)}; "
+                                  f"tested but gone from the code: {sorted(exercised - in_code)}")

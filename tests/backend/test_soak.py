@@ -1,0 +1,52 @@
+"""Short version of ``benchmarks/soak.py`` (the long run's figures are in the README): random per-row
+new requests, announced and unannounced, every step compared with the unmodified model."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+
+
+def _soak():
+    spec = importlib.util.spec_from_file_location("offload_soak", SOAK)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_short_soak_is_exact_and_keeps_invariants():
+    soak = _soak()
+    # p_new 0.15 over 40 steps and 2 rows: both kinds of new request happen (seeded)
+    out = soak.run(steps=40, pool_size=64, p_new=0.15, seed=3, max_prompt=200, rss_after=10)
+    n = out["new_requests"]
+    assert out["steps"] == 40 and out["rewritten"] and out["graphs_compiled"] == 1
+    assert n["announced"] >= 1 and n["unannounced"] >= 1, n
+    assert out["max_abs_diff_logits"] == 0  # bit-exact rewrite (fp64 SFA reference)
+    assert out["invariant_violations"] == 0, out["violation_examples"]
+    assert out["hits"] > 0 and out["misses"] > 0
+
+
+def test_invariant_checker_detects_a_stale_pool():
+    soak = _soak()
+
+    class G:
+        group_id, layers = 0, [0]
+        pool_ids = torch.full((1, 16), -1, dtype=torch.int32)
+        id_to_slot = torch.full((1, 32), -1, dtype=torch.int32)
+        lru_counter = torch.zeros(1, 1, dtype=torch.int32)
+
+    class St:
+        groups = [G]
+        pools = {0: (torch.zeros(1, 16, 4), torch.zeros(1, 16, 2))}
+
+    full = (torch.arange(32 * 4, dtype=torch.float).view(1, 32, 4), torch.zeros(1, 32, 2))
+    assert soak.pool_violations(St, lambda l: full) == []
+    G.pool_ids[0, 3], G.id_to_slot[0, 5] = 5, 3  # id 5 in slot 3 (one set: any slot), content stale
+    assert soak.pool_violations(St, lambda l: full) == ["group 0 row 0: pool of layer 0 differs from the full cache"]
+    St.pools[0][0][0, 3] = full[0][0, 5]
+    assert soak.pool_violations(St, lambda l: full) == []
+    G.id_to_slot[0, 7] = 3
+    assert "id_to_slot -> pool_ids not inverse" in soak.pool_violations(St, lambda l: full)[0]
