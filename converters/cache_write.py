@@ -30,6 +30,8 @@ from typing import Any, List, Optional
 import torch
 from torch import fx
 
+from .. import _compat
+
 log = logging.getLogger("offload_passes.converters")
 
 aten = torch.ops.aten
@@ -69,8 +71,9 @@ _define()
 
 def register_ge_converter() -> None:
     """GE converter: ``TensorMove(self)`` + ``ScatterNdUpdate`` (TorchAir drops the copy for graph inputs)."""
-    from torchair._ge_concrete_graph import ge_apis as ge
-    from torchair._ge_concrete_graph.fx2ge_converter import register_fx_node_ge_converter
+    from torchair import register_fx_node_ge_converter  # public API
+
+    ge = _compat.torchair_ge_apis()  # ScatterNdUpdate has no public builder
 
     def convert(self, indices, updates, meta_outputs: Any = None):
         copy = ge.TensorMove(self)
@@ -102,7 +105,7 @@ def _emit(graph: fx.Graph, target, args: tuple) -> fx.Node:
     for a in args:
         if isinstance(a, (list, tuple)):
             flat += [_val(x) for x in a if isinstance(_val(x), torch.Tensor)]
-    mode = torch._guards.detect_fake_mode(flat)
+    mode = _compat.detect_fake_mode(flat)
     real = [[_val(x) for x in a] if isinstance(a, (list, tuple)) else _val(a) for a in args]
     if mode is not None:
         with mode:

@@ -19,17 +19,16 @@ import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from torchair._ge_concrete_graph import ge_apis as ge
-from torchair._ge_concrete_graph.fx2ge_converter import register_fx_node_ge_converter
-from torchair.ge import attr, custom_op
-from torchair.ge._ge_graph import Tensor as GeTensor
+from torchair import register_fx_node_ge_converter  # public API (torch-npu 2.8.0.post5 / 2.13.0)
+from torchair.ge import Clone, attr, custom_op
+from torchair.ge import Tensor as GeTensor  # public base of TorchAir's GE graph tensors
 
 from ._specs import ALL_SPECS, GeOpSpec
 
 log = logging.getLogger("offload_passes.converters")
 
 
-def _attr_for(arg: "torch._C.Argument", value: Any, op: str):
+def _attr_for(arg: "torch.Argument", value: Any, op: str):
     kind = arg.type.kind()
     if isinstance(value, GeTensor):
         raise RuntimeError(f"{op}: argument {arg.name} must be a compile-time constant for GE, got a tensor "
@@ -45,14 +44,14 @@ def _attr_for(arg: "torch._C.Argument", value: Any, op: str):
     raise RuntimeError(f"{op}: argument {arg.name} has type {arg.type} which has no GE attr mapping")
 
 
-def _is_tensor_arg(arg: "torch._C.Argument") -> bool:
+def _is_tensor_arg(arg: "torch.Argument") -> bool:
     t = arg.type
     if t.kind() == "OptionalType":
         t = t.getElementType()
     return t.kind() == "TensorType"
 
 
-def _bind(schema: "torch._C.FunctionSchema", args: Tuple, kwargs: Dict[str, Any], op: str) -> Dict[str, Any]:
+def _bind(schema: "torch.FunctionSchema", args: Tuple, kwargs: Dict[str, Any], op: str) -> Dict[str, Any]:
     """Map a converter call (FX node args/kwargs) onto schema argument names, filling defaults."""
     names = [a.name for a in schema.arguments]
     if len(args) > len(names):
@@ -84,7 +83,7 @@ def _emit(spec: GeOpSpec, schema, bound: Dict[str, Any], op: str, move: Tuple[st
             if v is None and a.name in spec.omit_if_none:
                 continue
             if a.name in move:
-                copy = ge.TensorMove(v)
+                copy = Clone(v)  # torchair.ge's public TensorMove
                 if v.meta is not None:
                     copy.set_meta(v.meta)
                 v = copy

@@ -25,6 +25,7 @@ import inspect
 import logging
 from typing import Callable, Dict
 
+from .. import _compat
 from ._specs import REF_IDX
 
 log = logging.getLogger("offload_passes.converters")
@@ -35,9 +36,7 @@ _CONSUMER = "_find_ref_ops_and_io_ops"
 
 
 def _graph_pass_module():
-    from torchair._ge_concrete_graph import graph_pass
-
-    return graph_pass
+    return _compat.torchair_ge_graph_pass()  # private TorchAir module (no registration API)
 
 
 def ref_pairs(op) -> Dict[int, int]:
@@ -147,7 +146,7 @@ _COPY_PASS = "optimize_reference_op_redundant_copy"
 
 def patch_copy_pass() -> Callable:
     """Run :func:`drop_dsa_copies` after TorchAir's ref-copy pass (idempotent)."""
-    from torchair._ge_concrete_graph import fx2ge_converter
+    fx2ge_converter = _compat.torchair_fx2ge_converter()
 
     gp = _graph_pass_module()
     current = getattr(fx2ge_converter, _COPY_PASS, None)

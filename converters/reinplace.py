@@ -29,15 +29,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import fx
 
+from .. import _compat
 from ._specs import CUSTOM_SPECS, GeOpSpec
 
 log = logging.getLogger("offload_passes.converters")
 
 #: Module names of the two registries (the ``torch_npu.dynamo.*`` aliases are covered when loaded).
-REGISTRY_MODULES = (
-    "torchair._acl_concrete_graph.graph_pass",
-    "npugraph_ex._acl_concrete_graph.graph_pass",
-)
+REGISTRY_MODULES = _compat.REINPLACE_REGISTRY_MODULES
 _ALIASES = {
     "torchair._acl_concrete_graph.graph_pass": "torch_npu.dynamo.torchair._acl_concrete_graph.graph_pass",
     "npugraph_ex._acl_concrete_graph.graph_pass": "torch_npu.dynamo.npugraph_ex._acl_concrete_graph.graph_pass",

@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from offload_passes import _compat
+
 REF_NAMESPACE = "offload_ref"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -35,31 +37,22 @@ def ref_qualname(name: str) -> str:
 def ref_define(schema: str) -> bool:
     """Define ``offload_ref::<schema>`` unless already known to the dispatcher."""
     name = schema.split("(", 1)[0].strip()
-    try:
-        torch._C._dispatch_find_schema_or_throw(ref_qualname(name), "")
+    if _compat.dispatcher_has_schema(ref_qualname(name)):
         return False
-    except RuntimeError:
-        REF_LIB.define(schema)
-        return True
+    REF_LIB.define(schema)
+    return True
 
 
 def ref_impl(name: str, dispatch_key: str, fn: Callable) -> bool:
-    if torch._C._dispatch_has_kernel_for_dispatch_key(ref_qualname(name), dispatch_key):
+    if _compat.dispatcher_has_kernel(ref_qualname(name), dispatch_key):
         return False
     REF_LIB.impl(name, fn, dispatch_key)
     return True
 
 
 def ref_register_fake(name: str, fn: Callable) -> bool:
-    if torch._C._dispatch_has_kernel_for_dispatch_key(ref_qualname(name), "Meta"):
+    if _compat.dispatcher_has_kernel(ref_qualname(name), "Meta") or _compat.has_python_fake_kernel(ref_qualname(name)):
         return False
-    try:
-        from torch._library.simple_registry import singleton
-
-        if singleton.find(ref_qualname(name)).fake_impl.kernel is not None:
-            return False
-    except Exception:  # pragma: no cover - private API drift
-        pass
     torch.library.register_fake(ref_qualname(name), fn, lib=REF_LIB)
     return True
 

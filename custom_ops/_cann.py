@@ -41,6 +41,8 @@ from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
 import torch
 
+from offload_passes import _compat
+
 from . import _library as L
 
 log = logging.getLogger("offload_passes.custom_ops.cann")
@@ -239,10 +241,7 @@ def _register_missing() -> None:
 
 
 def _live_schema(name: str) -> Optional[str]:
-    try:
-        return str(torch._C._dispatch_find_schema_or_throw(L.qualname(name), "").schema())
-    except RuntimeError:
-        return None
+    return _compat.dispatcher_schema(L.qualname(name))
 
 
 def _check_schemas() -> None:
@@ -363,7 +362,7 @@ def register_npu_guards() -> list[str]:
 
 def _load_library_hook(path: str) -> None:
     try:
-        resolved = Path(torch._utils_internal.resolve_library_path(path))
+        resolved = Path(_compat.resolve_library_path(path))
     except Exception:  # pragma: no cover - let the original report it
         resolved = Path(path)
     return _load_external(resolved, lambda: _original_load_library(path), "torch.ops.load_library")

@@ -24,6 +24,8 @@ from typing import Callable, Hashable, Iterable, Sequence, TypeVar, Union
 
 import torch
 
+from offload_passes import _compat
+
 log = logging.getLogger("offload_passes.custom_ops")
 
 NAMESPACE = "custom"
@@ -55,11 +57,7 @@ def qualname(name: str) -> str:
 
 def schema_exists(name: str) -> bool:
     """True if ``custom::<name>`` is already known to the dispatcher (ours or CANN's)."""
-    try:
-        torch._C._dispatch_find_schema_or_throw(qualname(name), "")
-        return True
-    except RuntimeError:
-        return False
+    return _compat.dispatcher_has_schema(qualname(name))
 
 
 def define(schema: str) -> bool:
@@ -75,7 +73,7 @@ def define(schema: str) -> bool:
 
 
 def has_kernel(name: str, dispatch_key: str) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(qualname(name), dispatch_key)
+    return _compat.dispatcher_has_kernel(qualname(name), dispatch_key)
 
 
 def impl(name: str, dispatch_key: str, fn: Callable) -> bool:
@@ -136,12 +134,7 @@ def registered_fakes() -> dict[str, Callable]:
 
 
 def _has_python_fake(name: str) -> bool:
-    try:
-        from torch._library.simple_registry import singleton
-
-        return singleton.find(qualname(name)).fake_impl.kernel is not None
-    except Exception:  # pragma: no cover - private API drift
-        return False
+    return _compat.has_python_fake_kernel(qualname(name))
 
 
 def cpu_kernel_mode() -> str:
@@ -204,10 +197,10 @@ def is_pow2(n) -> bool:
 # CPU-kernel plumbing shared by the op modules
 # --------------------------------------------------------------------------------------------
 
-_cpu_kernels: dict[str, "torch._ops.OpOverload"] = {}
+_cpu_kernels: dict[str, "_compat.OpOverload"] = {}
 
 
-def cpu_kernel(name: str) -> "torch._ops.OpOverload":
+def cpu_kernel(name: str) -> "_compat.OpOverload":
     """``cpu_op(name).default``, resolved once (``cpu_op``'s lookup costs tens of microseconds)."""
     kernel = _cpu_kernels.get(name)
     if kernel is None:
@@ -293,34 +286,30 @@ def register_functionalization(
     """
     if not functionalize_enabled() or has_kernel(inplace, "Functionalize"):
         return False
-    schema = torch._C._dispatch_find_schema_or_throw(qualname(inplace), "")
     arg_names = [a.name for a in torch.ops.custom.__getattr__(inplace).default._schema.arguments]
-    del schema
     positions = [arg_names.index(m) for m in mutated]
     functional_op = getattr(torch.ops.custom, functional).default
 
     def kernel(*args, **kwargs):
-        sync = torch._functionalize_sync
+        sync = _compat.functionalize_sync
         args = list(args)
         unwrapped = []
         for a in args:
-            if isinstance(a, torch.Tensor) and torch._is_functional_tensor(a):
+            if isinstance(a, torch.Tensor) and _compat.is_functional_tensor(a):
                 sync(a)
-                unwrapped.append(torch._from_functional_tensor(a))
+                unwrapped.append(_compat.from_functional_tensor(a))
             else:
                 unwrapped.append(a)
-        with torch._C._ExcludeDispatchKeyGuard(
-            torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
-        ):
+        with _compat.functionalize_excluded():
             outs = functional_op(*unwrapped, **kwargs)
         if not isinstance(outs, (tuple, list)):
             outs = (outs,)
         for pos, new in zip(positions, outs[num_leading_outputs:]):
             target = args[pos]
-            torch._functionalize_replace(target, new)
-            torch._functionalize_commit_update(target)
+            _compat.functionalize_replace(target, new)
+            _compat.functionalize_commit_update(target)
             sync(target)
-        lead = [torch._to_functional_tensor(o) for o in outs[:num_leading_outputs]]
+        lead = [_compat.to_functional_tensor(o) for o in outs[:num_leading_outputs]]
         if num_leading_outputs == 0:
             return None
         if num_leading_outputs == 1:

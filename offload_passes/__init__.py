@@ -21,9 +21,10 @@ def _register_torch_logs() -> None:
     """Make ``TORCH_LOGS="offload_passes"`` (``+`` for debug) / ``torch._logging.set_logs`` work for our loggers."""
     import os
 
-    try:
-        from torch._logging import _internal
-    except ImportError:  # pragma: no cover - torch without the logging registry
+    from ._compat import torch_logs_registry
+
+    _internal = torch_logs_registry()
+    if _internal is None:  # pragma: no cover - torch without the logging registry
         return
     if "offload_passes" in _internal.log_registry.log_alias_to_log_qnames:
         return

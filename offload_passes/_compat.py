@@ -40,6 +40,25 @@ def dispatcher_has_schema(qualname: str) -> bool:
         return False
 
 
+def dispatcher_schema(qualname: str) -> str | None:
+    """The schema string the dispatcher holds for ``qualname`` (CANN's, when its library defined it
+    first), or None (2.8/2.13)."""
+    try:
+        return str(torch._C._dispatch_find_schema_or_throw(qualname, "").schema())
+    except RuntimeError:
+        return None
+
+
+def resolve_library_path(path: str) -> str:
+    """The path ``torch.ops.load_library`` will actually load (same resolution rules) (2.8/2.13)."""
+    return torch._utils_internal.resolve_library_path(path)
+
+
+def has_storage(t: Any) -> bool:
+    """A tensor with real storage (not a fake / meta / functional wrapper); no public query (2.8/2.13)."""
+    return torch._C._has_storage(t)
+
+
 def dispatcher_has_kernel(qualname: str, dispatch_key: str) -> bool:
     """A kernel for ``dispatch_key`` is registered (so we never replace CANN's / torch_npu's); no
     public query exists (2.8/2.13)."""
@@ -112,6 +131,13 @@ def constant_source(name: str) -> Any:
     return ConstantSource(name)
 
 
+def detect_fake_mode(inputs: Any) -> Any:
+    """The FakeTensorMode of a compile's example inputs (None outside one); no public twin (2.8/2.13)."""
+    from torch._guards import detect_fake_mode as f
+
+    return f(inputs)
+
+
 def torch_logs_registry() -> Any:
     """``torch._logging._internal``: registers ``TORCH_LOGS="offload_passes"``; torch has no public
     API to add a log alias (2.8/2.13). None when absent."""
@@ -124,11 +150,19 @@ def torch_logs_registry() -> Any:
 
 # ----------------------------------------------------------------- TorchAir / npugraph_ex (lazy)
 def torchair_ge_apis() -> Any:
-    """``torchair._ge_concrete_graph.ge_apis``: the generated GE op builders (``TensorMove`` ...);
-    ``torchair.ge`` re-exports only a few of them (npu 2.8/2.13)."""
+    """``torchair._ge_concrete_graph.ge_apis``: the generated GE op builders (``ScatterNdUpdate`` ...);
+    ``torchair.ge`` re-exports only ``TensorMove`` (as ``Clone``) and a few others (npu 2.8/2.13)."""
     from torchair._ge_concrete_graph import ge_apis
 
     return ge_apis
+
+
+def torchair_core_extension() -> Any:
+    """``torchair.core._torchair``: TorchAir's CANN-linked module, whose ``get_registered_ir_def``
+    tells whether CANN knows a GE op type (``tools/atlas_check.py``, Atlas only) (npu 2.8/2.13)."""
+    from torchair.core import _torchair
+
+    return _torchair
 
 
 def torchair_ge_graph_pass() -> Any:
@@ -159,4 +193,4 @@ def npugraph_ex_tagged_event() -> Any:
 
 #: Modules holding TorchAir's / npugraph_ex's reinplace registries (``converters/reinplace.py``
 #: registers our in-place ops there; no public registration API) (npu 2.8/2.13).
-REINPLACE_REGISTRY_MODULES = ("npugraph_ex._acl_concrete_graph.graph_pass", "torchair._acl_concrete_graph.graph_pass")
+REINPLACE_REGISTRY_MODULES = ("torchair._acl_concrete_graph.graph_pass", "npugraph_ex._acl_concrete_graph.graph_pass")

@@ -19,11 +19,17 @@ Design decisions (copied into the README's design section):
 3. **Ordering on CPU = program order + data dependencies**: installs are placed after their
    layer's attention, Z's own install before the owner's metadata install; the next step's plan and
    serves belong to the next graph call. That is the join the recipe lacks; NPU modes need events.
-4. **State is owned by the compiled artifact** (buffers of the rewritten GraphModule, exposed as
-   ``OffloadState``); each compiled graph has its own. The backend keeps only weak references. When
-   a graph runs on full caches that another graph of this backend used since its own last call
-   (Dynamo switched graphs, e.g. after a recompilation for new shapes), its state is reset first:
-   cold, never stale. New requests are explicit: ``reset()`` / ``reset(rows=[...])``.
+4. **State belongs to the model's caches, not to a graph** (``state.py``): pools and metadata are
+   extra graph inputs, chosen per call by the identity of the full caches (``StateBinder`` /
+   ``state.REGISTRY``): one graph serving two models (or two cache sets) gives each its own state;
+   graphs with the same group layout on the same caches share it (warm across recompiles); it is
+   freed when the caches die or when no graph uses it. One stale-state rule for every mode: group
+   state whose caches were last served by other state is reset before it runs (cold, never stale);
+   the NPU modes keep the state as graph buffers and apply the same rule. New requests are detected
+   in the graph (a row's length went down, or the model reset its gather ledger: that row's metadata
+   is invalidated); ``reset(rows=[...])`` stays for explicitness. Compile-time assumptions (identity
+   block tables, lengths within ``[0, min(F, id_range)]``) are checked in the graph every step
+   (``aten._assert_async``: a clear RuntimeError, never a wrong step; CPU modes).
 5. **Reinplace only graph inputs / state buffers** (never intermediates); what cannot be reinplaced
    stays functional and is reported; tests assert the final graph holds no functional twin and no
    copy of a cache, pool or selection buffer.
@@ -48,6 +54,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import fx
 
+from . import _compat
 from .dump import Dumper
 from .options import CPU_EXE_MODES, OffloadOptions
 from .passes import _fx
@@ -232,7 +239,7 @@ def _custom_op_overloads() -> list:
 
 
 def _inductor_pass(on_graph: Callable[[fx.Graph, str], None]):
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+    CustomGraphPass = _compat.custom_graph_pass_base()
 
     class ReinplaceGraphPass(_ReinplacePass, CustomGraphPass):
         pass
@@ -286,9 +293,7 @@ def state_as_inputs(gm: fx.GraphModule, state: OffloadState) -> tuple[fx.GraphMo
 def _static_fakes(example_inputs: Sequence[Any], tensors: Sequence[torch.Tensor]) -> list:
     """``tensors`` as static-shape fake tensors of the compile's fake mode (AOT would otherwise make
     the extra state inputs dynamic), or as they are outside a fake mode."""
-    from torch._guards import detect_fake_mode
-
-    fm = detect_fake_mode(example_inputs)
+    fm = _compat.detect_fake_mode(example_inputs)
     if fm is None:
         return list(tensors)
     return [fm.from_tensor(t, static_shapes=True) for t in tensors]
@@ -428,10 +433,12 @@ class OffloadBackend:
         compiled = _Compiled(fn, binder, self, graph_id)
         return compiled
 
-    def _binder(self, state: OffloadState, graph_id: str, names: Optional[list[str]]) -> Optional[StateBinder]:
+    def _binder(self, state: OffloadState, graph_id: str, names: Optional[list[str]]) -> StateBinder:
         if state.cache_refs is None or state.layouts is None:
-            return None  # caches not identifiable (never for the recipe graph): the graph's own state
-        b = StateBinder(graph_id, state.layouts, state.cache_refs, names, state)
+            # caches not identifiable (e.g. the HF form): the graph's own state, tracked but no switch rule
+            b = StateBinder(graph_id, [], [], None, state)
+        else:
+            b = StateBinder(graph_id, state.layouts, state.cache_refs, names, state)
         self._binders[graph_id] = b
         return b
 
@@ -442,7 +449,7 @@ class OffloadBackend:
 
     @staticmethod
     def _lower_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], on_graph, timings: dict) -> Callable:
-        from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+        aot_module_simplified, make_boxed_func = _compat.aot_module_simplified(), _compat.make_boxed_func()
 
         def inner(fx_gm: fx.GraphModule, ex: Sequence[Any]):
             timings["aot_s"] = time.perf_counter() - t0
@@ -457,7 +464,7 @@ class OffloadBackend:
 
     @staticmethod
     def _lower_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], on_graph, timings: dict) -> Callable:
-        from torch._inductor.compile_fx import compile_fx
+        compile_fx = _compat.inductor_compile_fx()
 
         t0 = time.perf_counter()
 

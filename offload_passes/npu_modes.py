@@ -43,6 +43,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 from torch import fx
 
+from . import _compat
 from .options import OffloadOptions
 from .state import OffloadState, StateBinder
 
@@ -115,9 +116,9 @@ def _written_bases(n: fx.Node) -> set:
         t = n.target
         if "record_tagged_stream" in str(t):
             return out  # declared (a!) but only registers the tensor with a stream
-        if isinstance(t, torch._ops.OpOverloadPacket):
+        if isinstance(t, _compat.OpOverloadPacket):
             t = getattr(t, t.overloads()[0])
-        if isinstance(t, torch._ops.OpOverload):
+        if isinstance(t, _compat.OpOverload):
             for i, a in enumerate(t._schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write:
                     v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
@@ -178,7 +179,7 @@ class AclInstallHook:
     """npugraph_ex side-stream hook (see module doc); call :meth:`finish` once the rewrite is done."""
 
     def __init__(self, graph_id: str, label: str = SIDE_STREAM_LABEL):
-        import npugraph_ex.ops._tagged_event as tagged  # registers tagged_event_* / record_tagged_stream
+        tagged = _compat.npugraph_ex_tagged_event()  # registers tagged_event_* / record_tagged_stream
         import npugraph_ex.scope  # noqa: F401  (registers npugraph_ex.scope_enter / scope_exit)
 
         self._tagged = tagged
@@ -297,7 +298,7 @@ def strip_bookkeeping(gm: fx.GraphModule, stats_attrs: Sequence[str]) -> int:
         if n in gone or n.users or n.op != "call_function":
             continue
         t = n.target
-        if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable or t.namespace != "aten":
+        if not isinstance(t, _compat.OpOverload) or t._schema.is_mutable or t.namespace != "aten":
             continue
         todo += n.all_input_nodes
         graph.erase_node(n)

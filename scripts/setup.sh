@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
-python -m pip install -q "torch==2.13.0"
+# torch 2.13.0 by default; OFFLOAD_PASSES_TORCH=2.8.0 picks the other supported version (setup.py: >=2.8,<2.14;
+# scripts/test_matrix.sh runs the suite on both). The TorchAir sources below follow the installed torch.
+python -m pip install -q "torch==${OFFLOAD_PASSES_TORCH:-2.13.0}"
 python -m pip install -q -e ".[test,viz,hf]"
 if ! command -v dot >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -261,7 +261,9 @@ def load_cann(args: argparse.Namespace) -> Dict[str, Any]:
 def ge_ir_status(names: Sequence[str]) -> Dict[str, str]:
     """``op type -> "SUCCESS" or the reason``, from CANN's IR registry through TorchAir."""
     try:
-        from torchair.core import _torchair
+        from offload_passes import _compat
+
+        _torchair = _compat.torchair_core_extension()
     except Exception as e:
         return {n: f"torchair not importable: {e}" for n in names}
     out = {}
@@ -390,7 +392,7 @@ def _backend(args, mode: str, bookkeeping: bool):
 def _run_rewrite(args, base, mode: str, ref_logits: list, sync, total: int, r: CaseResult) -> Any:
     import torch
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     b = _fresh(base, args)
     be = _backend(args, mode, args.bookkeeping)
     step = torch.compile(b.model, backend=be, fullgraph=True, dynamic=False)
@@ -407,7 +409,7 @@ def _run_rewrite(args, base, mode: str, ref_logits: list, sync, total: int, r: C
     _finish(r, first + rest, ref_logits, args.tol)
     meta = _metadata(be.state)
     # H2D: a separate untimed run with the in-graph statistics on (rows read from the host cache)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     c = _fresh(base, args)
     bc = _backend(args, mode, True)
     cstep = torch.compile(c.model, backend=bc, fullgraph=True, dynamic=False)
@@ -457,8 +459,8 @@ def run_check(args: argparse.Namespace, missing: Dict[str, List[str]],
                     over = {"decode_steps": total, **args.overrides}
                     base = models.build(preset, device=args.device, enable_offload=True,
                                         shared_indexer_offload=True, **over)
-                    _place_kv(base, args.kv_memory)  # prefill writes the caches in host memory
-                    base.driver.prefill()
+                    base.driver.prefill()  # in HBM: each case's deep copy then moves its caches to host
+                    # memory (a deep copy of swapped memory is not swapped memory, see _fresh)
                 if case == "basic-offload":
                     b = _fresh(base, args)
                     ref_logits, times = _timed(b, None, total, sync)

@@ -10,6 +10,8 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 from torch import fx
 
+from .._compat import OpOverload, OpOverloadPacket
+
 # Ops that only reinterpret a tensor (no data movement): followed when tracing data flow.
 VIEW_METHODS = {"view", "reshape", "unsqueeze", "squeeze", "contiguous", "flatten", "view_as", "reshape_as"}
 VIEW_FUNCTIONS = {torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten}
@@ -24,9 +26,9 @@ def op_name(node: fx.Node) -> Optional[str]:
     if node.op != "call_function":
         return None
     t = node.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         return t._schema.name
-    if isinstance(t, torch._ops.OpOverloadPacket):
+    if isinstance(t, OpOverloadPacket):
         return t._qualified_op_name
     return None
 
@@ -41,7 +43,7 @@ def is_op(node: fx.Node, short: str, namespaces: Iterable[str] | None = None) ->
 
 def schema_of(node: fx.Node) -> torch.FunctionSchema:
     t = node.target
-    if isinstance(t, torch._ops.OpOverloadPacket):
+    if isinstance(t, OpOverloadPacket):
         t = getattr(t, t.overloads()[0])
     return t._schema
 

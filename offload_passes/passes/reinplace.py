@@ -45,6 +45,7 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
+from .. import _compat
 from . import _fx
 
 log = logging.getLogger("offload_passes.passes.reinplace")
@@ -103,10 +104,10 @@ def _arg(node: fx.Node, schema: torch.FunctionSchema, i: int) -> Any:
     return node.args[i] if i < len(node.args) else node.kwargs.get(schema.arguments[i].name)
 
 
-def _inplace_of(target: Any) -> Optional[torch._ops.OpOverload]:
+def _inplace_of(target: Any) -> Optional[_compat.OpOverload]:
     """The in-place op whose functional form ``target`` is (twin ``x_functional`` -> ``x``;
     ATen ``index_put`` -> ``index_put_``), when both schemas take the same arguments."""
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, _compat.OpOverload):
         return None
     ns, _, name = target._schema.name.partition("::")
     if name.endswith("_functional"):
@@ -139,7 +140,7 @@ def _candidate(n: fx.Node) -> Optional[_Cand]:
         op = n.args[0] if n.args else None
         v2 = n.target is _HOP.auto_functionalized_v2
         c = _Cand(n, "af2" if v2 else "af1", op, [], [], 0, False)
-        if not isinstance(op, torch._ops.OpOverload):
+        if not isinstance(op, _compat.OpOverload):
             c.why = "the mutable operator is not an OpOverload (higher-order op)"
             return c
         schema = op._schema
@@ -193,7 +194,7 @@ def _value(n: fx.Node, gm: Optional[fx.GraphModule]) -> Any:
 
 
 def _storage_key(v: Any) -> Optional[int]:
-    if isinstance(v, torch.Tensor) and torch._C._has_storage(v):
+    if isinstance(v, torch.Tensor) and _compat.has_storage(v):
         try:
             return v.untyped_storage()._cdata
         except Exception:  # pragma: no cover - tensors without a storage object
@@ -210,7 +211,7 @@ def _schema_view_source(n: fx.Node) -> Optional[fx.Node]:
     if t is operator.getitem and isinstance(n.args[0], fx.Node):
         src = n.args[0]
         return src if _schema_view_source(src) is not None else None
-    if isinstance(t, torch._ops.OpOverload) and t._schema.arguments:
+    if isinstance(t, _compat.OpOverload) and t._schema.arguments:
         a0 = t._schema.arguments[0].alias_info
         if a0 is not None and not a0.is_write and n.args and isinstance(n.args[0], fx.Node):
             return n.args[0]
@@ -362,7 +363,6 @@ def _check(c: _Cand, uf: _Classes, members: dict, owner: dict, values_of: dict, 
            epilogue: dict, order: dict, returned: set, by_node: dict) -> str:
     """Why ``c`` cannot be reinplaced ("" if it can); fills ``c.owners``, ``c.epilogues``, ``c.chain``."""
     n = c.node
-    roots = []
     for name, a in zip(c.names, c.args):
         if not isinstance(a, fx.Node):
             return f"mutated argument {name} is not a tensor node"
@@ -371,7 +371,6 @@ def _check(c: _Cand, uf: _Classes, members: dict, owner: dict, values_of: dict, 
             return f"mutated argument {name} shares its storage with inputs {[str(p) for p in shared_inputs[r]]}"
         if r not in owner:
             return f"mutated argument {name} ({a}) is an intermediate, not a graph input / state buffer"
-        roots.append(r)
         c.owners.append(owner[r][0])
     if len(set(c.owners)) != len(c.owners):
         return "mutated arguments alias each other"
@@ -499,10 +498,15 @@ def _apply(graph: fx.Graph, c: _Cand, rep: ReinplaceReport) -> None:
             new = graph.call_function(c.inplace, tuple(n.args), dict(n.kwargs))
     else:
         current, new = _apply_af(graph, c)
-    new.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+    # not the HOP's recorded inputs (Inductor constrains a call's layouts by its eager_input_vals)
+    skip = {"val"} if c.kind == "twin" else {"val", "eager_input_vals"}
+    new.meta.update({k: v for k, v in n.meta.items() if k not in skip})
     val = n.meta.get("val")
-    if isinstance(val, (tuple, list)) and c.leading:
-        new.meta["val"] = val[0] if c.leading == 1 else tuple(val[: c.leading])
+    if isinstance(val, (tuple, list)):
+        if c.leading:
+            new.meta["val"] = val[0] if c.leading == 1 else tuple(val[: c.leading])
+    elif val is not None:  # single-output ATen op: the in-place form returns self, same metadata
+        new.meta["val"] = val
     for k, hs in enumerate(c.holders):
         for h in hs:
             h.replace_all_uses_with(current[k])
@@ -537,13 +541,26 @@ def _apply_af(graph: fx.Graph, c: _Cand) -> tuple[list[fx.Node], fx.Node]:
     with graph.inserting_before(n):
         if c.kind == "af1":
             current = [kw[nm] for nm in c.names]
-            return current, graph.call_function(op, (), kw)
-        bases = list(kw.pop("_all_bases"))
-        kw.pop("_op_schema", None)
-        for i in _mutated(op._schema):
-            name = op._schema.arguments[i].name
-            kw[name] = _regenerate_view(graph, kw, f"_{name}", bases)
-        return bases, graph.call_function(op, (), kw)
+        else:
+            current = list(kw.pop("_all_bases"))
+            kw.pop("_op_schema", None)
+            for i in _mutated(op._schema):
+                name = op._schema.arguments[i].name
+                kw[name] = _regenerate_view(graph, kw, f"_{name}", current)
+        # positional / keyword-only as the schema says (Inductor's lowering normalizes the call)
+        args, kwargs = [], {}
+        for a in op._schema.arguments:
+            if a.name in kw:
+                v = kw[a.name]
+            elif a.has_default_value():
+                v = a.default_value
+            else:
+                raise RuntimeError(f"reinplace: {n.name} has no value for {op}'s argument {a.name}")
+            if a.kwarg_only:
+                kwargs[a.name] = v
+            else:
+                args.append(v)
+        return current, graph.call_function(op, tuple(args), kwargs)
 
 
 def _regenerate_view(graph: fx.Graph, kw: dict, prefix: str, bases: list) -> Any:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
+from .. import _compat
 from ..state import OffloadState
 from . import _fx
 from ._fx import hoist_attrs, strip_views
@@ -66,9 +67,13 @@ class RewriteReport:
 class _Builder:
     def __init__(self, graph: fx.Graph):
         self.g = graph
+        self.record: Optional[list] = None  # when a list: every node created is appended to it
 
     def __call__(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        return self.g.call_function(target, args, kwargs)
+        n = self.g.call_function(target, args, kwargs)
+        if self.record is not None:
+            self.record.append(n)
+        return n
 
     def item(self, node: fx.Node, i: int) -> fx.Node:
         return self.g.call_function(operator.getitem, (node, i))
@@ -82,22 +87,23 @@ def _name(node: Any) -> str:
     return str(root)
 
 
-def _guard(g: fx.Graph, b: "_Builder", first: fx.Node, order: dict, inputs: list, make: Callable[[], fx.Node],
-           msg: str, guards: list) -> None:
+def _guard(g: fx.Graph, b: "_Builder", first: fx.Node, inp: Any, make: Callable[[], fx.Node], msg: str,
+           guards: list) -> None:
     """An in-graph check raising ``RuntimeError(msg)`` when ``make()`` (a bool scalar) is false, placed
-    right after the last of ``inputs`` so that it runs before anything the assumption protects."""
-    last = None
-    for n in inputs:
-        # a get_attr may sit anywhere (Dynamo emits module buffers where first used when it does not
-        # inline nn modules): only placeholders are known to precede everything
-        if isinstance(n, fx.Node) and n.op != "placeholder":
-            if last is None or order[n] > order[last]:
-                last = n
-    # inserting_before(next): inserting_after(last) would put a chain of new nodes in reverse order
-    ctx = g.inserting_before(last.next) if last is not None else g.inserting_before(first)
-    with ctx:
-        ok = make()
-        node = b(aten._assert_async.msg, ok, msg)
+    right after its input ``inp`` so that it runs before anything the assumption protects."""
+    late = isinstance(inp, fx.Node) and inp.op not in ("placeholder", "get_attr")
+    b.record = []
+    try:
+        with g.inserting_after(inp) if late else g.inserting_before(first):
+            ok = make()
+            node = b(aten._assert_async.msg, ok, msg)
+        if late:  # inserting_after puts each new node right after inp (reverse order): re-chain them
+            anchor = inp
+            for n in b.record:
+                anchor.append(n)
+                anchor = n
+    finally:
+        b.record = None
     guards.append(node.name)
 
 
@@ -120,9 +126,7 @@ def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: Of
         buffers[name] = attr_name
         if hasattr(gm, "_param_name_to_source"):
             # AOT maps every lifted parameter/buffer of a Dynamo graph to a Dynamo source
-            from torch._dynamo.source import ConstantSource
-
-            gm._param_name_to_source[attr_name] = ConstantSource(f"offload_state.{attr_name}")
+            gm._param_name_to_source[attr_name] = _compat.constant_source(f"offload_state.{attr_name}")
         with g.inserting_before(first):
             return g.get_attr(attr_name)
 
@@ -258,7 +262,6 @@ def _add_guards(g: fx.Graph, b: "_Builder", first: fx.Node, groups: GroupReport,
     selection block tables, cache lengths within ``[0, min(F, id_range)]``. Shapes and dtypes are
     static in the graph, so Dynamo's own guards recompile on any change."""
     seen: set = set()
-    order = {n: i for i, n in enumerate(g.nodes)}  # original nodes only: guards never feed each other
     for grp in groups.groups:
         p = plans[grp.group_id]
         B, S, K, SBS = p.B, p.S, p.K, p.BS
@@ -269,7 +272,7 @@ def _add_guards(g: fx.Graph, b: "_Builder", first: fx.Node, groups: GroupReport,
             if ex is not None and ex.dim() == 2 and root not in seen:
                 seen.add(root)
                 rows, cols = int(ex.size(0)), int(ex.size(1))
-                _guard(g, b, first, order, [bt], lambda bt=bt, rows=rows, cols=cols, ex=ex: b(
+                _guard(g, b, first, bt, lambda bt=bt, rows=rows, cols=cols, ex=ex: b(
                     aten.all.default, b(aten.eq.Tensor, bt, b(aten.view.default, b(
                         aten.arange.default, rows * cols, dtype=ex.dtype, device=ex.device), [rows, cols]))),
                     f"offload guard: block table {_name(bt)!r} is no longer the identity layout "
@@ -283,7 +286,7 @@ def _add_guards(g: fx.Graph, b: "_Builder", first: fx.Node, groups: GroupReport,
             if ex is not None and ex.dim() == 2 and root not in seen:
                 seen.add(root)
                 rows = int(ex.size(0))
-                _guard(g, b, first, order, [st], lambda st=st, rows=rows, ex=ex, smax=smax: b(
+                _guard(g, b, first, st, lambda st=st, rows=rows, ex=ex, smax=smax: b(
                     aten.all.default, b(aten.eq.Tensor, b(aten.slice.Tensor, st, 1, 0, smax), b(
                         aten.view.default, b(aten.arange.default, rows * smax, dtype=ex.dtype, device=ex.device),
                         [rows, smax]))),
@@ -293,7 +296,7 @@ def _add_guards(g: fx.Graph, b: "_Builder", first: fx.Node, groups: GroupReport,
         lim = min(max(p.geometry[l].F for l in p.layers), p.id_range)
         if strip_views(L, casts=True) not in seen:
             seen.add(strip_views(L, casts=True))
-            _guard(g, b, first, order, [L], lambda L=L, lim=lim: b(
+            _guard(g, b, first, L, lambda L=L, lim=lim: b(
                 aten.logical_and.default, b(aten.all.default, b(aten.ge.Scalar, L, 0)),
                 b(aten.all.default, b(aten.le.Scalar, L, lim))),
                 f"offload guard: cache lengths {_name(L)!r} (full_kv_actual_seq of group {grp.group_id}) must "

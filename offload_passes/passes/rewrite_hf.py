@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ..options import OffloadOptions
+from .. import _compat
 from ..state import OffloadState
 from . import _fx
 from .detect import Refusal
@@ -63,9 +64,10 @@ def _attend(query: torch.Tensor, rows: torch.Tensor, rope_rows: torch.Tensor, we
     msel = torch.gather(base_mask.expand(B, 1, S, T)[:, 0], 2, safe)  # the model's mask at the selected ids
     kv = F.linear(rows, weight).view(B, S, K, H, nope + vdim)
     k_nope, v = kv.split([nope, vdim], dim=-1)
+    # one copy (the concatenated key, as the model builds it); heads-first are views, not copies
     k = torch.cat([k_nope, rope_rows.view(B, S, K, 1, R).expand(B, S, K, H, R)], dim=-1)
-    k = k.permute(0, 1, 3, 2, 4).reshape(B * S, H, K, D)
-    v = v.permute(0, 1, 3, 2, 4).reshape(B * S, H, K, vdim)
+    k = k.view(B * S, K, H, D).transpose(1, 2)
+    v = v.reshape(B * S, K, H, vdim).transpose(1, 2)
     q = query.transpose(1, 2).reshape(B * S, H, 1, D)
     if kind == "sdpa":
         allowed = (msel & valid).view(B * S, 1, 1, K)
@@ -122,7 +124,7 @@ _OPERATOR_INPLACE = {operator.setitem, operator.delitem, operator.iadd, operator
 def _is_inplace(n: fx.Node) -> bool:
     if n.op == "call_function" and getattr(n.target, "__module__", None) == "_operator":
         return n.target in _OPERATOR_INPLACE  # operator.and_ / or_ are not in-place
-    if isinstance(n.target, torch._ops.OpOverload):
+    if isinstance(n.target, _compat.OpOverload):
         return n.target._schema.is_mutable
     nm = _name(n)
     return nm.endswith("_") and not nm.startswith("_")
@@ -265,9 +267,7 @@ def rewrite_sparse(gm: fx.GraphModule, grp: GroupReport, plans: Optional[list[Gr
         gm.register_buffer(attr_name, t)
         buffers[name] = attr_name
         if hasattr(gm, "_param_name_to_source"):
-            from torch._dynamo.source import ConstantSource
-
-            gm._param_name_to_source[attr_name] = ConstantSource(f"offload_state.{attr_name}")
+            gm._param_name_to_source[attr_name] = _compat.constant_source(f"offload_state.{attr_name}")
         with g.inserting_before(first):
             return g.get_attr(attr_name)
 
@@ -318,6 +318,7 @@ def rewrite_sparse(gm: fx.GraphModule, grp: GroupReport, plans: Optional[list[Gr
                 b(aten.copy_.default, meta["stats"], b(aten.stack.default, [new, cum]))
             plan_nodes[gr.group_id] = pl.name
         recs: dict[int, HfSiteRewrite] = {}
+        sparse_nodes: dict[int, fx.Node] = {}
         for s in gr.sites:
             d = s.dims
             fill = float(s.combine.args[2]) if s.kind == "eager" else 0.0
@@ -345,10 +346,10 @@ def rewrite_sparse(gm: fx.GraphModule, grp: GroupReport, plans: Optional[list[Gr
             out.append(rw)
             after[s.layer] = ([pl.name] if offload and s is gr.owner else []) + \
                 ([serve.name] if serve is not None else []) + [new_attn.name]
-            s.sparse_node = new_attn  # type: ignore[attr-defined]
+            sparse_nodes[s.layer] = new_attn
         if offload:
             for s in gr.sites:
-                cursor = s.sparse_node  # type: ignore[attr-defined]
+                cursor = sparse_nodes[s.layer]
                 placed = []
 
                 def install(layer: int, md: int, cur: fx.Node) -> fx.Node:
@@ -440,6 +441,15 @@ def rewrite_hf(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadO
 
             raise OffloadRefused(msg)
         log.warning("%s; compiling the graph unmodified", msg)
+        return gm, None, report
+    dense = [s for s in det.sites if s.dims["S"] * s.dims["K"] >= s.dims["T"]]
+    if dense:
+        # e.g. a prefill graph (S = prompt length): S*K selected rows cost more than the T dense ones
+        d = dense[0].dims
+        r = Refusal("dense_cheaper", f"S*K = {d['S']}*{d['K']} >= T = {d['T']} cached positions: the dense "
+                    "attention reads fewer rows; graph left as it is", dense[0].layer)
+        report["refusals"].append(r.to_dict())
+        log.info("%s: %s", graph_id, r.detail)
         return gm, None, report
     t1 = time.perf_counter()
     plans, state, off_ref = None, None, []

@@ -46,6 +46,11 @@ class SynthConfig:
     shared_own_lengths: bool = False  # shared layers pass their own copy of the lengths to the gather
     gather_block_size: int = 1  # selection_topk_block_size of the gather
     rope: bool = True  # False: no rope caches (the gather's no-rope mode, 1-D empty rope tensors)
+    # variants our validating fake kernels reject at trace time, but CANN's Meta kernels (shapes only) let
+    # through on an NPU: the preconditions are the only check before the rewrite replaces the gather
+    topk_view: str = "BS1K"  # "B1SK": the ids reach the gather as [B, 1, S, K]
+    full_dtype: torch.dtype | None = None  # full caches of another dtype than the selection buffers
+    lengths_dtype: torch.dtype = torch.int32  # dtype of the cache lengths L
 
 
 class SynthDSA(nn.Module):
@@ -56,6 +61,7 @@ class SynthDSA(nn.Module):
         n = len(c.pattern)
         T = c.B * c.S
         kvd = c.kv_dtype or c.dtype
+        fkd = c.full_dtype or kvd
         blocks = c.B * c.maxblk
 
         def w(*shape):
@@ -77,9 +83,9 @@ class SynthDSA(nn.Module):
         self.register_buffer("block_table", bt)
         smax = c.K * c.gather_block_size // c.BS
         for l in range(n):
-            self.register_buffer(f"full_kv_{l}", torch.zeros(blocks, c.BS, c.Dkv, dtype=kvd))
-            self.register_buffer(f"full_rope_{l}", torch.zeros(blocks, c.BS, c.Dr, dtype=kvd) if c.rope
-                                 else torch.zeros(0, dtype=kvd))
+            self.register_buffer(f"full_kv_{l}", torch.zeros(blocks, c.BS, c.Dkv, dtype=fkd))
+            self.register_buffer(f"full_rope_{l}", torch.zeros(blocks, c.BS, c.Dr, dtype=fkd) if c.rope
+                                 else torch.zeros(0, dtype=fkd))
             nsel = T * smax + c.sel_extra_blocks + (1 if c.sel_views else 0)
             self.register_buffer(f"sel_kv_{l}", torch.zeros(nsel, c.BS, c.Dkv, dtype=kvd))
             self.register_buffer(f"sel_rope_{l}", torch.zeros(nsel, c.BS, c.Dr, dtype=kvd) if c.rope
@@ -120,7 +126,7 @@ class SynthDSA(nn.Module):
         g = torch.Generator().manual_seed(seed * 100003 + step)
         h = torch.randn(c.B * c.S, c.hidden, generator=g)
         cu = torch.arange(1, c.B + 1, dtype=torch.int32) * c.S
-        return h, lengths.to(torch.int32), cu
+        return h, lengths.to(c.lengths_dtype), cu
 
     # -- the decode step (what Dynamo captures) -------------------------------------------
     def forward(self, h: torch.Tensor, L: torch.Tensor, cu_q: torch.Tensor):
@@ -168,7 +174,7 @@ class SynthDSA(nn.Module):
                     q_idx, kidx, wts, actual_seq_lengths_query=cu_q, actual_seq_lengths_key=L,
                     block_table=self.block_table, layout_query="TND", layout_key="PA_BSND",
                     sparse_count=K, sparse_mode=3)
-                topk4 = topk.view(B, S, 1, K)
+                topk4 = topk.view(B, S, 1, K) if c.topk_view == "BS1K" else topk.view(B, 1, S, K)
                 if c.topk_source == "torch_topk":  # the same ids, but from a plain torch.topk
                     pos_ok = torch.arange(c.maxblk * c.BS).view(1, -1) < L.repeat_interleave(S).view(-1, 1)
                     score = torch.where(pos_ok, (h[:, :1] * torch.arange(c.maxblk * c.BS)).sin().abs(), -1.0)

@@ -33,6 +33,7 @@ def test_tiny_rewritten_and_exact(inline):
         return be(gm, example_inputs)
 
     ref = base.driver.run(steps=STEPS, collect=True)
+    comp.model.return_internals = True  # per-layer attention outputs, as Driver.run(collect=True)
     with torch._dynamo.config.patch(inline_inbuilt_nn_modules=inline):
         step = torch.compile(comp.model, backend=backend)
         comp.driver.prefill()
@@ -46,7 +47,7 @@ def test_tiny_rewritten_and_exact(inline):
     assert (after["dsa_plan"], after["dsa_serve"], after["dsa_install"]) == (2, 8, 8)
     for a, b in zip(ref.steps, outs):
         assert (a.logits.float() - b.logits.float()).abs().max().item() == 0
-        assert all(torch.equal(x, y) for x, y in zip(a.attn, b.attn))
+        assert len(a.attn) == len(b.attn) == 8 and all(torch.equal(x, y) for x, y in zip(a.attn, b.attn))
 
 
 def _graph_with_late_attr() -> fx.GraphModule:

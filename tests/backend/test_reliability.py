@@ -17,7 +17,7 @@ import torch
 import dsa_synth as synth
 from backend_helpers import check_pool_invariants, check_pool_state, full_row
 from offload_passes import make_offload_backend, offload
-from offload_passes.state import REGISTRY, GroupLayout, OffloadState, StateBinder, StateRegistry
+from offload_passes.state import REGISTRY, GroupLayout, OffloadState, StateBinder, StateRegistry, module_state
 
 PS = 64
 
@@ -70,6 +70,17 @@ def test_selection_table_and_lengths_guards():
             c(*m.inputs(L + 1, 1))
 
 
+def test_guard_raises_in_inductor_mode():
+    cfg = synth.SynthConfig(pattern="F", S=1, router=False)
+    _, m = synth.make_pair(cfg, [300, 280])
+    c = torch.compile(m, backend=make_offload_backend(pool_size=PS, exe_mode="inductor"))
+    with torch.no_grad():
+        c(*m.inputs(torch.tensor([301, 281]), 0))
+        m.block_table[1] = m.block_table[1].flip(0)
+        with pytest.raises(RuntimeError, match="offload guard: block table"):
+            c(*m.inputs(torch.tensor([302, 282]), 1))
+
+
 def test_tiny_permuted_block_table_raises():
     """The issue's reproduction on the real GLM-5.2 ``tiny`` preset."""
     from offload_passes import models
@@ -94,25 +105,20 @@ def test_model_ledger_reset_alone_invalidates_the_row():
     for s in range(6):
         L = L + 1
         assert _step_pair(base, m, c, L, s) == (0.0, 0.0)
-    st = c_state = None
     for mod in (base, m):  # row 0: a new request of the same length; the model resets its own ledger
         mod.prefill([int(x) for x in L], seed=99, rows=[0])
-    row1 = None
+    st = _state_of(m)
+    row1 = [g.pool_ids[1].clone() for g in st.groups]
     for s in range(6, 12):
         L = L + 1
-        if s == 6:
-            from offload_passes.state import module_state
-
-            c_state = module_state(m)
-            row1 = [g.pool_ids[1].clone() for g in c_state.groups]
         assert _step_pair(base, m, c, L, s) == (0.0, 0.0)
         if s == 6:
-            st = c_state
-            # row 1 kept its pool (only the new row was invalidated): its resident ids are still there
             for g, keep in zip(st.groups, row1):
                 kept = keep[keep >= 0]
+                # row 1 kept its pool (only the new row was invalidated) ...
                 assert kept.numel() > 0 and torch.isin(kept, g.pool_ids[1]).float().mean() > 0.9
-                assert int(g.pool_ids[0][g.pool_ids[0] >= 0].numel()) <= cfg.K  # row 0: this step's only
+                # ... row 0 holds only what this step installed
+                assert int(g.pool_ids[0][g.pool_ids[0] >= 0].numel()) <= cfg.K
         check_pool_invariants(st, m)  # pool content == full cache: no stale row
 
 
@@ -164,13 +170,10 @@ def test_tiny_model_reset_rows_mid_run_is_exact():
                 d.reset_row(1, prompt_len=100)
         x, y = base.driver.step(), comp.driver.step(step)
         assert (x.logits.float() - y.logits.float()).abs().max().item() == 0, f"step {i}"
-        check_pool_state(comp.model.offload_state if hasattr(comp.model, "offload_state") else
-                         _state_of(comp.model), B, full_of)
+        check_pool_state(_state_of(comp.model), B, full_of)
 
 
 def _state_of(model):
-    from offload_passes.state import module_state
-
     return module_state(model)
 
 

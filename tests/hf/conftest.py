@@ -1,7 +1,6 @@
 """Hugging Face front-end tests: the unmodified ``transformers`` GlmMoeDsaForCausalLM vs the same model
 compiled with the backend. Compiles are cached per configuration for the whole session (each one
 traces a whole model), so the numeric and the structural tests share them."""
-import functools
 import os
 import sys
 

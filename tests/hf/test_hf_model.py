@@ -1,6 +1,5 @@
 """The unmodified transformers GLM-5 DSA model, compiled with the backend: real sparse attention (and
 the shared-indexer offload) with the same logits as the dense model, over 64 decode steps."""
-import operator
 
 import pytest
 import torch

@@ -141,3 +141,47 @@ def test_unverified_site_is_left_unmodified_with_reason():
         chain.append(type(e))
         e = e.__cause__ or getattr(e, "inner_exception", None)
     assert OffloadRefused in chain, chain
+
+
+def test_graph_where_dense_is_cheaper_is_left_as_is():
+    """S*K >= T (a prefill-like graph): gathering S*K rows would cost more than the T dense ones."""
+    torch._dynamo.reset()
+    q, latent, rope, w = _inputs(5)
+    qs = torch.randn(B, H, 5, N + R)
+    scores = torch.randn(B, 5, T)
+    base = torch.where(torch.arange(T).view(1, 1, 1, T) < 30, 0.0, MIN).expand(B, 1, 5, T)
+
+    def prefill_like(q, latent, rope, w, scores, base):
+        topk = scores.topk(8, dim=-1)[1].to(torch.int32)  # S*K = 5*8 = 40 >= T = 40
+        key, v = _expand(latent, rope, w)
+        index_mask = topk.new_ones((B, 5, T), dtype=torch.bool).scatter(-1, topk.long(), False).unsqueeze(1)
+        mask = base.masked_fill(index_mask, MIN)
+        wts = F.softmax(torch.matmul(q, key.transpose(2, 3)) * 0.3 + mask, dim=-1, dtype=torch.float32)
+        return torch.matmul(F.dropout(wts.to(q.dtype), p=0.0, training=False), v)
+
+    fn, backend, graphs = _compile(prefill_like, enable_offload=False)
+    out = fn(qs, latent, rope, w, scores, base)
+    rep = backend.reports[-1]
+    assert rep["rewritten"] is False and [r["reason"] for r in rep["refusals"]] == ["dense_cheaper"]
+    assert "S*K = 5*8 >= T = 40" in rep["refusals"][0]["detail"]
+    assert dense_masks_left(graphs[0].graph) == 1
+    torch.testing.assert_close(out, prefill_like(qs, latent, rope, w, scores, base), rtol=0, atol=0)
+
+
+def test_offload_refusal_keeps_the_sparse_rewrite():
+    """bf16, but no cache write to take the lengths from and K = 8: the offload is refused with the
+    reasons, the (exact) sparse rewrite stays."""
+    torch._dynamo.reset()
+    q, latent, rope, w = (t.to(torch.bfloat16) for t in _inputs(6))
+    scores = torch.randn(B, S, T)
+    base = _base("sdpa", 12, 0)
+    fn, backend, graphs = _compile(lambda *a: _from_scores(*a, kind="sdpa"), enable_offload=True)
+    out = fn(q, latent, rope, w, scores, base)
+    rep = backend.reports[-1]
+    assert rep["rewritten"] and rep["hf"]["offload"] is False and rep["ops"]["after"]["dsa_plan"] == 0
+    reasons = {r["reason"]: r["detail"] for r in rep["hf"]["offload_refusals"]}
+    assert set(reasons) == {"cache_layout", "topk_alignment"}
+    assert "no index_copy_ write into the latent cache" in reasons["cache_layout"]
+    assert "K=8 must be a multiple of 64" in reasons["topk_alignment"]
+    assert dense_masks_left(graphs[0].graph) == 0
+    torch.testing.assert_close(out, _from_scores(q, latent, rope, w, scores, base, "sdpa"), rtol=2e-2, atol=2e-2)

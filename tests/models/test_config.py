@@ -10,7 +10,9 @@ from offload_passes.models.glm.config import indexer_types_from_freq
 
 
 def test_presets_and_their_schedules():
-    assert models.list_presets() == ["glm-5.2-78l", "glm-5.2-78l-w8a8", "small", "tiny", "tiny-w8a8"]
+    presets = models.list_presets()
+    assert presets == sorted(presets)
+    assert {"glm-5.2-78l", "glm-5.2-78l-w8a8", "small", "tiny", "tiny-w8a8"} <= set(presets)
     tiny = models.load_config("tiny")
     assert tiny.model.num_hidden_layers >= 8 and tiny.model.index_topk == 64
     assert tiny.model.indexer_types == ["full", "shared", "shared", "shared"] * 2

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Runs the README's test command on every supported torch version, one venv per version.
+#
+#   bash scripts/test_matrix.sh                 # torch 2.8.0 and 2.13.0
+#   TORCH_VERSIONS="2.13.0" bash scripts/test_matrix.sh
+#
+# Per version: a venv under $MATRIX_DIR (default ~/.cache/offload_passes/matrix/venv-<version>, reused
+# when its torch is already that version), torch from PyPI (2.13.0 as the CPU wheel when pip finds one,
+# as scripts/setup.sh installs it; for 2.8.0 PyPI serves the CUDA build, ~0.9 GB plus ~3 GB of nvidia
+# libraries, which runs on CPU), this project editable with its test extras (the global environment
+# is never touched), the TorchAir / npugraph_ex sources of the matching torch-npu wheel
+# (tools/torchair_env.py: 2.8.0.post5 for 2.8, 2.13.0 for 2.13), its own C++-extension build folder,
+# then `python -m pytest -q tests` with OFFLOAD_PASSES_NO_SKIP=1 (skips are failures).
+# Prints one summary line per version; exits 1 if any version failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+MATRIX_DIR=${MATRIX_DIR:-$HOME/.cache/offload_passes/matrix}
+TORCH_VERSIONS=${TORCH_VERSIONS:-"2.8.0 2.13.0"}
+PYTHON=${PYTHON:-python}
+export TORCH_DEVICE_BACKEND_AUTOLOAD=0 PIP_DISABLE_PIP_VERSION_CHECK=1
+mkdir -p "$MATRIX_DIR"
+
+declare -a SUMMARY
+status=0
+for v in $TORCH_VERSIONS; do
+  venv="$MATRIX_DIR/venv-$v"
+  log="$MATRIX_DIR/pytest-$v.log"
+  echo "== torch $v: venv $venv"
+  if [ ! -x "$venv/bin/python" ]; then
+    "$PYTHON" -m venv "$venv" || { SUMMARY+=("torch $v: FAILED (venv)"); status=1; continue; }
+  fi
+  py="$venv/bin/python"
+  have=$("$py" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
+  if [ "$have" != "$v" ]; then
+    "$py" -m pip install -q "torch==$v" || { SUMMARY+=("torch $v: FAILED (pip install torch==$v)"); status=1; continue; }
+  fi
+  # --no-build-isolation: build against this venv's torch, never a second one pulled into an isolated
+  # env; --use-pep517: a PEP 660 editable install (setup.py develop would ignore the package_dir mapping)
+  "$py" -m pip install -q setuptools wheel >/dev/null
+  "$py" -m pip install -q --use-pep517 --no-build-isolation -e ".[test,viz]" \
+    || { SUMMARY+=("torch $v: FAILED (pip install -e .[test,viz])"); status=1; continue; }
+  export TORCH_EXTENSIONS_DIR="$MATRIX_DIR/torch_extensions-$v"  # C++ kernels built per torch ABI
+  "$py" -m offload_passes.tools.torchair_env --ensure \
+    || { SUMMARY+=("torch $v: FAILED (TorchAir sources)"); status=1; continue; }
+  torch_full=$("$py" -c "import torch; print(torch.__version__)")
+  npu=$("$py" -c "from offload_passes.tools.torchair_env import default_torch_npu_version as f; print(f())")
+  start=$(date +%s)
+  (cd "$ROOT" && OFFLOAD_PASSES_NO_SKIP=1 "$py" -m pytest -q tests -p no:cacheprovider) >"$log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  result=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)" "$log" | tail -1 | sed -e 's/^=* *//' -e 's/ *=*$//')
+  [ $rc -eq 0 ] || status=1
+  SUMMARY+=("torch $torch_full (torch-npu $npu TorchAir): ${result:-no pytest summary, see $log} [exit $rc, ${secs}s]")
+  echo "   log: $log"
+done
+echo
+echo "test matrix (python -m pytest -q tests, OFFLOAD_PASSES_NO_SKIP=1):"
+for line in "${SUMMARY[@]}"; do echo "  $line"; done
+exit $status
