@@ -14,8 +14,8 @@ plan row sets the reference bit of its slot; (2) records install in record order
 validity filter and per-row dedupe; the victim search starts at the pointer, clears and skips ways
 whose bit is set, takes the first clear way and leaves the pointer after it. ``metadata_update=0``
 works on a private copy of the counters (same ways as the ``metadata_update=1`` call), exactly like FIFO.
-The default ``custom::dsa_install`` (FIFO) is unchanged. Not emitted by the graph passes (opt-in,
-call it directly or through ``offload_passes.trace.kernel_replay``).
+The default ``custom::dsa_install`` (FIFO) is unchanged. The rewrite emits this op only when the backend
+option ``replacement_policy="second_chance"`` is set (CPU modes; never the default).
 
 What the NPU would need: a dsa_install variant that reads the plan's POOL_HIT rows of its batch row
 (one extra pass over ``S*K`` int32 pairs, bit-OR into the set word) before the record loop, and a

@@ -191,6 +191,45 @@ def npugraph_ex_tagged_event() -> Any:
     return tagged
 
 
+def npugraph_ex_ops() -> Any:
+    """The op namespace of npugraph_ex's stream / event ops (``tagged_event_*``, ``record_tagged_stream_``,
+    ``scope_enter``): ``torch.ops.npugraph_ex`` in npu 2.13, ``torch.ops.air`` in npu 2.8.0.post5."""
+    npugraph_ex_tagged_event()  # registers them
+    import npugraph_ex.scope  # noqa: F401
+
+    ns = torch.ops.npugraph_ex
+    return ns if hasattr(ns, "tagged_event_record") else torch.ops.air
+
+
+#: npugraph_ex options whose place in ``npugraph_ex.CompilerConfig`` differs by version: flat attributes in
+#: npu 2.13; TorchAir-style nested ones in npu 2.8 (its ``_NpuGraphExConfig.OPTIONS_TO_CONFIG_MAP``).
+_NPUGRAPH_EX_NESTED = {"force_eager": "debug.run_eagerly", "frozen_parameter": "experimental_config.frozen_parameter",
+                       "pattern_fusion_pass": "experimental_config.pattern_fusion_pass"}
+
+
+def set_npugraph_ex_option(cfg: Any, name: str, value: Any) -> None:
+    """``cfg.<name> = value`` on an ``npugraph_ex.CompilerConfig`` of either layout (npu 2.8/2.13)."""
+    if name not in _NPUGRAPH_EX_NESTED:
+        raise ValueError(f"set_npugraph_ex_option: unknown option {name!r} (known: {sorted(_NPUGRAPH_EX_NESTED)})")
+    flat = name in getattr(cfg, "__dict__", {})
+    target, attr = cfg, name
+    if not flat:
+        *path, attr = _NPUGRAPH_EX_NESTED[name].split(".")
+        for part in path:
+            target = getattr(target, part)
+    setattr(target, attr, value)
+
+
+def get_npugraph_ex_option(cfg: Any, name: str) -> Any:
+    """The option set by :func:`set_npugraph_ex_option` (the config's option object) (npu 2.8/2.13)."""
+    if name in getattr(cfg, "__dict__", {}):
+        return getattr(cfg, name)
+    target = cfg
+    for part in _NPUGRAPH_EX_NESTED[name].split("."):
+        target = getattr(target, part)
+    return target
+
+
 #: Modules holding TorchAir's / npugraph_ex's reinplace registries (``converters/reinplace.py``
 #: registers our in-place ops there; no public registration API) (npu 2.8/2.13).
 REINPLACE_REGISTRY_MODULES = ("torchair._acl_concrete_graph.graph_pass", "npugraph_ex._acl_concrete_graph.graph_pass")

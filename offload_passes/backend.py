@@ -197,7 +197,7 @@ def _rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], opti
     t["alloc_s"] = time.perf_counter() - t1  # zero-filling pools: memory bandwidth, not pass work
     t1 = time.perf_counter()
     rr = rewrite(gm, grp, pr, state, update_ledger=opts.update_ledger, install_hook=install_hook,
-                 in_graph_guards=opts.exe_mode in CPU_EXE_MODES)
+                 in_graph_guards=opts.exe_mode in CPU_EXE_MODES, replacement_policy=opts.replacement_policy)
     t["rewrite_s"] = time.perf_counter() - t1
     report.update({
         "rewritten": True,

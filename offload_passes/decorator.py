@@ -11,7 +11,7 @@ breaks included; empty before the first call), ``offload_backend`` (the ``Offloa
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn

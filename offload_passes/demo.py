@@ -53,7 +53,7 @@ def baseline_host_rows(topk_steps: list, lengths: list, groups: list, S: int) ->
 
 def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: Optional[int] = None,
         next_n: Optional[int] = None, dump_dir: Optional[str] = None, threads: int = 1,
-        record_trace: Optional[str] = None) -> dict:
+        record_trace: Optional[str] = None, replacement_policy: str = "fifo") -> dict:
     from . import models
     from .backend import make_offload_backend
 
@@ -66,7 +66,8 @@ def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: O
     comp = models.build(config, **over)
     r = comp.runner
     opts: dict[str, Any] = {"exe_mode": mode, "enlarge_pool_size": bool(getattr(r, "enlarge_pool_size", False)),
-                            "pa_block_size": r.pa_block_size, "next_n": r.next_n}
+                            "pa_block_size": r.pa_block_size, "next_n": r.next_n,
+                            "replacement_policy": replacement_policy}
     if pool_size is not None:
         opts["pool_size"] = pool_size
     if dump_dir:
@@ -106,7 +107,9 @@ def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: O
         "pool_size": backend.options.resolved_pool_size,
         "rewritten": bool(rep.get("rewritten")),
         "groups": groups,
-        "ops": {k: ops_after.get(k, 0) for k in ("dsa_plan", "dsa_serve", "dsa_install")},
+        "ops": {k: ops_after.get(k, 0) for k in ("dsa_plan", "dsa_serve", "dsa_install")
+                + (("dsa_install_sc",) if replacement_policy != "fifo" else ())},
+        "replacement_policy": replacement_policy,
         "hits": hits, "misses": misses, "window": tot["window"],
         "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
         "host_rows_read": tot["host_rows_read"],
@@ -141,7 +144,8 @@ def _summary(o: dict) -> str:
         f"pool={o['pool_size']}",
         f"  rewritten: {o['rewritten']}   groups: {o['groups']}",
         f"  final graph: {o['ops']['dsa_plan']} dsa_plan, {o['ops']['dsa_serve']} dsa_serve, "
-        f"{o['ops']['dsa_install']} dsa_install",
+        + (f"{o['ops']['dsa_install_sc']} dsa_install_sc (second chance)" if o["ops"].get("dsa_install_sc")
+           else f"{o['ops']['dsa_install']} dsa_install"),
         f"  pool: hits {o['hits']}  misses {o['misses']}  window {o['window']}  hit rate {o['hit_rate']:.1%}",
         f"  host rows read: {o['host_rows_read']} (unmodified gather path: {o['baseline_host_rows_read']}, "
         f"saved {o['host_rows_saved']:.1%})",
@@ -174,6 +178,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dump-dir", default=None, help="write graphs and report.json here")
     p.add_argument("--record-trace", default=None, metavar="TRACE.npz",
                    help="write the compiled run's top-k trace (replay with offload-sim)")
+    p.add_argument("--replacement-policy", choices=("fifo", "second_chance"), default="fifo",
+                   help="pool replacement (second_chance: the opt-in CPU kernel, not on the NPU)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -208,7 +214,8 @@ def _main(a: argparse.Namespace) -> int:
         return EXIT_OK if out["within_tolerance"] else EXIT_CHECK_FAILED
     if a.attn or a.dtype:
         raise UsageError("--attn / --dtype apply to --model hf only")
-    out = run(a.config or "tiny", a.steps, a.mode, a.pool_size, a.next_n, a.dump_dir, a.threads, a.record_trace)
+    out = run(a.config or "tiny", a.steps, a.mode, a.pool_size, a.next_n, a.dump_dir, a.threads, a.record_trace,
+              a.replacement_policy)
     print(json.dumps(out, indent=1) if a.json else _summary(out))
     return EXIT_OK if out["within_tolerance"] else EXIT_CHECK_FAILED
 

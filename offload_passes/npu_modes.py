@@ -193,7 +193,7 @@ class AclInstallHook:
         return name
 
     def __call__(self, graph: fx.Graph, installs: list, layer: int) -> None:
-        ops = torch.ops.npugraph_ex
+        ops = _compat.npugraph_ex_ops()  # torch.ops.npugraph_ex (npu 2.13) or torch.ops.air (2.8)
         ready = self._tag(f"dsa_offload_{self.graph_id}_l{layer}_ready")
         done = self._tag(f"dsa_offload_{self.graph_id}_l{layer}_done")
         serve = _last_serve(installs)
@@ -223,7 +223,7 @@ class AclInstallHook:
 
     def finish(self, graph: fx.Graph) -> List[str]:
         """Place each layer's join (main stream waits on ``done``). Returns the node names joined before."""
-        ops = torch.ops.npugraph_ex
+        ops = _compat.npugraph_ex_ops()  # torch.ops.npugraph_ex (npu 2.13) or torch.ops.air (2.8)
         points = _join_points(graph, self.pending)
         where = []
         for _, _, done in self.pending:
@@ -417,7 +417,7 @@ def recipe_compiler_config(mode: str) -> Any:
         import npugraph_ex
 
         cfg = npugraph_ex.CompilerConfig()
-        cfg.frozen_parameter = True
+        _compat.set_npugraph_ex_option(cfg, "frozen_parameter", True)  # flat (npu 2.13) or nested (2.8)
         return cfg
     raise ValueError(f"mode must be one of {NPU_MODES}, got {mode!r}")
 

@@ -22,6 +22,7 @@ WAYS = 16
 MIN_ID_RANGE = 131072
 EXE_MODES = ("eager", "inductor", "npugraph_ex", "ge_graph")
 CPU_EXE_MODES = ("eager", "inductor")
+REPLACEMENT_POLICIES = ("fifo", "second_chance")
 
 RECIPE_KEYS = ("enable_offload", "shared_indexer_offload", "enlarge_pool_size", "pa_block_size", "next_n",
                "exe_mode")
@@ -41,6 +42,9 @@ class OffloadOptions:
     strict: raise ``RuntimeError`` on any refusal instead of compiling the graph unmodified.
     id_range: ``id_to_slot`` width (IR); ``None`` = max(131072, cache length F).
     update_ledger: keep the model's gather ledger (``sel_status``) valid after serve.
+    replacement_policy: ``fifo`` (default: CANN's 16-way set-associative FIFO, ``custom::dsa_install``) or
+        ``second_chance`` (opt-in, CPU modes only: ``offload_ref::dsa_install_sc``, 16-way second chance, one
+        reference bit per way; CANN's kernels implement only FIFO).
     npu_bookkeeping: in the NPU modes (ge_graph / npugraph_ex), keep the per-step pool statistics and the
         ledger update in the graph. Off by default there: main-stream work the reference does not do
         (``state.counters()`` then stays zero and the ledger is not kept). Ignored on CPU (always on).
@@ -58,6 +62,7 @@ class OffloadOptions:
     next_n: int | None = None
     update_ledger: bool = True
     npu_bookkeeping: bool = False
+    replacement_policy: str = "fifo"
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +83,12 @@ class OffloadOptions:
             raise ValueError(f"option next_n must be in [0, 3] (raw_seq = 1 + next_n <= 4), got {self.next_n}")
         if self.pa_block_size is not None and not (_pow2(self.pa_block_size) and 16 <= self.pa_block_size <= 128):
             raise ValueError(f"option pa_block_size must be a power of two in [16, 128], got {self.pa_block_size}")
+        if self.replacement_policy not in REPLACEMENT_POLICIES:
+            raise ValueError(f"option replacement_policy must be one of {REPLACEMENT_POLICIES}, "
+                             f"got {self.replacement_policy!r}")
+        if self.replacement_policy != "fifo" and self.exe_mode not in CPU_EXE_MODES:
+            raise ValueError(f"option replacement_policy={self.replacement_policy!r} needs exe_mode in "
+                             f"{CPU_EXE_MODES}: CANN's NPU kernels implement only 'fifo'")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):  # a PathLike: keep it as text
             object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
 

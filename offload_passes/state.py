@@ -1,14 +1,18 @@
-"""``OffloadState``: the pools and per-group metadata a rewritten graph owns.
+"""``OffloadState``: the pools and per-group metadata a rewritten graph uses on one set of full caches.
 
 Per layer ``l``: ``pool_kv [B, PS, Dkv]``, ``pool_rope [B, PS, Dr]`` (KV dtype). Per group ``g``:
 ``pool_ids [B, PS]`` (-1), ``id_to_slot [B, IR]`` (-1), ``lru_counter [B, PS/16]`` (0) int32, and
 ``stats [2, 7]`` int64 written *in the graph* every step: row 0 = this step's plan-kind counts
 (kinds 0..5, then 1 for the step), row 1 = the running sum. hits = kind 1, misses = kind 2,
 window = kind 3; host rows read = (misses + window) × layers of the group (every layer serves the
-same plan from its own host cache).
+same plan from its own host cache). ``seen_len [B]`` int32: each row's cache length at the previous
+step (a row whose length goes down started a new request; the graph invalidates its metadata).
 
-The tensors are registered as buffers of the rewritten GraphModule and are the very objects AOT
-lifts as inputs, so every method here works in place (never reallocates).
+Ownership (issue 11): the tensors belong to the full caches, not to a graph. In the CPU modes they are
+extra inputs of the rewritten graph, chosen per call by :class:`StateBinder` from :data:`REGISTRY`
+(keyed by the live cache tensors; graphs with the same group layout on the same caches share them);
+in the NPU modes they are buffers of the graph (private) and the same stale-state rule applies. Every
+method here works in place (never reallocates): the graph holds the very tensors.
 """
 from __future__ import annotations
 
@@ -107,7 +111,7 @@ class OffloadState:
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def allocate(cls, graph_id: str, plans: Sequence, device: torch.device | None = None) -> "OffloadState":
-        """Allocate pools and metadata for the ``GroupPlan``\\ s of one graph."""
+        """Allocate private pools and metadata for the group plans (or layouts) of one graph."""
         layouts = [p if isinstance(p, GroupLayout) else GroupLayout.from_plan(p) for p in plans]
         dev = device or torch.device("cpu")
         return cls.from_shared(graph_id, layouts,

@@ -193,7 +193,8 @@ def count_ops(graph: fx.Graph) -> dict[str, int]:
     keyed by the short op name."""
     from .producers import PRODUCER_NAMES  # lazy: producers imports this module
 
-    interesting = {"dsa_plan", "dsa_serve", "dsa_install", "dsa_serve_functional", "dsa_install_functional",
+    interesting = {"dsa_plan", "dsa_serve", "dsa_install", "dsa_install_sc", "dsa_serve_functional",
+                   "dsa_install_functional",
                    "npu_gather_selection_kv_cache", "npu_gather_selection_kv_cache_functional",
                    "npu_sparse_flash_attention"} | PRODUCER_NAMES
     c: Counter = Counter()

@@ -26,6 +26,7 @@ log = logging.getLogger("offload_passes.passes.inductor_targets")
 NAMESPACE = "offload_inductor"
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 _aliases: dict[_compat.OpOverload, _compat.OpOverload] = {}
+_alias_owner: dict[str, _compat.OpOverload] = {}  # alias name -> the op it stands for
 
 
 @dataclass
@@ -53,6 +54,9 @@ def inductor_alias(op: _compat.OpOverload) -> _compat.OpOverload:
         raise RuntimeError(f"unexpected schema for {op}: {schema!r}")
     name = rest.split("(", 1)[0]  # "dsa_serve" or "dsa_serve.overload"
     base, _, overload = name.partition(".")
+    owner = _alias_owner.setdefault(name, op)
+    if owner is not op:  # same name in two namespaces: one alias namespace cannot hold both
+        raise RuntimeError(f"{NAMESPACE}::{name} already stands for {owner}; cannot alias {op} too")
     if not _compat.dispatcher_has_schema(f"{NAMESPACE}::{name}"):
         _lib.define(rest)
 

@@ -109,10 +109,13 @@ def _guard(g: fx.Graph, b: "_Builder", first: fx.Node, inp: Any, make: Callable[
 
 def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: OffloadState,
             update_ledger: bool = True, install_hook: Optional[InstallHook] = None,
-            in_graph_guards: bool = True, detect_new_requests: bool = True) -> RewriteReport:
+            in_graph_guards: bool = True, detect_new_requests: bool = True,
+            replacement_policy: str = "fifo") -> RewriteReport:
     """``in_graph_guards``: check every compile-time assumption at run time (see ``_add_guards``);
     ``detect_new_requests``: invalidate, in the graph, the pool rows of batch rows that started a new
-    request (length went down, or the model reset their gather ledger)."""
+    request (length went down, or the model reset their gather ledger); ``replacement_policy``:
+    ``fifo`` installs with ``custom::dsa_install`` (CANN's), ``second_chance`` with the opt-in
+    ``offload_ref::dsa_install_sc`` (same inputs plus the step's plan, whose hits set reference bits)."""
     g = gm.graph
     hoist_attrs(g)  # module buffers as get_attr (no nn-module inlining) become usable anywhere
     b = _Builder(g)
@@ -207,10 +210,13 @@ def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: Of
             def install(site_layer: int, md: int) -> fx.Node:
                 gg = p.geometry[site_layer]
                 kv, rp = pools[site_layer]
+                args = (rec, gg.sel_kv, gg.sel_rope, gg.sel_table, kv, rp,
+                        meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"])
+                kw = dict(raw_seq=S, topk=K, selection_block_size=SBS, metadata_update=md)
                 with g.inserting_after(cursor):
-                    return b(custom.dsa_install.default, rec, gg.sel_kv, gg.sel_rope, gg.sel_table, kv, rp,
-                             meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"],
-                             raw_seq=S, topk=K, selection_block_size=SBS, metadata_update=md)
+                    if replacement_policy == "second_chance":
+                        return b(torch.ops.offload_ref.dsa_install_sc.default, plan_n, *args, **kw)
+                    return b(custom.dsa_install.default, *args, **kw)
 
             if s is not owner:
                 cursor = install(s.layer, 0)

@@ -83,3 +83,13 @@ def test_retarget_keeps_arguments_and_meta():
     assert "val" in n.meta and c.target is torch.ops.aten.copy_.default
     assert retarget_for_inductor(g).retargeted == {}  # idempotent
     assert define_aliases(INPLACE + [torch.ops.aten.copy_.default]) == [inductor_alias(op) for op in INPLACE]
+
+
+def test_same_name_from_another_namespace_is_refused():
+    # a test-only op that shares dsa_serve's name in another namespace (test double of e.g. an npu:: twin)
+    lib = torch.library.Library("offload_test_alias", "FRAGMENT")
+    lib.define("dsa_serve(Tensor(a!) x) -> ()")
+    inductor_alias(custom.dsa_serve.default)
+    with pytest.raises(RuntimeError, match=r"offload_inductor::dsa_serve already stands for custom.dsa_serve.default; "
+                                           r"cannot alias offload_test_alias.dsa_serve.default too"):
+        inductor_alias(torch.ops.offload_test_alias.dsa_serve.default)

@@ -243,6 +243,21 @@ def test_deleting_the_model_frees_its_pools():
     assert be.states == [] and len(REGISTRY.bindings()) == n_bind - 1
 
 
+def test_dynamo_reset_frees_the_pools_of_a_live_model():
+    cfg = synth.SynthConfig(pattern="FS", S=1, router=False)
+    be = make_offload_backend(pool_size=PS)
+    _, m = synth.make_pair(cfg, [300, 280])
+    c = torch.compile(m, backend=be)
+    with torch.no_grad():
+        c(*m.inputs(torch.tensor([301, 281]), 0))
+    pool = weakref.ref(be.state.pools[0][0])
+    gc.collect()
+    assert pool() is not None  # the model and its graph live: so do the pools
+    torch._dynamo.reset()  # no graph uses them any more
+    gc.collect()
+    assert pool() is None and be.states == []
+
+
 def test_same_layout_graphs_share_state_other_layouts_reset_on_switch():
     cfg = synth.SynthConfig(pattern="FS", S=1)
     base, m = synth.make_pair(cfg, [300, 280])

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from offload_passes import models
+from offload_passes import _compat, models
 from offload_passes.npu_modes import SIDE_STREAM_LABEL, NpuOffloadBackend
 
 GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -61,7 +61,7 @@ def test_recipe_compiler_configs(torchair, npugraph_ex_pkg):
     ge = recipe_compiler_config("ge_graph")
     assert on(ge.experimental_config.frozen_parameter) and on(ge.experimental_config.tiling_schedule_optimize)
     assert ge.experimental_config.topology_sorting_strategy.value == "StableRDFS"
-    assert on(recipe_compiler_config("npugraph_ex").frozen_parameter)
+    assert on(_compat.get_npugraph_ex_option(recipe_compiler_config("npugraph_ex"), "frozen_parameter"))
     assert not on(type(ge)().experimental_config.frozen_parameter)
     with pytest.raises(ValueError, match="mode must be one of"):
         recipe_compiler_config("eager")
@@ -199,8 +199,8 @@ def ngx_tiny(npugraph_ex_pkg, torch_npu_double):
             torch._dynamo.reset()
             base, b = _tiny(), _tiny()
             cfg = npugraph_ex_pkg.CompilerConfig()
-            cfg.force_eager = True
-            cfg.pattern_fusion_pass = False  # its patterns trace torch.ops.npu kernels, absent on CPU
+            _compat.set_npugraph_ex_option(cfg, "force_eager", True)
+            _compat.set_npugraph_ex_option(cfg, "pattern_fusion_pass", False)  # traces torch.ops.npu kernels, absent on CPU
             be = NpuOffloadBackend(exe_mode="npugraph_ex", pool_size=PS, compiler_config=cfg)
             step = torch.compile(b.model, backend=be)
             diffs = []

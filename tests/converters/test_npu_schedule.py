@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from offload_passes import models
+from offload_passes import _compat, models
 from offload_passes.npu_modes import SIDE_STREAM_LABEL, NpuOffloadBackend
 
 PS = {"tiny": 64, "glm-5.2-78l": 256}  # a multiple of the selection block size (16 / 128)
@@ -143,7 +143,7 @@ def _ngx_graph(preset, npugraph_ex_pkg, stub):
             torch._dynamo.reset()
             b = _build(preset)
             cfg = npugraph_ex_pkg.CompilerConfig()
-            cfg.pattern_fusion_pass = False  # its patterns trace torch.ops.npu kernels, absent on CPU
+            _compat.set_npugraph_ex_option(cfg, "pattern_fusion_pass", False)  # traces torch.ops.npu kernels, absent on CPU
             be = NpuOffloadBackend(exe_mode="npugraph_ex", pool_size=PS[preset], compiler_config=cfg)
             step = torch.compile(b.model, backend=be)
             with pytest.raises(RuntimeError, match=stub.CAPTURE_UNAVAILABLE):

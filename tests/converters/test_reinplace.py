@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from offload_passes import _compat
 from offload_passes.converters.fx_passes import split_install_chains
 
 pytestmark = pytest.mark.usefixtures("reinplace_registered")
@@ -328,8 +329,8 @@ def test_npugraph_ex_compile_reinplaces_and_matches_eager(npugraph_ex_pkg, stub_
 
     cfg = npugraph_ex_pkg.CompilerConfig()
     cfg.mode = "npugraph_ex"
-    cfg.force_eager = True
-    cfg.pattern_fusion_pass = False  # its patterns trace torch.ops.npu kernels, absent on CPU
+    _compat.set_npugraph_ex_option(cfg, "force_eager", True)
+    _compat.set_npugraph_ex_option(cfg, "pattern_fusion_pass", False)  # traces torch.ops.npu kernels, absent on CPU
     cfg.post_grad_custom_post_pass = lambda gm, example_inputs, config: split_install_chains(gm)
     gp._reinplace_input_mutated_ops = spy
     try:
@@ -354,7 +355,7 @@ def _side_stream(gm, events: bool):
     import npugraph_ex.ops._tagged_event  # noqa: F401
     import npugraph_ex.scope  # noqa: F401
 
-    ops = torch.ops.npugraph_ex
+    ops = _compat.npugraph_ex_ops()
     g = gm.graph
     installs = [n for n in g.nodes if n.target is c.dsa_install_functional.default]
     output = next(n for n in g.nodes if n.op == "output")

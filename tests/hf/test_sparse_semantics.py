@@ -97,8 +97,10 @@ def _compile(fn, **opts):
 def test_detects_and_rewrites_the_hf_form(kind):
     torch._dynamo.reset()
     q, latent, rope, w = _inputs(2)
-    scores = torch.randn(B, S, T)
     base = _base(kind, 12, 2)
+    # as the HF indexer: scores of masked positions are -inf, so a row's top-k holds its visible positions
+    visible = base if kind == "sdpa" else base == 0
+    scores = torch.randn(B, S, T, generator=torch.Generator().manual_seed(7)).masked_fill(~visible[:, 0], float("-inf"))
     fn, backend, graphs = _compile(lambda *a: _from_scores(*a, kind=kind), enable_offload=False)
     out = fn(q, latent, rope, w, scores, base)
     rep = backend.reports[-1]
@@ -122,7 +124,7 @@ def test_indices_not_from_a_topk_are_refused():
 def test_unverified_site_is_left_unmodified_with_reason():
     torch._dynamo.reset()
     q, latent, rope, w = _inputs(3)
-    scores = torch.randn(B, S, T)
+    scores = torch.randn(B, S, T, generator=torch.Generator().manual_seed(9))
     base = _base("eager", 12, 0)
     fn, backend, graphs = _compile(lambda *a: _from_scores(*a, twice=True), enable_offload=False)
     out, _ = fn(q, latent, rope, w, scores, base)
@@ -173,8 +175,8 @@ def test_offload_refusal_keeps_the_sparse_rewrite():
     reasons, the (exact) sparse rewrite stays."""
     torch._dynamo.reset()
     q, latent, rope, w = (t.to(torch.bfloat16) for t in _inputs(6))
-    scores = torch.randn(B, S, T)
     base = _base("sdpa", 12, 0)
+    scores = torch.randn(B, S, T, generator=torch.Generator().manual_seed(8)).masked_fill(~base[:, 0], float("-inf"))
     fn, backend, graphs = _compile(lambda *a: _from_scores(*a, kind="sdpa"), enable_offload=True)
     out = fn(q, latent, rope, w, scores, base)
     rep = backend.reports[-1]
