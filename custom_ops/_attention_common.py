@@ -5,7 +5,9 @@
   missing, so a re-import never redefines);
 * the key/value side both ops read the same way: layout ``PA_BSND`` (block table + lengths) or
   ``BSND``, its shape checks and its addressing;
-* the query-token map (``TND`` cumulative lengths or ``BSND``).
+* the query-token map (``TND`` cumulative lengths or ``BSND``);
+* the two lightning indexers' common checks and reference body (visible-key window, key gather,
+  top-k); they differ only in how a (token, key) score is computed.
 
 Each op module keeps its own schema, validation order, fake, reference and CPU wiring; the kv-side
 messages name the op's own arguments (``layout_key``/``actual_seq_lengths_key`` for the indexer,
@@ -129,6 +131,18 @@ def paged_rows(
 # --------------------------------------------------------------------------------------------
 # shared validation and addressing
 # --------------------------------------------------------------------------------------------
+
+
+def check_layouts(op: str, layout_query: str, kv_layout: str, sparse_mode: int, *, layout_arg: str) -> None:
+    """The first checks of every decode-path reference: both layout strings and ``sparse_mode``.
+
+    ``layout_arg`` is the op's name of the kv layout (``layout_key`` / ``layout_kv``).
+    """
+    ref_check(layout_query in ("TND", "BSND"), op, f"layout_query must be 'TND' or 'BSND', got {layout_query!r}")
+    ref_check(
+        kv_layout in ("PA_BSND", "BSND"), op, f"{layout_arg} must be 'PA_BSND' or 'BSND', got {kv_layout!r}"
+    )
+    ref_check(sparse_mode in (0, 3), op, f"sparse_mode must be 0 or 3, got {sparse_mode}")
 
 
 def check_query_shape(
@@ -291,3 +305,82 @@ def indexer_topk(score: torch.Tensor, n: torch.Tensor, needed: torch.Tensor, K: 
     keep = torch.arange(c).unsqueeze(0) < n.clamp(max=K).unsqueeze(1)
     out[:, :c] = torch.where(keep, top, torch.full_like(top, -1))
     return out
+
+
+#: torch_npu's documented upper limit of the indexers' ``sparse_count``.
+INDEXER_MAX_SPARSE_COUNT = 2048
+
+
+def check_sparse_count(op: str, sparse_count: int) -> None:
+    ref_check(
+        0 < sparse_count <= INDEXER_MAX_SPARSE_COUNT,
+        op,
+        f"sparse_count must be in (0, {INDEXER_MAX_SPARSE_COUNT}], got {sparse_count}",
+    )
+
+
+def check_indexer_query_lengths(op: str, actual_seq_lengths_query: Optional[torch.Tensor], B: int) -> None:
+    """Optional query lengths of an indexer: 1-D of length ``B`` (> 0), int32/int64."""
+    if actual_seq_lengths_query is None:
+        return
+    ref_check(
+        actual_seq_lengths_query.dim() == 1 and actual_seq_lengths_query.size(0) == B and B > 0,
+        op,
+        f"actual_seq_lengths_query must be 1-D of length B={B} (> 0), got {tuple(actual_seq_lengths_query.shape)}",
+    )
+    ref_check(
+        actual_seq_lengths_query.dtype in INDEX_DTYPES,
+        op,
+        f"actual_seq_lengths_query must be int32/int64, got {actual_seq_lengths_query.dtype}",
+    )
+
+
+def check_indexer_key(op: str, key: torch.Tensor, layout_key: str, D: int) -> None:
+    """An indexer's key cache: 4-D, one key head, head dim ``D`` (the kv layout is checked separately)."""
+    ref_check(key.dim() == 4, op, f"key must be 4-D ({layout_key}), got {key.dim()}-D")
+    ref_check(key.size(2) == 1, op, f"key dim 2 (key heads N2) must be 1, got {key.size(2)}")
+    ref_check(key.size(3) == D, op, f"key head dim {key.size(3)} must equal query head dim D={D}")
+
+
+def indexer_out_shape(info: dict, layout_query: str, K: int) -> tuple:
+    """Shape of the indexers' top-k ids: ``[T, 1, K]`` (TND) or ``[B, S, 1, K]`` (BSND)."""
+    if layout_query == "TND":
+        return (info["T"], 1, K)
+    return (info["B"], info["S"], 1, K)
+
+
+def indexer_reference(
+    op: str,
+    info: dict,
+    key: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    actual_seq_lengths_query: Optional[torch.Tensor],
+    actual_seq_lengths_key: Optional[torch.Tensor],
+    layout_query: str,
+    layout_key: str,
+    sparse_count: int,
+    sparse_mode: int,
+    score: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Body of both indexer references (validated inputs, ``info`` from the op's validation).
+
+    ``score(rows)`` maps the flat key-row ids ``[T, nmax]`` of every query token's visible window
+    (paged addressing applied; positions beyond ``n[t]`` read row 0 and are masked afterwards) to fp32
+    scores ``[T, nmax]``; it is called only when some token sees a key. Returns the top-k ids in the
+    op's output shape.
+    """
+    B, T = info["B"], info["T"]
+    b_of_t, i_of_t, sq_of_t = token_positions(layout_query, actual_seq_lengths_query, T, info["S"], op)
+    table, kv_len, num_blocks, bs = kv_addressing(key, block_table, actual_seq_lengths_key, layout_key, B)
+    ref_check(bool((kv_len >= 0).all().item()), op, "actual_seq_lengths_key must be >= 0")
+    n, nmax = indexer_window(kv_len, b_of_t, i_of_t, sq_of_t, sparse_mode)  # n <= 0: the row is all -1
+    scores = torch.zeros((T, 0), dtype=torch.float32)
+    needed = torch.zeros((T, 0), dtype=torch.bool)
+    if nmax > 0:
+        pos = torch.arange(nmax, dtype=torch.int64)
+        needed = pos.unsqueeze(0) < n.unsqueeze(1)  # [T, nmax]
+        rows = paged_rows(
+            table, b_of_t.unsqueeze(1).expand(T, nmax), pos.unsqueeze(0).expand(T, nmax), needed, bs, num_blocks, op
+        )
+        scores = score(rows)
+    return indexer_topk(scores, n, needed, sparse_count).view(indexer_out_shape(info, layout_query, sparse_count))

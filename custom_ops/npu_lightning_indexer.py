@@ -26,19 +26,20 @@ import torch
 
 from ._attention_common import (  # noqa: F401  (REF_NAMESPACE, FLOAT_DTYPES: re-exported)
     FLOAT_DTYPES,
-    INDEX_DTYPES,
+    INDEXER_MAX_SPARSE_COUNT,
     REF_NAMESPACE,
+    check_indexer_key,
+    check_indexer_query_lengths,
     check_kv_layout,
+    check_layouts,
     check_query_shape,
-    indexer_topk,
-    indexer_window,
-    kv_addressing,
-    paged_rows,
+    check_sparse_count,
+    indexer_out_shape,
+    indexer_reference,
     ref_check,
     ref_define,
     ref_impl,
     ref_register_fake,
-    token_positions,
 )
 
 log = logging.getLogger("offload_passes.custom_ops.npu_lightning_indexer")
@@ -53,7 +54,7 @@ SCHEMA = (
 OP = "npu_lightning_indexer"
 
 #: torch_npu's documented upper limit of ``sparse_count``.
-MAX_SPARSE_COUNT = 2048
+MAX_SPARSE_COUNT = INDEXER_MAX_SPARSE_COUNT
 
 # --------------------------------------------------------------------------------------------
 # validation (shapes, dtypes, attributes only: shared by the fake and the CPU kernel)
@@ -75,17 +76,9 @@ def validate_npu_lightning_indexer(
 ) -> dict:
     """Check every supported-case limit; return ``{B, S, T, N, D}`` (S = None for ragged TND)."""
     op = OP
-    ref_check(layout_query in ("TND", "BSND"), op, f"layout_query must be 'TND' or 'BSND', got {layout_query!r}")
-    ref_check(
-        layout_key in ("PA_BSND", "BSND"), op, f"layout_key must be 'PA_BSND' or 'BSND', got {layout_key!r}"
-    )
-    ref_check(sparse_mode in (0, 3), op, f"sparse_mode must be 0 or 3, got {sparse_mode}")
+    check_layouts(op, layout_query, layout_key, sparse_mode, layout_arg="layout_key")
     ref_check(not return_value, op, "return_value=True is not supported by the CPU reference (must be False)")
-    ref_check(
-        0 < sparse_count <= MAX_SPARSE_COUNT,
-        op,
-        f"sparse_count must be in (0, {MAX_SPARSE_COUNT}], got {sparse_count}",
-    )
+    check_sparse_count(op, sparse_count)
     for name, t in (("query", query), ("key", key), ("weights", weights)):
         ref_check(t.dtype in FLOAT_DTYPES, op, f"{name} must be float16/bfloat16/float32, got {t.dtype}")
     ref_check(key.dtype == query.dtype, op, f"key dtype {key.dtype} must equal query dtype {query.dtype}")
@@ -104,32 +97,13 @@ def validate_npu_lightning_indexer(
             op,
             f"weights must be [B={B}, S={S}, N={N}] for layout_query 'BSND', got {tuple(weights.shape)}",
         )
-    if actual_seq_lengths_query is not None:
-        ref_check(
-            actual_seq_lengths_query.dim() == 1 and actual_seq_lengths_query.size(0) == B and B > 0,
-            op,
-            f"actual_seq_lengths_query must be 1-D of length B={B} (> 0), got {tuple(actual_seq_lengths_query.shape)}",
-        )
-        ref_check(
-            actual_seq_lengths_query.dtype in INDEX_DTYPES,
-            op,
-            f"actual_seq_lengths_query must be int32/int64, got {actual_seq_lengths_query.dtype}",
-        )
-
-    ref_check(key.dim() == 4, op, f"key must be 4-D ({layout_key}), got {key.dim()}-D")
-    ref_check(key.size(2) == 1, op, f"key dim 2 (key heads N2) must be 1, got {key.size(2)}")
-    ref_check(key.size(3) == D, op, f"key head dim {key.size(3)} must equal query head dim D={D}")
+    check_indexer_query_lengths(op, actual_seq_lengths_query, B)
+    check_indexer_key(op, key, layout_key, D)
     check_kv_layout(
         op, key, block_table, actual_seq_lengths_key, layout_key, B,
         layout_arg="layout_key", lengths_arg="actual_seq_lengths_key",
     )
     return {"B": B, "S": S, "T": T, "N": N, "D": D}
-
-
-def _out_shape(info: dict, layout_query: str, K: int) -> tuple:
-    if layout_query == "TND":
-        return (info["T"], 1, K)
-    return (info["B"], info["S"], 1, K)
 
 
 def _fake(
@@ -141,7 +115,7 @@ def _fake(
         query, key, weights, actual_seq_lengths_query, actual_seq_lengths_key, block_table,
         layout_query, layout_key, sparse_count, sparse_mode, return_value,
     )
-    out = query.new_empty(_out_shape(info, layout_query, sparse_count), dtype=torch.int32)
+    out = query.new_empty(indexer_out_shape(info, layout_query, sparse_count), dtype=torch.int32)
     return out, query.new_empty((0,))
 
 
@@ -166,29 +140,20 @@ def reference_npu_lightning_indexer(
         query, key, weights, actual_seq_lengths_query, actual_seq_lengths_key, block_table,
         layout_query, layout_key, sparse_count, sparse_mode, return_value,
     )
-    B, T, D = info["B"], info["T"], info["D"]
-    K = sparse_count
-    b_of_t, i_of_t, sq_of_t = token_positions(layout_query, actual_seq_lengths_query, T, info["S"], OP)
-    q = query.reshape(T, info["N"], D)
-    w = weights.reshape(T, info["N"])
-    table, kv_len, num_blocks, bs = kv_addressing(key, block_table, actual_seq_lengths_key, layout_key, B)
-    ref_check(bool((kv_len >= 0).all().item()), OP, "actual_seq_lengths_key must be >= 0")
+    T, N, D = info["T"], info["N"], info["D"]
 
-    n, nmax = indexer_window(kv_len, b_of_t, i_of_t, sq_of_t, sparse_mode)  # n <= 0: the row is all -1
-    score = torch.zeros((T, 0), dtype=torch.float32)
-    needed = torch.zeros((T, 0), dtype=torch.bool)
-    if nmax > 0:
-        pos = torch.arange(nmax, dtype=torch.int64)
-        needed = pos.unsqueeze(0) < n.unsqueeze(1)  # [T, nmax]
-        rows = paged_rows(
-            table, b_of_t.unsqueeze(1).expand(T, nmax), pos.unsqueeze(0).expand(T, nmax), needed, bs, num_blocks, OP
-        )
-        keys = key.reshape(num_blocks * bs, D)[rows]  # [T, nmax, D]
+    def score(rows: torch.Tensor) -> torch.Tensor:
+        keys = key.reshape(-1, D)[rows]  # [T, nmax, D]
         # score[t, j] = sum_h w[t, h] * relu(q[t, h] . k[t, j])   (fp32 accumulate)
-        dots = torch.bmm(q.float(), keys.float().transpose(1, 2))  # [T, N, nmax]
-        score = torch.bmm(w.float().unsqueeze(1), torch.relu(dots)).squeeze(1)  # [T, nmax]
-    # score desc, ties by ascending id (stable sort), -1 beyond min(K, n) (shared with the int8 indexer)
-    out = indexer_topk(score, n, needed, K).view(_out_shape(info, layout_query, K))
+        dots = torch.bmm(query.reshape(T, N, D).float(), keys.float().transpose(1, 2))  # [T, N, nmax]
+        return torch.bmm(weights.reshape(T, N).float().unsqueeze(1), torch.relu(dots)).squeeze(1)  # [T, nmax]
+
+    # window, key gather and top-k (score desc, ties by ascending id, -1 beyond min(K, n)) are shared
+    # with the int8 indexer
+    out = indexer_reference(
+        OP, info, key, block_table, actual_seq_lengths_query, actual_seq_lengths_key,
+        layout_query, layout_key, sparse_count, sparse_mode, score,
+    )
     return out, query.new_empty((0,))
 
 

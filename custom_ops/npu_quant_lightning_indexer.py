@@ -29,18 +29,19 @@ from typing import Optional
 import torch
 
 from ._attention_common import (
-    INDEX_DTYPES,
+    INDEXER_MAX_SPARSE_COUNT,
+    check_indexer_key,
+    check_indexer_query_lengths,
     check_kv_layout,
+    check_layouts,
     check_query_shape,
-    indexer_topk,
-    indexer_window,
-    kv_addressing,
-    paged_rows,
+    check_sparse_count,
+    indexer_out_shape,
+    indexer_reference,
     ref_check,
     ref_define,
     ref_impl,
     ref_register_fake,
-    token_positions,
 )
 
 log = logging.getLogger("offload_passes.custom_ops.npu_quant_lightning_indexer")
@@ -56,7 +57,7 @@ SCHEMA = (
 OP = "npu_quant_lightning_indexer"
 
 #: torch_npu's documented upper limit of ``sparse_count``.
-MAX_SPARSE_COUNT = 2048
+MAX_SPARSE_COUNT = INDEXER_MAX_SPARSE_COUNT
 #: Quantised operand dtype the reference computes with.
 QUANT_DTYPES = (torch.int8,)
 #: weights / dequant-scale dtypes of the documented op.
@@ -96,16 +97,8 @@ def validate_npu_quant_lightning_indexer(
 ) -> dict:
     """Check every supported-case limit; return ``{B, S, T, N, D}`` (S = None for ragged TND)."""
     op = OP
-    ref_check(layout_query in ("TND", "BSND"), op, f"layout_query must be 'TND' or 'BSND', got {layout_query!r}")
-    ref_check(
-        layout_key in ("PA_BSND", "BSND"), op, f"layout_key must be 'PA_BSND' or 'BSND', got {layout_key!r}"
-    )
-    ref_check(sparse_mode in (0, 3), op, f"sparse_mode must be 0 or 3, got {sparse_mode}")
-    ref_check(
-        0 < sparse_count <= MAX_SPARSE_COUNT,
-        op,
-        f"sparse_count must be in (0, {MAX_SPARSE_COUNT}], got {sparse_count}",
-    )
+    check_layouts(op, layout_query, layout_key, sparse_mode, layout_arg="layout_key")
+    check_sparse_count(op, sparse_count)
     ref_check(query_quant_mode == 0, op,
               f"query_quant_mode must be 0 (per-token-head dequant scales), got {query_quant_mode}")
     ref_check(key_quant_mode == 0, op, f"key_quant_mode must be 0 (per-token dequant scales), got {key_quant_mode}")
@@ -129,21 +122,8 @@ def validate_npu_quant_lightning_indexer(
             op,
             f"{name} must be {list(per_token)} for layout_query {layout_query!r}, got {list(t.shape)}",
         )
-    if actual_seq_lengths_query is not None:
-        ref_check(
-            actual_seq_lengths_query.dim() == 1 and actual_seq_lengths_query.size(0) == B and B > 0,
-            op,
-            f"actual_seq_lengths_query must be 1-D of length B={B} (> 0), got {tuple(actual_seq_lengths_query.shape)}",
-        )
-        ref_check(
-            actual_seq_lengths_query.dtype in INDEX_DTYPES,
-            op,
-            f"actual_seq_lengths_query must be int32/int64, got {actual_seq_lengths_query.dtype}",
-        )
-
-    ref_check(key.dim() == 4, op, f"key must be 4-D ({layout_key}), got {key.dim()}-D")
-    ref_check(key.size(2) == 1, op, f"key dim 2 (key heads N2) must be 1, got {key.size(2)}")
-    ref_check(key.size(3) == D, op, f"key head dim {key.size(3)} must equal query head dim D={D}")
+    check_indexer_query_lengths(op, actual_seq_lengths_query, B)
+    check_indexer_key(op, key, layout_key, D)
     ref_check(
         tuple(key_dequant_scale.shape) == tuple(key.shape[:3]),
         op,
@@ -157,12 +137,6 @@ def validate_npu_quant_lightning_indexer(
     return {"B": B, "S": S, "T": T, "N": N, "D": D}
 
 
-def _out_shape(info: dict, layout_query: str, K: int) -> tuple:
-    if layout_query == "TND":
-        return (info["T"], 1, K)
-    return (info["B"], info["S"], 1, K)
-
-
 def _fake(
     query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode, key_quant_mode, *,
     actual_seq_lengths_query=None, actual_seq_lengths_key=None, block_table=None,
@@ -174,7 +148,7 @@ def _fake(
         actual_seq_lengths_query, actual_seq_lengths_key, block_table, layout_query, layout_key,
         sparse_count, sparse_mode, query_dtype, key_dtype,
     )
-    return query.new_empty(_out_shape(info, layout_query, sparse_count), dtype=torch.int32)
+    return query.new_empty(indexer_out_shape(info, layout_query, sparse_count), dtype=torch.int32)
 
 
 def reference_npu_quant_lightning_indexer(
@@ -204,30 +178,24 @@ def reference_npu_quant_lightning_indexer(
         actual_seq_lengths_query, actual_seq_lengths_key, block_table, layout_query, layout_key,
         sparse_count, sparse_mode, query_dtype, key_dtype,
     )
-    B, T, N, D = info["B"], info["T"], info["N"], info["D"]
-    b_of_t, i_of_t, sq_of_t = token_positions(layout_query, actual_seq_lengths_query, T, info["S"], OP)
-    table, kv_len, num_blocks, bs = kv_addressing(key, block_table, actual_seq_lengths_key, layout_key, B)
-    ref_check(bool((kv_len >= 0).all().item()), OP, "actual_seq_lengths_key must be >= 0")
-    n, nmax = indexer_window(kv_len, b_of_t, i_of_t, sq_of_t, sparse_mode)
-    score = torch.zeros((T, 0), dtype=torch.float32)
-    needed = torch.zeros((T, 0), dtype=torch.bool)
-    if nmax > 0:
-        pos = torch.arange(nmax, dtype=torch.int64)
-        needed = pos.unsqueeze(0) < n.unsqueeze(1)  # [T, nmax]
-        rows = paged_rows(
-            table, b_of_t.unsqueeze(1).expand(T, nmax), pos.unsqueeze(0).expand(T, nmax), needed, bs, num_blocks, OP
-        )
-        keys = key.reshape(num_blocks * bs, D)[rows]  # [T, nmax, D] int8
-        kscale = key_dequant_scale.reshape(num_blocks * bs)[rows].float()  # [T, nmax]
+    T, N, D = info["T"], info["N"], info["D"]
+
+    def score(rows: torch.Tensor) -> torch.Tensor:
+        keys = key.reshape(-1, D)[rows]  # [T, nmax, D] int8
+        kscale = key_dequant_scale.reshape(-1)[rows].float()  # [T, nmax]
         q = query.reshape(T, N, D)
         # int8 x int8 dot: |.| <= 128*128*D, exact in int64 and (for D <= 1024) in fp32.
         dots = torch.bmm(q.to(torch.int64), keys.to(torch.int64).transpose(1, 2)).float()  # [T, N, nmax]
         qscale = query_dequant_scale.reshape(T, N).float()
         scaled = torch.relu((qscale.unsqueeze(2) * kscale.unsqueeze(1)) * dots)  # [T, N, nmax]
         w = weights.reshape(T, N).float()
-        score = torch.bmm(w.unsqueeze(1), scaled).squeeze(1)  # [T, nmax]
-    out = indexer_topk(score, n, needed, sparse_count)
-    return out.view(_out_shape(info, layout_query, sparse_count))
+        return torch.bmm(w.unsqueeze(1), scaled).squeeze(1)  # [T, nmax]
+
+    # window, key gather and top-k are shared with npu_lightning_indexer
+    return indexer_reference(
+        OP, info, key, block_table, actual_seq_lengths_query, actual_seq_lengths_key,
+        layout_query, layout_key, sparse_count, sparse_mode, score,
+    )
 
 
 def _cpu(query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode, key_quant_mode, **kwargs):

@@ -27,6 +27,7 @@ from ._attention_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_kv_layout,
+    check_layouts,
     check_query_shape,
     kv_addressing,
     paged_rows,
@@ -70,9 +71,7 @@ def validate_npu_sparse_flash_attention(
 ) -> dict:
     """Shapes, dtypes and attributes (fake-safe). Returns ``{B, S, T, N, D, K}``."""
     op = OP
-    ref_check(layout_query in ("TND", "BSND"), op, f"layout_query must be 'TND' or 'BSND', got {layout_query!r}")
-    ref_check(layout_kv in ("PA_BSND", "BSND"), op, f"layout_kv must be 'PA_BSND' or 'BSND', got {layout_kv!r}")
-    ref_check(sparse_mode in (0, 3), op, f"sparse_mode must be 0 or 3, got {sparse_mode}")
+    check_layouts(op, layout_query, layout_kv, sparse_mode, layout_arg="layout_kv")
     ref_check(
         attention_mode == 2,
         op,

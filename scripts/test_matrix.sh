@@ -38,8 +38,8 @@ for v in $TORCH_VERSIONS; do
   # --no-build-isolation: build against this venv's torch, never a second one pulled into an isolated
   # env; --use-pep517: a PEP 660 editable install (setup.py develop would ignore the package_dir mapping)
   "$py" -m pip install -q setuptools wheel >/dev/null
-  "$py" -m pip install -q --use-pep517 --no-build-isolation -e ".[test,viz]" \
-    || { SUMMARY+=("torch $v: FAILED (pip install -e .[test,viz])"); status=1; continue; }
+  "$py" -m pip install -q --use-pep517 --no-build-isolation -e ".[test,viz,hf]" \
+    || { SUMMARY+=("torch $v: FAILED (pip install -e .[test,viz,hf])"); status=1; continue; }
   export TORCH_EXTENSIONS_DIR="$MATRIX_DIR/torch_extensions-$v"  # C++ kernels built per torch ABI
   "$py" -m offload_passes.tools.torchair_env --ensure \
     || { SUMMARY+=("torch $v: FAILED (TorchAir sources)"); status=1; continue; }

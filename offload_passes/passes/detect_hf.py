@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
-from ._fx import example, getitem_of, is_cast, is_view, op_name, strip_views, view_users
+from ._fx import example, getitem_of, is_cast, is_graph_input_or_attr, is_view, op_name, strip_views, view_users
 from .detect import Refusal
 
 __all__ = ["HfSite", "HfDetectReport", "detect_hf"]
@@ -140,7 +140,7 @@ def _expansion(key: fx.Node, value: fx.Node) -> dict:
     bias = _arg(lin, 2, "bias", None)
     _need(bias is None, f"{lin.name}: kv_b_proj with a bias is not supported")
     latent, weight = lin.args[0], lin.args[1]
-    _need(isinstance(latent, fx.Node) and _input_root(latent).op == "placeholder",
+    _need(isinstance(latent, fx.Node) and is_graph_input_or_attr(_input_root(latent)),
           f"{lin.name}: kv_b_proj input {latent} is not the latent cache (a graph input)")
     _need(isinstance(weight, fx.Node) and weight.op in ("placeholder", "get_attr"),
           f"{lin.name}: kv_b_proj weight is not a parameter")
@@ -163,7 +163,7 @@ def _expansion(key: fx.Node, value: fx.Node) -> dict:
     _need(gi_k is not None and gi_k[0] is split_n and gi_k[1] == 0, f"key[..., :{n_nope}] is not split(...)[0]")
     _need(isinstance(rope_src, fx.Node), f"key[..., {n_nope}:] is not written from the rope cache")
     rope = _input_root(rope_src)
-    _need(isinstance(rope, fx.Node) and rope.op == "placeholder", f"rope key {rope_src} is not a graph input")
+    _need(is_graph_input_or_attr(rope), f"rope key {rope_src} is not a graph input")
     return {"latent": latent, "rope": rope, "weight": weight, "n": n_nope, "v": n_v}
 
 

@@ -258,6 +258,7 @@ def rewrite_sparse(gm: fx.GraphModule, grp: GroupReport, plans: Optional[list[Gr
     """Replace every site's dense attention; with ``plans`` + ``state`` through plan/serve/install."""
     g = gm.graph
     b = lambda target, *a, **kw: g.call_function(target, a, kw)  # noqa: E731
+    _fx.hoist_attrs(g)  # caches as get_attr (torch 2.8, no nn-module inlining) become usable at every site
     first = next(n for n in g.nodes if n.op != "placeholder")
     buffers: dict[str, str] = {}
     offload = plans is not None and state is not None

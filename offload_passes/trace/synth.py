@@ -125,6 +125,16 @@ def locality(p: SynthParams, warmup: int = 16) -> dict:
     return {"adjacent": adj, "lru_8k": lru}
 
 
+def _bisect(p: SynthParams, knob: str, lo: float, hi: float, metric: str, target: float, warmup: int) -> float:
+    """Midpoint of ``[lo, hi]`` after 12 halvings towards ``locality(p with knob)[metric] == target``
+    (the metric rises with the knob)."""
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        below = locality(replace(p, **{knob: mid}), warmup)[metric] < target
+        lo, hi = (mid, hi) if below else (lo, mid)
+    return (lo + hi) / 2
+
+
 def calibrate(base: Optional[SynthParams] = None, iters: int = 10, warmup: int = 16) -> tuple[SynthParams, dict]:
     """Fit ``drift`` (adjacent reuse) and ``skew`` (LRU 8K) by alternating bisection.
 
@@ -133,21 +143,11 @@ def calibrate(base: Optional[SynthParams] = None, iters: int = 10, warmup: int =
     """
     p = base or SynthParams()
     for _ in range(iters):
-        lo, hi = 0.0, 0.9999
-        for _ in range(12):  # drift for the adjacent target
-            mid = (lo + hi) / 2
-            a = locality(replace(p, drift=mid), warmup)["adjacent"]
-            lo, hi = (mid, hi) if a < REF_ADJACENT_K2048 else (lo, mid)
-        p = replace(p, drift=round((lo + hi) / 2, 5))
+        p = replace(p, drift=round(_bisect(p, "drift", 0.0, 0.9999, "adjacent", REF_ADJACENT_K2048, warmup), 5))
         loc = locality(p, warmup)
         if abs(loc["lru_8k"] - REF_LRU_8K) < 0.002 and abs(loc["adjacent"] - REF_ADJACENT_K2048) < 0.002:
             return p, loc
-        lo, hi = 0.0, 8.0
-        for _ in range(12):  # skew for the LRU target
-            mid = (lo + hi) / 2
-            l8 = locality(replace(p, skew=mid), warmup)["lru_8k"]
-            lo, hi = (mid, hi) if l8 < REF_LRU_8K else (lo, mid)
-        p = replace(p, skew=round((lo + hi) / 2, 4))
+        p = replace(p, skew=round(_bisect(p, "skew", 0.0, 8.0, "lru_8k", REF_LRU_8K, warmup), 4))
         log.info("calibrate: %s -> %s", p, locality(p, warmup))
     return p, locality(p, warmup)
 
