@@ -116,6 +116,21 @@ def inductor_compile_fx() -> Any:
     return compile_fx
 
 
+def inductor_lowers_assert_async() -> bool:
+    """Whether Inductor turns ``aten._assert_async.msg`` into a run-time check (2.13). Torch 2.8 decomposes
+    it to nothing, so our in-graph guards would vanish in ``inductor`` mode."""
+    from torch._inductor.lowering import lowerings
+
+    return torch.ops.aten._assert_async.msg in lowerings
+
+
+def inductor_decompositions_keeping_asserts() -> dict:
+    """Inductor's decomposition table without its no-op decomposition of ``aten._assert_async.msg``."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return {k: v for k, v in select_decomp_table().items() if k is not torch.ops.aten._assert_async.msg}
+
+
 def custom_graph_pass_base() -> type:
     """Base class that makes a ``post_grad_custom_pre_pass`` cacheable (``uuid``) (2.8/2.13)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass

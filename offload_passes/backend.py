@@ -476,7 +476,11 @@ class OffloadBackend:
                 retarget_for_inductor(graph)
 
         define_aliases(_custom_op_overloads())  # a warm FX-graph cache calls them without our pass
-        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": _inductor_pass(hook)})
+        kw = {}
+        if not _compat.inductor_lowers_assert_async():  # torch 2.8: keep the guards (see inductor_targets)
+            kw["decompositions"] = _compat.inductor_decompositions_keeping_asserts()
+        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": _inductor_pass(hook)},
+                          **kw)
 
 def make_offload_backend(config: OffloadOptions | Mapping | str | Path | None = None, **kw: Any) -> Any:
     """A new backend from keyword options and/or the recipe's yaml config (path or dict).

@@ -77,14 +77,28 @@ def define_aliases(ops: Iterable[object]) -> list[_compat.OpOverload]:
     return [inductor_alias(op) for op in ops if needs_alias(op)]
 
 
+# The in-graph guards for an Inductor without a lowering of ``aten._assert_async.msg`` (torch 2.8): there
+# an output-less call is dead code to Inductor; the ``(a!)`` annotation makes it a kept side effect (the
+# kernel never writes ``cond``; the check is aten's). Unused where Inductor lowers the guard (2.13).
+_lib.define("assert_async_(Tensor(a!) cond, str msg) -> ()")
+_lib.impl("assert_async_", lambda cond, msg: torch.ops.aten._assert_async.msg(cond, msg),
+          "CompositeExplicitAutograd")
+ASSERT_ASYNC = torch.ops.offload_inductor.assert_async_.default
+
+
 def retarget_for_inductor(graph: fx.Graph) -> RetargetReport:
-    """Point every call of a :func:`needs_alias` op at its alias (arguments and meta unchanged)."""
+    """Point every call of a :func:`needs_alias` op at its alias (arguments and meta unchanged), and the
+    guards at :data:`ASSERT_ASYNC` where Inductor would drop them."""
     rep = RetargetReport()
+    keep_guards = not _compat.inductor_lowers_assert_async()
     for n in graph.nodes:
         if n.op == "call_function" and needs_alias(n.target):
             key = str(n.target)
             n.target = inductor_alias(n.target)
             rep.retargeted[key] = rep.retargeted.get(key, 0) + 1
+        elif keep_guards and n.op == "call_function" and n.target is torch.ops.aten._assert_async.msg:
+            n.target = ASSERT_ASYNC
+            rep.retargeted["aten._assert_async.msg"] = rep.retargeted.get("aten._assert_async.msg", 0) + 1
     if rep.retargeted:
         log.debug("retargeted for Inductor: %s", rep.retargeted)
     return rep

@@ -93,3 +93,26 @@ def test_same_name_from_another_namespace_is_refused():
     with pytest.raises(RuntimeError, match=r"offload_inductor::dsa_serve already stands for custom.dsa_serve.default; "
                                            r"cannot alias offload_test_alias.dsa_serve.default too"):
         inductor_alias(torch.ops.offload_test_alias.dsa_serve.default)
+
+
+def test_guards_are_kept_exactly_where_inductor_would_drop_them():
+    """torch 2.8's Inductor decomposes ``aten._assert_async.msg`` to nothing; there (only) the guards are
+    retargeted to ``offload_inductor::assert_async_``, which checks exactly as aten does."""
+    from offload_passes.passes.inductor_targets import ASSERT_ASYNC
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    ok = g.call_function(torch.ops.aten.all.default, (x,))
+    guard = g.call_function(torch.ops.aten._assert_async.msg, (ok, "offload guard: test"))
+    g.output((x,))
+    rep = retarget_for_inductor(g)
+    if _compat.inductor_lowers_assert_async():  # 2.13: the guard stays aten's
+        assert rep.retargeted == {} and guard.target is torch.ops.aten._assert_async.msg
+    else:
+        assert rep.retargeted == {"aten._assert_async.msg": 1} and guard.target is ASSERT_ASYNC
+        assert guard.args == (ok, "offload guard: test")
+        assert torch.ops.aten._assert_async.msg not in _compat.inductor_decompositions_keeping_asserts()
+    assert ASSERT_ASYNC._schema.is_mutable and str(ASSERT_ASYNC._schema.returns) == "[]"
+    ASSERT_ASYNC(torch.tensor(True), "offload guard: test")  # no error
+    with pytest.raises(RuntimeError, match="offload guard: test"):
+        ASSERT_ASYNC(torch.tensor(False), "offload guard: test")

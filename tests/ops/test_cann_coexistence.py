@@ -338,6 +338,20 @@ class NPUTensorDouble(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture
+def npu_autograd_fallthrough():
+    """TEST DOUBLE for torch_npu's AutogradPrivateUse1 fallback: the Autograd key of an NPU tensor passes a
+    call on to PrivateUse1. torch 2.13 has this fallthrough by default; torch 2.8 leaves it to the backend
+    (torch_npu registers it), so without it the call stops at 'AutogradPrivateUse1'."""
+    lib = None
+    if not torch._C._dispatch_has_backend_fallback(torch._C.DispatchKey.AutogradPrivateUse1):
+        lib = torch.library.Library("_", "IMPL", "AutogradPrivateUse1")
+        lib.fallback(torch.library.fallthrough_kernel)
+    yield
+    if lib is not None:
+        lib._destroy()
+
+
 def _plan_args(npu: bool):
     ts = (torch.zeros(1, 1, 64, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
           torch.zeros(1, 16, dtype=torch.int32), torch.zeros(1, 8, dtype=torch.int32),
@@ -352,7 +366,7 @@ def test_every_op_has_an_npu_guard_without_cann(name):
     assert Lib.has_kernel(name, "PrivateUse1")
 
 
-def test_npu_call_without_cann_raises_instead_of_cpu_fallback():
+def test_npu_call_without_cann_raises_instead_of_cpu_fallback(npu_autograd_fallthrough):
     """Our PrivateUse1 kernel answers an NPU call. torch_npu's CPU fallback is a *backend fallback*
     (``m.fallback`` for PrivateUse1), which the dispatcher only uses for ops without a PrivateUse1 kernel;
     a Python-registered fallback double cannot be used here (torch 2.13 asserts ``func != nullptr`` when
@@ -372,7 +386,7 @@ def test_npu_call_without_cann_raises_instead_of_cpu_fallback():
     assert plan.shape == (64, 2) and act.tolist() == [0]
 
 
-def test_npu_double_routes_to_privateuse1():
+def test_npu_double_routes_to_privateuse1(npu_autograd_fallthrough):
     """Control: without a PrivateUse1 kernel the same tensor double makes the dispatcher look for the
     PrivateUse1 backend (here: no kernel, no fallback -> NotImplementedError naming it)."""
     lib = torch.library.Library("offload_test_noguard", "DEF")
