@@ -107,6 +107,20 @@ def _guard(g: fx.Graph, b: "_Builder", first: fx.Node, inp: Any, make: Callable[
     guards.append(node.name)
 
 
+def state_attr(gm: fx.GraphModule, name: str, t: torch.Tensor, buffers: dict[str, str],
+               before: fx.Node) -> fx.Node:
+    """Register offload state ``t`` as buffer ``_offload_<name>`` of ``gm`` (recorded in ``buffers``) and
+    return a ``get_attr`` node for it, placed before ``before``."""
+    attr_name = f"_offload_{name}"
+    gm.register_buffer(attr_name, t)
+    buffers[name] = attr_name
+    if hasattr(gm, "_param_name_to_source"):
+        # AOT maps every lifted parameter/buffer of a Dynamo graph to a Dynamo source
+        gm._param_name_to_source[attr_name] = _compat.constant_source(f"offload_state.{attr_name}")
+    with gm.graph.inserting_before(before):
+        return gm.graph.get_attr(attr_name)
+
+
 def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: OffloadState,
             update_ledger: bool = True, install_hook: Optional[InstallHook] = None,
             in_graph_guards: bool = True, detect_new_requests: bool = True,
@@ -124,14 +138,7 @@ def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: Of
     guards: list[str] = []
 
     def attr(name: str, t: torch.Tensor) -> fx.Node:
-        attr_name = f"_offload_{name}"
-        gm.register_buffer(attr_name, t)
-        buffers[name] = attr_name
-        if hasattr(gm, "_param_name_to_source"):
-            # AOT maps every lifted parameter/buffer of a Dynamo graph to a Dynamo source
-            gm._param_name_to_source[attr_name] = _compat.constant_source(f"offload_state.{attr_name}")
-        with g.inserting_before(first):
-            return g.get_attr(attr_name)
+        return state_attr(gm, name, t, buffers, first)
 
     before = {s.layer: [s.producer.name, s.gather.name, s.sfa.name] if s is grp.owner else [s.gather.name, s.sfa.name]
               for grp in groups.groups for s in grp.sites}

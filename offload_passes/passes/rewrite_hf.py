@@ -41,6 +41,7 @@ from .detect import Refusal
 from .detect_hf import HfDetectReport, HfSite, detect_hf
 from .group import GroupReport, group
 from .preconditions import MAX_DKV, MAX_DR, MAX_RAW_SEQ, MAX_TOPK, GroupPlan, SiteGeometry, _pow2
+from .rewrite import state_attr
 
 log = logging.getLogger("offload_passes.passes.rewrite_hf")
 aten = torch.ops.aten
@@ -264,13 +265,7 @@ def rewrite_sparse(gm: fx.GraphModule, grp: GroupReport, plans: Optional[list[Gr
     offload = plans is not None and state is not None
 
     def attr(name: str, t: torch.Tensor) -> fx.Node:
-        attr_name = f"_offload_{name}"
-        gm.register_buffer(attr_name, t)
-        buffers[name] = attr_name
-        if hasattr(gm, "_param_name_to_source"):
-            gm._param_name_to_source[attr_name] = _compat.constant_source(f"offload_state.{attr_name}")
-        with g.inserting_before(first):
-            return g.get_attr(attr_name)
+        return state_attr(gm, name, t, buffers, first)
 
     before = {s.layer: [s.scatter.name, s.combine.name, s.attn.name] for gr in grp.groups for s in gr.sites}
     after: dict[int, list[str]] = {}
