@@ -121,6 +121,18 @@ def state_attr(gm: fx.GraphModule, name: str, t: torch.Tensor, buffers: dict[str
         return gm.graph.get_attr(attr_name)
 
 
+def emit_plan_stats(b: Callable[..., fx.Node], plan_n: fx.Node, stats: fx.Node, dev: Any) -> None:
+    """In-graph counters after a plan: ``stats[0]`` = this step's one-hot count of the six plan kinds plus
+    the step, ``stats[1]`` = the running total. ``b(target, *args, **kwargs)`` emits one node."""
+    kinds = b(aten.select.int, plan_n, 1, 0)
+    eq = b(aten.eq.Tensor, b(aten.unsqueeze.default, kinds, 1),
+           b(aten.arange.default, 6, dtype=torch.int32, device=dev))
+    cnt = b(aten.sum.dim_IntList, eq, [0])
+    new = b(aten.cat.default, [cnt, b(aten.ones.default, [1], dtype=torch.int64, device=dev)])
+    cum = b(aten.add.Tensor, b(aten.select.int, stats, 0, 1), new)
+    b(aten.copy_.default, stats, b(aten.stack.default, [new, cum]))
+
+
 def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: OffloadState,
             update_ledger: bool = True, install_hook: Optional[InstallHook] = None,
             in_graph_guards: bool = True, detect_new_requests: bool = True,
@@ -171,14 +183,7 @@ def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: Of
             pl = b(custom.dsa_plan.default, tk, p.lengths, meta["pool_ids"], meta["id_to_slot"],
                    meta["lru_counter"], raw_seq=S, group_id=grp.group_id, owner_layer=owner.layer)
             plan_n, rec, act = b.item(pl, 0), b.item(pl, 1), b.item(pl, 2)
-            # in-graph counters: one-hot count of the six plan kinds, plus the step
-            kinds = b(aten.select.int, plan_n, 1, 0)
-            eq = b(aten.eq.Tensor, b(aten.unsqueeze.default, kinds, 1),
-                   b(aten.arange.default, 6, dtype=torch.int32, device=dev))
-            cnt = b(aten.sum.dim_IntList, eq, [0])
-            new = b(aten.cat.default, [cnt, b(aten.ones.default, [1], dtype=torch.int64, device=dev)])
-            cum = b(aten.add.Tensor, b(aten.select.int, meta["stats"], 0, 1), new)
-            b(aten.copy_.default, meta["stats"], b(aten.stack.default, [new, cum]))
+            emit_plan_stats(b, plan_n, meta["stats"], dev)
             tk2 = b(aten.view.default, tk, [B * S, K])
         plan_nodes[grp.group_id] = pl.name
 

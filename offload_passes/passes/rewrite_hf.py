@@ -41,7 +41,7 @@ from .detect import Refusal
 from .detect_hf import HfDetectReport, HfSite, detect_hf
 from .group import GroupReport, group
 from .preconditions import MAX_DKV, MAX_DR, MAX_RAW_SEQ, MAX_TOPK, GroupPlan, SiteGeometry, _pow2
-from .rewrite import state_attr
+from .rewrite import emit_plan_stats, state_attr
 
 log = logging.getLogger("offload_passes.passes.rewrite_hf")
 aten = torch.ops.aten
@@ -305,13 +305,7 @@ def rewrite_sparse(gm: fx.GraphModule, grp: GroupReport, plans: Optional[list[Gr
                 pl = b(custom.dsa_plan.default, tk, L, meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"],
                        raw_seq=S, group_id=gr.group_id, owner_layer=gr.owner.layer)
                 plan_n, rec = g.call_function(operator.getitem, (pl, 0)), g.call_function(operator.getitem, (pl, 1))
-                kinds = b(aten.select.int, plan_n, 1, 0)
-                eq = b(aten.eq.Tensor, b(aten.unsqueeze.default, kinds, 1),
-                       b(aten.arange.default, 6, dtype=torch.int32, device=dev))
-                cnt = b(aten.sum.dim_IntList, eq, [0])
-                new = b(aten.cat.default, [cnt, b(aten.ones.default, [1], dtype=torch.int64, device=dev)])
-                cum = b(aten.add.Tensor, b(aten.select.int, meta["stats"], 0, 1), new)
-                b(aten.copy_.default, meta["stats"], b(aten.stack.default, [new, cum]))
+                emit_plan_stats(b, plan_n, meta["stats"], dev)
             plan_nodes[gr.group_id] = pl.name
         recs: dict[int, HfSiteRewrite] = {}
         sparse_nodes: dict[int, fx.Node] = {}
