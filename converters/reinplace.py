@@ -12,9 +12,12 @@ The ``extra_check`` we install is deliberately narrow:
   argument is passed twice. TorchAir's intermediate-tensor reinplace
   (``reinplace_with_multi_stream_check``) rewires later users of a multi-output op to its first
   mutated argument — wrong numbers, verified on CPU — so intermediates must stay functional;
-* it then applies the package's own stream-safety check (``check_multi_stream_for_multi_reinplace``):
-  single-stream graphs pass, and a side-stream install passes when its cross-stream users are fenced by
-  tagged events, which is the topology :mod:`offload_passes.npu_modes` emits;
+* it then applies a stream-safety check: single-stream graphs pass, and a side-stream install passes
+  when its cross-stream users are fenced by tagged events, which is the topology
+  :mod:`offload_passes.npu_modes` emits. That is the package's own
+  ``check_multi_stream_for_multi_reinplace`` where it is event-aware (npugraph_ex 2.13), else
+  :func:`converters.stream_fence.event_fenced` over the package's own user collection (npugraph_ex
+  2.8 and TorchAir only accept users on one stream);
 * for the gather op, whose in-place form returns one tensor while the functional form returns a
   tuple, it re-points ``getitem(node, 0)`` at the node, but only when called by the graph-input pass
   (which swaps the target right after a positive answer); anywhere else it refuses.
@@ -31,6 +34,7 @@ from torch import fx
 
 from .. import _compat
 from ._specs import CUSTOM_SPECS, GeOpSpec
+from .stream_fence import fenced_stream_check
 
 log = logging.getLogger("offload_passes.converters")
 
@@ -150,8 +154,11 @@ def register_reinplace(modules: Optional[List[object]] = None) -> Dict[str, List
             functional = getattr(ns, spec.functional).default
             inplace = getattr(ns, spec.op).default
             idx = mutated_arg_indices(spec)
+            check = stream_check
+            if _compat.reinplace_event_protection(mod) is None:
+                check = fenced_stream_check(_compat.reinplace_mutated_input_users(mod), idx)
             table[functional] = cls(inplace_op=inplace, mutated_arg=idx,
-                                    extra_check=make_extra_check(spec, idx, stream_check))
+                                    extra_check=make_extra_check(spec, idx, check))
             done.setdefault(mod.__name__, []).append(spec.functional)
     return done
 

@@ -248,3 +248,29 @@ def get_npugraph_ex_option(cfg: Any, name: str) -> Any:
 #: Modules holding TorchAir's / npugraph_ex's reinplace registries (``converters/reinplace.py``
 #: registers our in-place ops there; no public registration API) (npu 2.8/2.13).
 REINPLACE_REGISTRY_MODULES = ("torchair._acl_concrete_graph.graph_pass", "npugraph_ex._acl_concrete_graph.graph_pass")
+
+
+def _registry_package(registry_module: Any) -> str:
+    return registry_module.__name__.rsplit("._acl_concrete_graph", 1)[0]
+
+
+def reinplace_event_protection(registry_module: Any) -> Any:
+    """The package's event-aware stream check ``_utils.graph_utils.verify_cross_stream_event_protected``
+    (npugraph_ex in npu 2.13), or None: npugraph_ex 2.8 and TorchAir 2.8/2.13 only have
+    ``verify_nodes_on_same_stream``, and ``converters/stream_fence.py`` stands in (npu 2.8/2.13)."""
+    import importlib
+
+    try:
+        utils = importlib.import_module(_registry_package(registry_module) + "._utils.graph_utils")
+    except ImportError:
+        return None
+    return getattr(utils, "verify_cross_stream_event_protected", None)
+
+
+def reinplace_mutated_input_users(registry_module: Any) -> Any:
+    """``_acl_concrete_graph.utils.get_inplace_op_mutated_input_users`` of the registry's package: the
+    users its own stream checker inspects, per mutated argument index (npu 2.8/2.13)."""
+    import importlib
+
+    utils = importlib.import_module(registry_module.__name__.rsplit(".", 1)[0] + ".utils")
+    return utils.get_inplace_op_mutated_input_users
