@@ -62,7 +62,7 @@ def register_npugraph_ex() -> Dict[str, List[str]]:
     """Reinplace pairs in both ``inplaceable_npu_ops`` registries that can be imported. Idempotent."""
     import offload_passes  # noqa: F401  (the ops must exist)
 
-    from .reinplace import register_reinplace, registry_modules
+    from .npu_reinplace_registry import register_reinplace, registry_modules
 
     return register_reinplace(registry_modules())
 

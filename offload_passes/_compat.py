@@ -245,7 +245,7 @@ def get_npugraph_ex_option(cfg: Any, name: str) -> Any:
     return target
 
 
-#: Modules holding TorchAir's / npugraph_ex's reinplace registries (``converters/reinplace.py``
+#: Modules holding TorchAir's / npugraph_ex's reinplace registries (``converters/npu_reinplace_registry.py``
 #: registers our in-place ops there; no public registration API) (npu 2.8/2.13).
 REINPLACE_REGISTRY_MODULES = ("torchair._acl_concrete_graph.graph_pass", "npugraph_ex._acl_concrete_graph.graph_pass")
 

@@ -76,7 +76,7 @@ def _sbt():
 
 @pytest.mark.parametrize("module", REGISTRIES)
 def test_both_registries_hold_our_pairs(module):
-    from offload_passes.converters.reinplace import registered
+    from offload_passes.converters.npu_reinplace_registry import registered
 
     gp = _gp(module)
     assert registered(gp) == {

@@ -129,7 +129,7 @@ def _validate(mod) -> Tuple[dict, type, Callable]:
         raise RuntimeError(
             f"{mod.__name__}: expected inplaceable_npu_ops (dict), InplaceableNpuOp, "
             f"check_multi_stream_for_multi_reinplace and {_INPUT_PASS}; this TorchAir/npugraph_ex version "
-            "is not supported by offload_passes.converters.reinplace"
+            "is not supported by offload_passes.converters.npu_reinplace_registry"
         )
     fields = getattr(cls, "__dataclass_fields__", {})
     if not {"inplace_op", "mutated_arg", "extra_check"} <= set(fields):
