@@ -5,12 +5,89 @@ models/, tools/), but they are installed *inside* the ``offload_passes`` package
 (``offload_passes.custom_ops`` ...). Real Ascend machines already carry CANN's own ``custom_ops``
 wheel, and ``models``/``tools`` are names many projects use; nothing of ours lands in
 site-packages under those names.
+
+C++ extensions (``offload_passes/_extensions.py`` names them and holds their flags) are built here, with
+torch's ``BuildExtension``, as torchvision does: all CPU kernels (``custom_ops/csrc/*.cpp``) in one
+library installed as ``offload_passes.custom_ops._C_torch<version>``, and the offload-sim core
+(``offload_passes/trace/csrc/trace_sim.cpp``) as ``offload_passes.trace._trace_sim_torch<version>``.
+torch must already be installed: build with ``pip install --no-build-isolation`` (an isolated build env
+would download a second, possibly CUDA, torch and build against it).
 """
+import importlib.util
+import os
+import sys
 from pathlib import Path
 
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
+
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:  # pragma: no cover - depends on how pip was called
+    sys.exit(
+        "offload_passes builds its C++ kernels against the installed torch: install torch first, then "
+        "`pip install --no-build-isolation -e .` (or `bash scripts/setup.sh`)"
+    )
+
+
+def _load_extensions_module():
+    # By path: importing the package itself would register the ops (and needs the built kernels).
+    spec = importlib.util.spec_from_file_location("_offload_extensions", ROOT / "offload_passes" / "_extensions.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+EXT = _load_extensions_module()
+
+
+def _rel(paths) -> list:
+    return [str(Path(p).relative_to(ROOT)) for p in paths]
+
+
+# The interpreter's CFLAGS (sysconfig) add -g, which the JIT build does not: without -g0 each library is
+# 9-11 MB of mostly debug info instead of ~250 KB.
+NO_DEBUG_INFO = ["-g0"]
+
+EXT_MODULES = [
+    CppExtension(
+        name="offload_passes.custom_ops." + EXT.cpu_kernels_name(torch.__version__),
+        sources=_rel(EXT.cpu_kernel_sources(ROOT / "custom_ops" / "csrc")),
+        include_dirs=[str(ROOT / "custom_ops" / "csrc")],
+        extra_compile_args=list(EXT.CPU_KERNELS_CFLAGS) + NO_DEBUG_INFO,
+        extra_link_args=list(EXT.CPU_KERNELS_LDFLAGS),
+    ),
+    CppExtension(
+        name="offload_passes.trace." + EXT.trace_sim_name(torch.__version__),
+        sources=_rel([ROOT / "offload_passes" / "trace" / "csrc" / "trace_sim.cpp"]),
+        extra_compile_args=list(EXT.TRACE_SIM_CFLAGS) + NO_DEBUG_INFO,
+    ),
+]
+
+
+class _BuildExt(BuildExtension):
+    """BuildExtension for a checkout that venvs of several torch versions install from (editable)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        # One object folder per torch version, kept in the checkout (pip's editable builds would otherwise
+        # use a fresh temporary one): re-installs recompile only what changed (ninja), and the 2.8 and
+        # 2.13 venvs never reuse each other's objects.
+        self.build_temp = str(ROOT / "build" / ("temp-" + EXT.torch_tag(torch.__version__)))
+
+    def copy_file(self, infile, outfile, *args, **kwargs):
+        # Write beside and rename (the in-place copy of an editable install): a process that has the
+        # previous library loaded keeps its intact file instead of one truncated under it.
+        if os.path.isdir(outfile):
+            return super().copy_file(infile, outfile, *args, **kwargs)
+        tmp = f"{outfile}.tmp-{os.getpid()}"
+        result = super().copy_file(infile, tmp, *args, **kwargs)
+        os.replace(tmp, outfile)
+        return outfile, result[1]
+
+
 # Installed name -> repository folder. Sub-packages (folders with __init__.py) are found below each.
 COMPONENTS = {
     "offload_passes": "offload_passes",
@@ -51,7 +128,7 @@ setup(
         "torch>=2.8,<2.14",  # checked: 2.8.0 and 2.13.0 (scripts/test_matrix.sh)
         "sympy",
         "pyyaml",
-        "ninja",
+        "ninja",  # the JIT fallback (custom_ops/_library.py) when no prebuilt kernels match the torch
         "safetensors",
         "numpy",  # safetensors.torch and TorchAir need it; the torch CPU wheel does not pull it in
     ],
@@ -60,6 +137,8 @@ setup(
         "viz": ["graphviz", "matplotlib"],  # matplotlib: offload-sim --plot
         "hf": ["transformers==5.23.0"],  # the HF front-end (models/hf, passes/detect_hf.py), verified on 5.23.0
     },
+    ext_modules=EXT_MODULES,
+    cmdclass={"build_ext": _BuildExt},
     entry_points={
         "torch_dynamo_backends": ["dsa_offload = offload_passes.backend:dsa_offload_backend"],
         "console_scripts": [

@@ -5,7 +5,10 @@ Importing this package needs neither TorchAir nor torch_npu; :func:`register_all
 * GE converters for the seven ``custom::`` ops (+ the ``offload_ref::`` attention references),
   :mod:`.ge_converters`;
 * the ``DsaServe`` / ``DsaInstall`` ref pairs in GE's ref-output analysis, :mod:`.ge_ref_patch`;
-* reinplace pairs in npugraph_ex's and TorchAir-ACL's ``inplaceable_npu_ops``, :mod:`.reinplace`.
+* reinplace pairs in npugraph_ex's and TorchAir-ACL's ``inplaceable_npu_ops``, :mod:`.npu_reinplace_registry`;
+* the GE converter of the KV-cache write op ``offload_ge::scatter_nd_update``, :mod:`.ge_cache_write`.
+
+The FX passes the NPU modes run before these lowerings live in :mod:`offload_passes.passes`.
 """
 from __future__ import annotations
 
@@ -14,12 +17,11 @@ import importlib.util
 import logging
 from typing import Dict, List
 
-from ._specs import ALL_SPECS, CUSTOM_SPECS, REF_IDX, REF_SPECS, GeOpSpec, spec_for  # noqa: F401
-
 log = logging.getLogger("offload_passes.converters")
 
+# The per-op facts the registrations below derive from are the op specs (custom_ops.OP_SPECS).
 __all__ = ["register_all", "register_ge", "register_npugraph_ex", "torchair_available",
-           "npugraph_ex_available", "REF_IDX", "GeOpSpec", "ALL_SPECS", "CUSTOM_SPECS", "REF_SPECS", "spec_for"]
+           "npugraph_ex_available"]
 
 
 def torchair_available() -> bool:
@@ -46,7 +48,7 @@ def register_ge() -> List[str]:
     import offload_passes  # noqa: F401  (op schemas must exist before converters attach to them)
 
     _require("torchair")
-    from .cache_write import register_ge_converter as register_cache_write
+    from .ge_cache_write import register_ge_converter as register_cache_write
     from .ge_converters import register_ge_converters
     from .ge_ref_patch import patch_copy_pass, patch_ref_idx
 

@@ -2,7 +2,7 @@
 attention references. Imports TorchAir at module import: load it through
 :func:`offload_passes.converters.register_all`, never from CPU-only code.
 
-Contract (spec/torchair.md §3, :mod:`._specs`):
+Contract (spec/torchair.md §3; the per-op facts are the ``custom_ops`` op specs, :class:`OpSpec`):
 
 * in-place op: one GE node on the original inputs; a mutated input is a ref pair (GE output with the
   input's name); the converter returns only what the torch schema returns (``None`` for ``-> ()``),
@@ -23,7 +23,8 @@ from torchair import register_fx_node_ge_converter  # public API (torch-npu 2.8.
 from torchair.ge import Clone, attr, custom_op
 from torchair.ge import Tensor as GeTensor  # public base of TorchAir's GE graph tensors
 
-from ._specs import ALL_SPECS, GeOpSpec
+from ..custom_ops import OP_SPECS
+from ..custom_ops.opspec import OpSpec, is_tensor_arg
 
 log = logging.getLogger("offload_passes.converters")
 
@@ -42,13 +43,6 @@ def _attr_for(arg: "torch.Argument", value: Any, op: str):
     if kind == "StringType":
         return attr.Str(str(value))
     raise RuntimeError(f"{op}: argument {arg.name} has type {arg.type} which has no GE attr mapping")
-
-
-def _is_tensor_arg(arg: "torch.Argument") -> bool:
-    t = arg.type
-    if t.kind() == "OptionalType":
-        t = t.getElementType()
-    return t.kind() == "TensorType"
 
 
 def _bind(schema: "torch.FunctionSchema", args: Tuple, kwargs: Dict[str, Any], op: str) -> Dict[str, Any]:
@@ -71,13 +65,13 @@ def _bind(schema: "torch.FunctionSchema", args: Tuple, kwargs: Dict[str, Any], o
     return bound
 
 
-def _emit(spec: GeOpSpec, schema, bound: Dict[str, Any], op: str, move: Tuple[str, ...] = ()):
+def _emit(spec: OpSpec, schema, bound: Dict[str, Any], op: str, move: Tuple[str, ...] = ()):
     """Build the GE node; inputs named in ``move`` are first copied with ``TensorMove``."""
     inputs: Dict[str, Optional[GeTensor]] = {}
     attrs = {}
     for a in schema.arguments:
         v = bound[a.name]
-        if _is_tensor_arg(a):
+        if is_tensor_arg(a):
             if v is not None and not isinstance(v, GeTensor):
                 raise RuntimeError(f"{op}: tensor argument {a.name} is {type(v).__name__}, expected a GE tensor")
             if v is None and a.name in spec.omit_if_none:
@@ -94,9 +88,9 @@ def _emit(spec: GeOpSpec, schema, bound: Dict[str, Any], op: str, move: Tuple[st
     return out if isinstance(out, tuple) else (out,)
 
 
-def _make_inplace_converter(spec: GeOpSpec, overload) -> Callable:
+def _make_inplace_converter(spec: OpSpec, overload) -> Callable:
     schema = overload._schema
-    op = f"{spec.namespace}::{spec.op}"
+    op = spec.qualname
     keep = [spec.ge_outputs.index(n) for n in spec.non_ref_outputs]
 
     def convert(*args, meta_outputs: Any = None, **kwargs):
@@ -106,14 +100,14 @@ def _make_inplace_converter(spec: GeOpSpec, overload) -> Callable:
             return None  # `-> ()`: the updated values live in the same-named ref outputs
         return picked[0] if len(picked) == 1 and len(schema.returns) == 1 else tuple(picked)
 
-    convert.__name__ = f"convert_{spec.op}"
+    convert.__name__ = f"convert_{spec.name}"
     return convert
 
 
-def _make_functional_converter(spec: GeOpSpec, overload) -> Callable:
+def _make_functional_converter(spec: OpSpec, overload) -> Callable:
     schema = overload._schema
-    op = f"{spec.namespace}::{spec.functional}"
-    order = [spec.ge_outputs.index(n) for n in spec.non_ref_outputs + spec.mutated]
+    op = spec.functional_qualname
+    order = [spec.ge_outputs.index(n) for n in spec.functional_outputs]
 
     def convert(*args, meta_outputs: Any = None, **kwargs):
         outs = _emit(spec, schema, _bind(schema, args, kwargs, op), op, move=spec.mutated)
@@ -138,8 +132,8 @@ def register_ge_converters() -> List[str]:
     CANN definitions and also handle the in-place op reaching GE through ``auto_functionalized_v2``.
     """
     done = []
-    for spec in ALL_SPECS:
-        pairs = [(spec.op, _make_inplace_converter)]
+    for spec in [s for s in OP_SPECS if s.ge_type]:
+        pairs = [(spec.name, _make_inplace_converter)]
         if spec.functional:
             pairs.append((spec.functional, _make_functional_converter))
         for name, factory in pairs:

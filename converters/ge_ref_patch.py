@@ -23,10 +23,17 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections import deque
 from typing import Callable, Dict
 
 from .. import _compat
-from ._specs import REF_IDX
+from ..custom_ops import OP_SPECS
+from ..custom_ops.opspec import ge_ref_table
+
+#: GE ref analysis (TorchAir ``_get_output_to_input_ref_idx``): output index -> input index, for the
+#: mutating GE types TorchAir does not list (derived from the op specs: DsaServe, DsaInstall). Without
+#: it every step copies the selection caches / pools.
+REF_IDX: Dict[str, Dict[int, int]] = ge_ref_table(OP_SPECS)
 
 log = logging.getLogger("offload_passes.converters")
 
@@ -95,50 +102,99 @@ def _producer(tensor: str) -> str:
     return tensor.rsplit(":", 1)[0]
 
 
-def _ancestors(graph, op) -> set:
-    by_name = {o.name: o for o in graph.op}
+def _topological_rank(ops: list, by_name: dict) -> Dict[str, int]:
+    """Kahn's order of the ops (one pass over the edges); ops on a cycle get no rank."""
+    indegree = {o.name: 0 for o in ops}
+    successors: Dict[str, list] = {o.name: [] for o in ops}
+    for o in ops:
+        for t in o.input:
+            if t and _producer(t) in by_name:
+                successors[_producer(t)].append(o.name)
+                indegree[o.name] += 1
+    ready = deque(name for name, d in indegree.items() if d == 0)
+    rank: Dict[str, int] = {}
+    while ready:
+        name = ready.popleft()
+        rank[name] = len(rank)
+        for s in successors[name]:
+            indegree[s] -= 1
+            if indegree[s] == 0:
+                ready.append(s)
+    return rank
+
+
+def _all_ancestors(op, names: set, by_name: dict, rank: Dict[str, int]) -> bool:
+    """Whether every op in ``names`` is an ancestor of ``op``.
+
+    A path from an ancestor to ``op`` only passes ops ranked between the two, so the backward search
+    stops below the lowest-ranked candidate: it walks the ops between a layer's reader (its serve, its
+    group's plan) and the DSA node, not the model above them.
+    """
+    if any(rank.get(n, -1) >= rank.get(op.name, -1) >= 0 for n in names):
+        return False  # ranked after the DSA node (or beside it): not an ancestor
+    floor = min((rank.get(n, -1) for n in names), default=0)
     seen, todo = set(), [op]
-    while todo:
+    while todo and not names <= seen:
         for t in todo.pop().input:
             if not t:
                 continue
             name = _producer(t)
-            if name not in seen and name in by_name:
+            if name not in seen and name in by_name and rank.get(name, floor) >= floor:
                 seen.add(name)
                 todo.append(by_name[name])
-    return seen
+    return names <= seen
 
 
 def drop_dsa_copies(graph) -> int:
-    """Remove ``TensorMove`` copies in front of DSA ref inputs that are provably safe. Returns the count."""
-    removed = 0
-    for op in [o for o in graph.op if o.type in REF_IDX]:
+    """Remove ``TensorMove`` copies in front of DSA ref inputs that are provably safe. Returns the count.
+
+    Linear in the graph: one walk builds the op index, the readers of every tensor and a topological
+    rank; each DSA input then looks only at its own copy, that copy's readers and the ops between them.
+    The removed copies leave ``graph.op`` in one sweep at the end.
+    """
+    ops = list(graph.op)
+    position = {id(o): i for i, o in enumerate(ops)}
+    by_name = {o.name: o for o in ops}
+    readers: Dict[str, Dict[int, object]] = {}  # tensor -> the ops reading it (by id), graph order
+    for o in ops:
+        for t in o.input:
+            if t:
+                readers.setdefault(t, {})[id(o)] = o
+    rank = _topological_rank(ops, by_name)
+    gone = []
+    for op in [o for o in ops if o.type in REF_IDX]:
         for in_i in ref_pairs(op).values():
-            moves = {o.name: o for o in graph.op if o.type == "TensorMove"}
             src = op.input[in_i]
-            tm = moves.get(_producer(src))
-            if tm is None or not src.endswith(":0"):
+            tm = by_name.get(_producer(src))
+            if tm is None or tm.type != "TensorMove" or not src.endswith(":0"):
                 continue
             copied = tm.input[0]
-            users_of_copy = [o for o in graph.op if src in o.input]
-            if users_of_copy != [op]:
+            users_of_copy = readers.get(src, {})
+            if len(users_of_copy) != 1 or id(op) not in users_of_copy:
                 continue  # the copy is read elsewhere: it is a real copy
-            readers = [o for o in graph.op if o is not tm and copied in o.input
-                       and not (o.type == "Assign" and o.input[0] == copied)]
-            if any(o.type == "NetOutput" for o in readers):
+            others = [o for o in readers.get(copied, {}).values() if o is not tm
+                      and not (o.type == "Assign" and o.input[0] == copied)]
+            if any(o.type == "NetOutput" for o in others):
                 continue  # the old value is returned: it must survive the in-place write
-            before = _ancestors(graph, op)
-            if any(o.name not in before for o in readers if o is not op):
+            if not _all_ancestors(op, {o.name for o in others if o is not op}, by_name, rank):
                 continue  # someone may read the old value after the DSA node writes
             op.input[in_i] = copied
+            readers[src].pop(id(op), None)
+            readers.setdefault(copied, {})[id(op)] = op
             # keep the ordering the copy carried (e.g. a record/wait control edge attached to the first
             # op a converter emitted, which is this TensorMove)
             for ctrl in [t for t in tm.input if t.endswith(":-1")]:
                 if ctrl not in op.input:
                     op.input.append(ctrl)
-            graph.op.remove(tm)
-            removed += 1
-    return removed
+                    readers.setdefault(ctrl, {})[id(op)] = op
+            for t in tm.input:
+                if t:
+                    readers.get(t, {}).pop(id(tm), None)
+            del by_name[tm.name]
+            gone.append(position[id(tm)])
+    for i in sorted(gone, reverse=True):  # highest first: the lower positions stay valid
+        del graph.op[i]
+    return len(gone)
 
 
 _COPY_PASS = "optimize_reference_op_redundant_copy"

@@ -33,7 +33,8 @@ import torch
 from torch import fx
 
 from .. import _compat
-from ._specs import CUSTOM_SPECS, GeOpSpec
+from ..custom_ops import OP_SPECS
+from ..custom_ops.opspec import OpSpec
 from .stream_fence import fenced_stream_check
 
 log = logging.getLogger("offload_passes.converters")
@@ -48,18 +49,11 @@ _INPUT_PASS = "_mutated_input_reinplace"
 _MARK = "_offload_passes_extra_check"
 
 
-def mutated_arg_indices(spec: GeOpSpec) -> List[int]:
-    """Positions of the mutated inputs in the functional twin's ``node.args`` (schema order)."""
-    overload = getattr(getattr(torch.ops, spec.namespace), spec.functional).default
-    names = [a.name for a in overload._schema.arguments]
-    return [names.index(m) for m in spec.mutated]
-
-
 def _is_graph_input(a) -> bool:
     return isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr")
 
 
-def make_extra_check(spec: GeOpSpec, indices: List[int], stream_check: Callable[[fx.Node], bool]
+def make_extra_check(spec: OpSpec, indices: List[int], stream_check: Callable[[fx.Node], bool]
                      ) -> Callable[[fx.Node], bool]:
     single_return = len(spec.non_ref_outputs) == 1
 
@@ -80,7 +74,7 @@ def make_extra_check(spec: GeOpSpec, indices: List[int], stream_check: Callable[
             return _repoint_single_output(node)
         return True
 
-    setattr(extra_check, _MARK, spec.op)
+    setattr(extra_check, _MARK, spec.name)
     return extra_check
 
 
@@ -147,13 +141,11 @@ def register_reinplace(modules: Optional[List[object]] = None) -> Dict[str, List
     done: Dict[str, List[str]] = {}
     for mod in mods:
         table, cls, stream_check = _validate(mod)
-        for spec in CUSTOM_SPECS:
-            if not spec.functional:
-                continue
+        for spec in [s for s in OP_SPECS if s.functional]:
             ns = getattr(torch.ops, spec.namespace)
             functional = getattr(ns, spec.functional).default
-            inplace = getattr(ns, spec.op).default
-            idx = mutated_arg_indices(spec)
+            inplace = getattr(ns, spec.name).default
+            idx = list(spec.mutated_positions)  # the twin takes the in-place op's arguments
             check = stream_check
             if _compat.reinplace_event_protection(mod) is None:
                 check = fenced_stream_check(_compat.reinplace_mutated_input_users(mod), idx)

@@ -21,6 +21,8 @@ import torch
 
 from offload_passes import _compat
 
+from .opspec import SHARED_LIMITS
+
 REF_NAMESPACE = "offload_ref"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -307,8 +309,7 @@ def indexer_topk(score: torch.Tensor, n: torch.Tensor, needed: torch.Tensor, K: 
     return out
 
 
-#: torch_npu's documented upper limit of the indexers' ``sparse_count``.
-INDEXER_MAX_SPARSE_COUNT = 2048
+INDEXER_MAX_SPARSE_COUNT = SHARED_LIMITS["INDEXER_MAX_SPARSE_COUNT"].value
 
 
 def check_sparse_count(op: str, sparse_count: int) -> None:

@@ -4,9 +4,11 @@ Every op module (``dsa_plan.py``, ``dsa_serve.py`` ...) uses these helpers so th
 
 * a schema already present in the process (CANN's ``custom_ops`` extension loaded first) is never
   redefined; we only add the kernels that are missing (CPU, Meta/fake, Functionalize);
-* C++ CPU kernels are built lazily, on the first CPU call, through ``torch.utils.cpp_extension`` with
-  ninja, one small extension per op (``csrc/<op>.cpp``), cached under ``TORCH_EXTENSIONS_DIR``
-  (default ``~/.cache/torch_extensions``). Importing the package never invokes a compiler.
+* C++ CPU kernels (``csrc/*.cpp``, all ops in one library) are built by ``pip install`` (``setup.py``,
+  ``BuildExtension``) and loaded on the first CPU call. Only when that prebuilt library is missing (a
+  source checkout without build, another torch version) or ``OFFLOAD_PASSES_JIT_KERNELS=1`` is set are
+  they JIT-built with ``torch.utils.cpp_extension.load`` + ninja, cached under ``TORCH_EXTENSIONS_DIR``
+  (default ``~/.cache/torch_extensions``). Importing the package never invokes a compiler or loads them.
 * ``OFFLOAD_PASSES_CPU_KERNELS=reference`` switches every CPU kernel to the pure-torch reference
   (for machines without a compiler); the default ``cpp`` uses the C++ kernels.
 
@@ -20,11 +22,11 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Hashable, Iterable, Sequence, TypeVar, Union
+from typing import Callable, Hashable, Iterable, Optional, Sequence, TypeVar, Union
 
 import torch
 
-from offload_passes import _compat
+from offload_passes import _compat, _extensions
 
 log = logging.getLogger("offload_passes.custom_ops")
 
@@ -47,8 +49,9 @@ _guarded_here: set[str] = set()
 #: Everything the op modules asked for, kept to re-register what is missing after a late CANN load.
 _schemas: dict[str, str] = {}
 _fakes: dict[str, Callable] = {}
-_build_lock = threading.Lock()
-_built: set[str] = set()
+_load_lock = threading.Lock()
+#: How the CPU kernels were loaded in this process: None (not yet), "prebuilt" or "jit".
+_kernels_origin: Optional[str] = None
 
 
 def qualname(name: str) -> str:
@@ -147,31 +150,73 @@ def cpu_kernel_mode() -> str:
     return mode
 
 
-def cpu_op(name: str):
-    """Return ``torch.ops.offload_cpu.<name>``, building and loading ``csrc/<name>.cpp`` on first use.
+def prebuilt_library() -> Optional[Path]:
+    """The CPU-kernel library ``pip install`` built for the running torch, or None if there is none."""
+    name = _extensions.cpu_kernels_name(torch.__version__)
+    path = Path(__file__).resolve().parent / _extensions.ext_filename(name)
+    return path if path.is_file() else None
 
-    The C++ file registers its entry point with ``TORCH_LIBRARY_FRAGMENT(offload_cpu, m)``.
+
+def _choose_origin() -> tuple[str, Optional[Path]]:
+    """``("prebuilt", path)`` unless the library is missing or ``OFFLOAD_PASSES_JIT_KERNELS=1``: ``("jit", None)``."""
+    if _extensions.jit_forced(os.environ):
+        return "jit", None
+    path = prebuilt_library()
+    return ("prebuilt", path) if path is not None else ("jit", None)
+
+
+def cpu_kernels_origin() -> str:
+    """Where the C++ CPU kernels come from: ``"prebuilt"`` (built by ``pip install``) or ``"jit"``.
+
+    The answer for this process once they are loaded, else the one the first CPU call will take."""
+    return _kernels_origin or _choose_origin()[0]
+
+
+def load_cpu_kernels() -> str:
+    """Load the C++ CPU kernels (every ``offload_cpu::<op>``) once per process; returns the origin."""
+    global _kernels_origin
+    if _kernels_origin is None:
+        with _load_lock:
+            if _kernels_origin is None:
+                origin, path = _choose_origin()
+                if path is not None:
+                    log.info("C++ CPU kernels: prebuilt %s", path)
+                    # The class method, not torch.ops.load_library: _cann.py hooks that instance attribute
+                    # to step aside for CANN's library, and ours (offload_cpu::) is not CANN's.
+                    type(torch.ops).load_library(torch.ops, str(path))
+                else:
+                    _jit_build()
+                _kernels_origin = origin
+    return _kernels_origin
+
+
+def cpu_op(name: str):
+    """Return ``torch.ops.offload_cpu.<name>``, loading the CPU kernels on first use.
+
+    Each ``csrc/<op>.cpp`` registers its entry point with ``TORCH_LIBRARY_FRAGMENT(offload_cpu, m)``.
     """
-    if name not in _built:
-        with _build_lock:
-            if name not in _built:
-                _build(name)
-                _built.add(name)
+    load_cpu_kernels()
     return getattr(torch.ops.offload_cpu, name)
 
 
-def _build(name: str) -> None:
+def _jit_build() -> None:
+    """Fallback: compile every ``csrc/*.cpp`` into one library with ninja (needs a C++ compiler)."""
     from torch.utils import cpp_extension
 
-    src = CSRC / f"{name}.cpp"
-    if not src.exists():
-        raise RuntimeError(f"no C++ source for custom::{name} at {src}")
-    log.info("building C++ CPU kernel for custom::%s (cached after the first build)", name)
+    sources = _extensions.cpu_kernel_sources(CSRC)
+    if not sources:
+        raise RuntimeError(f"no C++ sources for the custom:: CPU kernels in {CSRC}")
+    name = _extensions.cpu_kernels_name(torch.__version__)
+    if _extensions.jit_forced(os.environ):
+        why = f"forced by {_extensions.FORCE_JIT_ENV}"
+    else:
+        why = f"no prebuilt {_extensions.ext_filename(name)} for torch {torch.__version__}; `pip install -e .` builds it"
+    log.warning("C++ CPU kernels: JIT build (%s), cached in TORCH_EXTENSIONS_DIR", why)
     cpp_extension.load(
-        name=f"offload_passes_{name}",
-        sources=[str(src)],
-        extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
-        extra_ldflags=["-fopenmp"],
+        name="offload_passes" + name,
+        sources=[str(s) for s in sources],
+        extra_cflags=list(_extensions.CPU_KERNELS_CFLAGS),
+        extra_ldflags=list(_extensions.CPU_KERNELS_LDFLAGS),
         extra_include_paths=[str(CSRC)],
         is_python_module=False,
         verbose=False,
@@ -282,8 +327,11 @@ def register_functionalization(
     Under functionalization (AOTAutograd, ``make_fx(..., functionalize)``) the in-place op becomes
     ``custom::<functional>`` followed by ``copy_`` of its trailing outputs into the arguments named
     in ``mutated`` (in schema order). ``num_leading_outputs`` is the number of outputs the in-place op
-    itself returns (they come first in the functional twin's outputs).
+    itself returns (0 or 1, as CANN's schemas have; they come first in the functional twin's outputs).
     """
+    if num_leading_outputs not in (0, 1):
+        raise ValueError(f"register_functionalization({inplace!r}): num_leading_outputs must be 0 or 1, "
+                         f"got {num_leading_outputs}")
     if not functionalize_enabled() or has_kernel(inplace, "Functionalize"):
         return False
     arg_names = [a.name for a in torch.ops.custom.__getattr__(inplace).default._schema.arguments]
@@ -309,12 +357,9 @@ def register_functionalization(
             _compat.functionalize_replace(target, new)
             _compat.functionalize_commit_update(target)
             sync(target)
-        lead = [_compat.to_functional_tensor(o) for o in outs[:num_leading_outputs]]
         if num_leading_outputs == 0:
             return None
-        if num_leading_outputs == 1:
-            return lead[0]
-        return tuple(lead)
+        return _compat.to_functional_tensor(outs[0])
 
     _lib.impl(inplace, kernel, "Functionalize")
     return True

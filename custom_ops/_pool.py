@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import _library as L
+from .opspec import SHARED_LIMITS
 
-MAX_POOL = 16384
-WAYS = 16
+MAX_POOL = SHARED_LIMITS["MAX_POOL"].value
+WAYS = SHARED_LIMITS["WAYS"].value
 
 
 def check_pool_size(op: str, what: str, PS: int) -> int:

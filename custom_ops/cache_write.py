@@ -27,13 +27,26 @@ from __future__ import annotations
 
 import torch
 
-from ._attention_common import ref_check, ref_define, ref_impl, ref_register_fake
+from ._attention_common import REF_NAMESPACE, ref_check, ref_define, ref_impl, ref_register_fake
+from .opspec import OpSpec
 
-PROLOG = "npu_mla_prolog_cache_write_"
-SCATTER = "npu_scatter_nd_update_"
-PROLOG_SCHEMA = (f"{PROLOG}(Tensor(a!) kv_cache, Tensor(b!) kr_cache, Tensor cache_index, Tensor kv, "
-                 "Tensor kr) -> ()")
-SCATTER_SCHEMA = f"{SCATTER}(Tensor(a!) self, Tensor indices, Tensor updates) -> ()"
+PROLOG_SPEC = OpSpec(
+    namespace=REF_NAMESPACE,
+    name="npu_mla_prolog_cache_write_",
+    schema=("npu_mla_prolog_cache_write_(Tensor(a!) kv_cache, Tensor(b!) kr_cache, Tensor cache_index, "
+            "Tensor kv, Tensor kr) -> ()"),
+    role="cache_write",
+    summary="test double of the cache-writing half of npu_mla_prolog_v3 (rows cache_index := kv / kr)",
+)
+SCATTER_SPEC = OpSpec(
+    namespace=REF_NAMESPACE,
+    name="npu_scatter_nd_update_",
+    schema="npu_scatter_nd_update_(Tensor(a!) self, Tensor indices, Tensor updates) -> ()",
+    role="cache_write",
+    summary="test double of torch_npu.npu_scatter_nd_update_ (self[indices[i]] := updates[i])",
+)
+SPECS = (PROLOG_SPEC, SCATTER_SPEC)
+PROLOG, SCATTER = PROLOG_SPEC.name, SCATTER_SPEC.name
 _INDEX = (torch.int32, torch.int64)
 
 
@@ -96,9 +109,9 @@ def _scatter_cpu(self, indices, updates) -> None:
     self[tuple(idx.unbind(1))] = updates
 
 
-ref_define(PROLOG_SCHEMA)
+ref_define(PROLOG_SPEC.schema)
 ref_register_fake(PROLOG, _prolog_fake)
 ref_impl(PROLOG, "CPU", _prolog_cpu)
-ref_define(SCATTER_SCHEMA)
+ref_define(SCATTER_SPEC.schema)
 ref_register_fake(SCATTER, _scatter_fake)
 ref_impl(SCATTER, "CPU", _scatter_cpu)

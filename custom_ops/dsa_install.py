@@ -24,33 +24,33 @@ import torch
 from . import _library as L
 from ._pool import MAX_POOL, WAYS, check_pool_metadata, check_pool_size  # noqa: F401
 from ._records import decode_records, records_layout
+from .opspec import GeOp, OpSpec, shared_limits
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_install")
 
-SCHEMA = (
-    "dsa_install(Tensor install_records, Tensor selection_kv_cache, Tensor selection_k_rope, "
-    "Tensor selection_kv_block_table, Tensor(a!) pool_kv_cache, Tensor(b!) pool_k_rope, "
-    "Tensor(c!) pool_ids, Tensor(d!) id_to_slot, Tensor(e!) lru_counter, *, int raw_seq=1, "
-    "int topk=2048, int selection_block_size=128, int metadata_update=1) -> ()"
+SPEC = OpSpec(
+    namespace="custom",
+    name="dsa_install",
+    schema=(
+        "dsa_install(Tensor install_records, Tensor selection_kv_cache, Tensor selection_k_rope, "
+        "Tensor selection_kv_block_table, Tensor(a!) pool_kv_cache, Tensor(b!) pool_k_rope, "
+        "Tensor(c!) pool_ids, Tensor(d!) id_to_slot, Tensor(e!) lru_counter, *, int raw_seq=1, "
+        "int topk=2048, int selection_block_size=128, int metadata_update=1) -> ()"
+    ),
+    role="offload",
+    summary="install the step's missed selection rows into the pool (16-way FIFO) and its metadata",
+    functional="dsa_install_functional",
+    limits=shared_limits("MAX_RAW_SEQ", "MAX_TOPK", "MAX_DKV", "MAX_DR", "MAX_POOL", "WAYS", "TOPK_GRANULARITY",
+                         "MIN_SELECTION_BLOCK_SIZE", "MAX_SELECTION_BLOCK_SIZE"),
+    ge=GeOp("DsaInstall", outputs=("pool_kv_cache", "pool_k_rope", "pool_ids", "id_to_slot", "lru_counter")),
 )
-FUNCTIONAL_SCHEMA = (
-    "dsa_install_functional(Tensor install_records, Tensor selection_kv_cache, "
-    "Tensor selection_k_rope, Tensor selection_kv_block_table, Tensor pool_kv_cache, "
-    "Tensor pool_k_rope, Tensor pool_ids, Tensor id_to_slot, Tensor lru_counter, *, int raw_seq=1, "
-    "int topk=2048, int selection_block_size=128, int metadata_update=1) -> "
-    "(Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
-L.define(SCHEMA)
-L.define(FUNCTIONAL_SCHEMA)
+OP, FUNCTIONAL_OP = SPEC.op_names
+L.define(SPEC.schema)
+L.define(SPEC.functional_schema)
 
-OP = "dsa_install"
-FUNCTIONAL_OP = "dsa_install_functional"
-MUTATED = ["pool_kv_cache", "pool_k_rope", "pool_ids", "id_to_slot", "lru_counter"]
-
-MAX_RAW_SEQ = 4
-MAX_TOPK = 2048
-MAX_DKV = 512
-MAX_DR = 128
+MAX_RAW_SEQ, MAX_TOPK, MAX_DKV, MAX_DR, TOPK_GRANULARITY, MIN_SBS, MAX_SBS = SPEC.limit_values(
+    "MAX_RAW_SEQ", "MAX_TOPK", "MAX_DKV", "MAX_DR", "TOPK_GRANULARITY", "MIN_SELECTION_BLOCK_SIZE",
+    "MAX_SELECTION_BLOCK_SIZE")
 PAYLOAD_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -97,12 +97,12 @@ def validate_dsa_install(
         L.check(t.dtype == torch.int32, op, f"{name} must be int32, got {t.dtype}")
     L.check(0 < raw_seq <= MAX_RAW_SEQ, op, f"raw_seq must be in [1, {MAX_RAW_SEQ}], got {raw_seq}")
     L.check(0 < topk <= MAX_TOPK, op, f"topk must be in [1, {MAX_TOPK}], got {topk}")
-    L.check(topk % 8 == 0, op, f"topk must be a multiple of 8, got {topk}")
+    L.check(topk % TOPK_GRANULARITY == 0, op, f"topk must be a multiple of {TOPK_GRANULARITY}, got {topk}")
     sbs = selection_block_size
     L.check(
-        16 <= sbs <= 128 and L.is_pow2(sbs),
+        MIN_SBS <= sbs <= MAX_SBS and L.is_pow2(sbs),
         op,
-        f"selection_block_size must be a power of two in [16, 128], got {sbs}",
+        f"selection_block_size must be a power of two in [{MIN_SBS}, {MAX_SBS}], got {sbs}",
     )
     L.check(topk % sbs == 0, op, f"topk must be a multiple of selection_block_size={sbs}, got {topk}")
     L.check(metadata_update in (0, 1), op, f"metadata_update must be 0 or 1, got {metadata_update}")
@@ -307,8 +307,10 @@ def reference_dsa_install(
 def reference_dsa_install_functional(*args, **kwargs) -> tuple[torch.Tensor, ...]:
     """Functional twin of :func:`reference_dsa_install`: returns updated clones, inputs untouched."""
     args = list(args)
-    outs = [a.clone() for a in args[4:9]]
-    reference_dsa_install(*args[:4], *outs, **kwargs)
+    outs = [args[i].clone() for i in SPEC.mutated_positions]
+    for i, out in zip(SPEC.mutated_positions, outs):
+        args[i] = out
+    reference_dsa_install(*args, **kwargs)
     return tuple(outs)
 
 
@@ -365,4 +367,4 @@ L.register_fake(OP, _fake)
 L.register_fake(FUNCTIONAL_OP, _fake_functional)
 L.impl(OP, "CPU", _cpu)
 L.impl(FUNCTIONAL_OP, "CPU", _cpu_functional)
-L.register_functionalization(OP, FUNCTIONAL_OP, MUTATED)
+L.register_functionalization(OP, FUNCTIONAL_OP, SPEC.mutated, SPEC.num_leading_outputs)

@@ -28,20 +28,30 @@ import logging
 import torch
 
 from . import _library as L
-from ._attention_common import ref_define, ref_impl, ref_register_fake
+from ._attention_common import REF_NAMESPACE, ref_define, ref_impl, ref_register_fake
 from ._records import decode_records
+from .dsa_install import SPEC as INSTALL_SPEC
 from .dsa_install import validate_dsa_install
+from .opspec import Limit, OpSpec
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_install_sc")
 
-OP = "dsa_install_sc"
-SCHEMA = (
-    "dsa_install_sc(Tensor plan, Tensor install_records, Tensor selection_kv_cache, Tensor selection_k_rope, "
-    "Tensor selection_kv_block_table, Tensor(a!) pool_kv_cache, Tensor(b!) pool_k_rope, Tensor(c!) pool_ids, "
-    "Tensor(d!) id_to_slot, Tensor(e!) lru_counter, *, int raw_seq=1, int topk=2048, "
-    "int selection_block_size=128, int metadata_update=1) -> ()"
+SPEC = OpSpec(
+    namespace=REF_NAMESPACE,
+    name="dsa_install_sc",
+    schema=(
+        "dsa_install_sc(Tensor plan, Tensor install_records, Tensor selection_kv_cache, Tensor selection_k_rope, "
+        "Tensor selection_kv_block_table, Tensor(a!) pool_kv_cache, Tensor(b!) pool_k_rope, Tensor(c!) pool_ids, "
+        "Tensor(d!) id_to_slot, Tensor(e!) lru_counter, *, int raw_seq=1, int topk=2048, "
+        "int selection_block_size=128, int metadata_update=1) -> ()"
+    ),
+    role="offload",
+    summary="opt-in second-chance variant of dsa_install (CPU modes only; no CANN kernel, no GE type)",
+    # dsa_install's limits (it runs dsa_install's validation) plus where the reference bits live
+    limits=INSTALL_SPEC.limits + (Limit("REF_SHIFT", 4, "lru_counter bits 4..19 hold one reference bit per way"),),
 )
-REF_SHIFT = 4
+OP = SPEC.name
+REF_SHIFT = SPEC.limit("REF_SHIFT")
 
 
 def validate_dsa_install_sc(plan, install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
@@ -131,6 +141,6 @@ def _cpu(plan, install_records, selection_kv_cache, selection_k_rope, selection_
                  pool_ids, id_to_slot, lru_counter, raw_seq, topk, selection_block_size, metadata_update)
 
 
-ref_define(SCHEMA)
+ref_define(SPEC.schema)
 ref_register_fake(OP, _fake)
 ref_impl(OP, "CPU", _cpu)

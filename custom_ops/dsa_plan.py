@@ -26,26 +26,33 @@ import torch
 
 from . import _library as L
 from ._pool import MAX_POOL, WAYS, check_pool_metadata, check_pool_size  # noqa: F401
-from ._records import records_layout
+from ._records import MICROTASKS, records_layout
+from .opspec import GeOp, Limit, OpSpec, shared_limits
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_plan")
 
-SCHEMA = (
-    "dsa_plan(Tensor selection_topk_indices, Tensor full_kv_actual_seq, Tensor pool_ids, "
-    "Tensor id_to_slot, Tensor lru_counter, *, int raw_seq=1, int group_id=0, int owner_layer=0, "
-    "int group_kind=0) -> (Tensor, Tensor, Tensor)"
+SPEC = OpSpec(
+    namespace="custom",
+    name="dsa_plan",
+    schema=(
+        "dsa_plan(Tensor selection_topk_indices, Tensor full_kv_actual_seq, Tensor pool_ids, "
+        "Tensor id_to_slot, Tensor lru_counter, *, int raw_seq=1, int group_id=0, int owner_layer=0, "
+        "int group_kind=0) -> (Tensor, Tensor, Tensor)"
+    ),
+    role="offload",
+    summary="classify an IndexShare group's top-k once per step into a plan and install records",
+    limits=shared_limits("MAX_TOPK", "MAX_RAW_SEQ", "MAX_POOL", "WAYS") + (
+        Limit("TOPK_ALIGN", 64, "K must be a multiple of this (8 microtasks of K/8 entries, 8-aligned)"),
+    ),
+    ge=GeOp("DsaPlan", outputs=("plan", "install_records", "selection_kv_actual_seq")),
 )
-L.define(SCHEMA)
-
-OP = "dsa_plan"
+OP = SPEC.name
+L.define(SPEC.schema)
 
 # Source kinds (spec §2.4).
 INVALID, POOL_HIT, FULL_OLD_MISS, DECODE_WINDOW, FUTURE_SKIP, NEGATIVE_STOP = range(6)
-KIND_NAMES = ("INVALID", "POOL_HIT", "FULL_OLD_MISS", "DECODE_WINDOW", "FUTURE_SKIP", "NEGATIVE_STOP")
 
-MAX_TOPK = 2048
-MAX_RAW_SEQ = 4
-MICROTASKS = 8
+MAX_TOPK, MAX_RAW_SEQ, TOPK_ALIGN = SPEC.limit_values("MAX_TOPK", "MAX_RAW_SEQ", "TOPK_ALIGN")
 
 #: Callables ``f(topk, full_kv_actual_seq, pool_ids, raw_seq)`` run on every CPU ``dsa_plan`` call before
 #: planning (trace recording: ``offload_passes.trace.record.PlanRecorder``). Empty by default.
@@ -96,7 +103,8 @@ def validate_dsa_plan(
         )
     K = topk.size(-1)
     L.check(K > 0, OP, f"selection_topk_indices last dim (K) must be > 0, got {K}")
-    L.check(K % 64 == 0, OP, f"selection_topk_indices last dim (K) must be a multiple of 64, got {K}")
+    L.check(K % TOPK_ALIGN == 0, OP,
+            f"selection_topk_indices last dim (K) must be a multiple of {TOPK_ALIGN}, got {K}")
     L.check(K <= MAX_TOPK, OP, f"selection_topk_indices last dim (K) must be <= {MAX_TOPK}, got {K}")
     L.check(
         full_kv_actual_seq.dim() == 1 and full_kv_actual_seq.size(0) == B,

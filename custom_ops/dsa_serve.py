@@ -14,36 +14,47 @@ import logging
 import torch
 
 from . import _library as L
+from .opspec import GeOp, Limit, OpSpec, shared_limits
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_serve")
 
-OP = "dsa_serve"
-FUNCTIONAL_OP = "dsa_serve_functional"
-
-SCHEMA = (
-    "dsa_serve(Tensor plan, Tensor full_kv_cache, Tensor full_k_rope, Tensor pool_kv_cache, "
-    "Tensor pool_k_rope, Tensor(a!) selection_kv_cache, Tensor(b!) selection_k_rope, *, "
-    "int raw_seq=1, int topk=2048, int selection_block_size=128, int compact_layout=1) -> ()"
+SPEC = OpSpec(
+    namespace="custom",
+    name="dsa_serve",
+    schema=(
+        "dsa_serve(Tensor plan, Tensor full_kv_cache, Tensor full_k_rope, Tensor pool_kv_cache, "
+        "Tensor pool_k_rope, Tensor(a!) selection_kv_cache, Tensor(b!) selection_k_rope, *, "
+        "int raw_seq=1, int topk=2048, int selection_block_size=128, int compact_layout=1) -> ()"
+    ),
+    role="offload",
+    summary="fill a layer's selection buffer from the pool, the full cache or zeros, per plan row",
+    functional="dsa_serve_functional",
+    limits=shared_limits("MAX_RAW_SEQ", "MAX_TOPK", "MAX_POOL", "MAX_DKV", "MAX_DR", "TOPK_GRANULARITY",
+                         "MIN_SELECTION_BLOCK_SIZE", "MAX_SELECTION_BLOCK_SIZE") + (
+        # csrc/dsa_serve.cpp's compact_layout=0 ("legacy") path is smaller in every dimension
+        Limit("LEGACY_MAX_TOPK", 64, "topk of compact_layout=0"),
+        Limit("LEGACY_MAX_POOL", 256, "pool slots of compact_layout=0"),
+        Limit("LEGACY_MAX_ROWS", 256, "plan rows of compact_layout=0"),
+        Limit("LEGACY_MAX_BATCH", 16, "batch rows of compact_layout=0"),
+        Limit("LEGACY_MAX_FULL_SEQ", 512, "full-cache tokens per batch row of compact_layout=0"),
+    ),
+    ge=GeOp("DsaServe", outputs=("selection_kv_cache", "selection_k_rope")),
 )
-FUNCTIONAL_SCHEMA = (
-    "dsa_serve_functional(Tensor plan, Tensor full_kv_cache, Tensor full_k_rope, "
-    "Tensor pool_kv_cache, Tensor pool_k_rope, Tensor selection_kv_cache, Tensor selection_k_rope, *, "
-    "int raw_seq=1, int topk=2048, int selection_block_size=128, int compact_layout=1) -> (Tensor, Tensor)"
-)
-L.define(SCHEMA)
-L.define(FUNCTIONAL_SCHEMA)
+OP, FUNCTIONAL_OP = SPEC.op_names
+L.define(SPEC.schema)
+L.define(SPEC.functional_schema)
 
 #: Plan source kinds (spec/ops.md §2.4).
 KIND_INVALID, KIND_POOL_HIT, KIND_FULL_OLD_MISS, KIND_DECODE_WINDOW, KIND_FUTURE_SKIP, KIND_NEGATIVE_STOP = range(6)
 
 #: Limits of csrc/dsa_serve.cpp: compact_layout=1 ("prod") and compact_layout=0 ("legacy").
-PROD_LIMITS = {"raw_seq": 4, "topk": 2048, "pool_size": 16384}
-LEGACY_LIMITS = {"raw_seq": 4, "topk": 64, "pool_size": 256, "rows": 256, "batch": 16, "full_seq": 512}
-TOPK_GRANULARITY = 8
-MIN_SELECTION_BLOCK_SIZE = 16
-MAX_SELECTION_BLOCK_SIZE = 128
-MAX_KV_DIM = 512
-MAX_ROPE_DIM = 128
+PROD_LIMITS = {"raw_seq": SPEC.limit("MAX_RAW_SEQ"), "topk": SPEC.limit("MAX_TOPK"),
+               "pool_size": SPEC.limit("MAX_POOL")}
+LEGACY_LIMITS = {"raw_seq": SPEC.limit("MAX_RAW_SEQ"), "topk": SPEC.limit("LEGACY_MAX_TOPK"),
+                 "pool_size": SPEC.limit("LEGACY_MAX_POOL"), "rows": SPEC.limit("LEGACY_MAX_ROWS"),
+                 "batch": SPEC.limit("LEGACY_MAX_BATCH"), "full_seq": SPEC.limit("LEGACY_MAX_FULL_SEQ")}
+TOPK_GRANULARITY, MIN_SELECTION_BLOCK_SIZE, MAX_SELECTION_BLOCK_SIZE, MAX_KV_DIM, MAX_ROPE_DIM = SPEC.limit_values(
+    "TOPK_GRANULARITY", "MIN_SELECTION_BLOCK_SIZE", "MAX_SELECTION_BLOCK_SIZE", "MAX_DKV", "MAX_DR")
 PAYLOAD_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -339,4 +350,4 @@ L.register_fake(OP, _serve_fake)
 L.register_fake(FUNCTIONAL_OP, _serve_functional_fake)
 L.impl(OP, "CPU", _serve_cpu)
 L.impl(FUNCTIONAL_OP, "CPU", _serve_functional_cpu)
-L.register_functionalization(OP, FUNCTIONAL_OP, ["selection_kv_cache", "selection_k_rope"])
+L.register_functionalization(OP, FUNCTIONAL_OP, SPEC.mutated, SPEC.num_leading_outputs)

@@ -32,35 +32,40 @@ from dataclasses import dataclass
 import torch
 
 from . import _library as L
+from .opspec import GeOp, Limit, OpSpec, shared_limits
 
 log = logging.getLogger("offload_passes.custom_ops.npu_gather_selection_kv_cache")
 
-OP = "npu_gather_selection_kv_cache"
-FUNCTIONAL_OP = "npu_gather_selection_kv_cache_functional"
-
-SCHEMA = (
-    "npu_gather_selection_kv_cache(Tensor(a!) selection_k_rope, Tensor(b!) selection_kv_cache, "
-    "Tensor(c!) selection_kv_block_table, Tensor(d!) selection_kv_block_status, "
-    "Tensor selection_topk_indices, Tensor full_k_rope, Tensor full_kv_cache, "
-    "Tensor full_kv_block_table, Tensor full_kv_actual_seq, Tensor full_q_actual_seq, *, "
-    "int selection_topk_block_size=64) -> Tensor"
+SPEC = OpSpec(
+    namespace="custom",
+    name="npu_gather_selection_kv_cache",
+    schema=(
+        "npu_gather_selection_kv_cache(Tensor(a!) selection_k_rope, Tensor(b!) selection_kv_cache, "
+        "Tensor(c!) selection_kv_block_table, Tensor(d!) selection_kv_block_status, "
+        "Tensor selection_topk_indices, Tensor full_k_rope, Tensor full_kv_cache, "
+        "Tensor full_kv_block_table, Tensor full_kv_actual_seq, Tensor full_q_actual_seq, *, "
+        "int selection_topk_block_size=64) -> Tensor"
+    ),
+    role="offload",
+    summary="baseline gather of the selected KV rows with a reuse ledger (the unmodified model's op)",
+    functional="npu_gather_selection_kv_cache_functional",
+    # limits of tiling/gather_selection_kv_cache
+    limits=shared_limits("MAX_TOPK") + (
+        Limit("SMALL_TOPK", 32, "K <= 32 uses the block-size path (§1.5); above it bsz must be 1 (§1.4)"),
+        Limit("DEFAULT_BLOCK_SIZE", 64, "replaces selection_topk_block_size <= 0"),
+        Limit("MAX_KV_DIM", 656, "selection/full kv cache last dim"),
+        Limit("MAX_SEQ_EXCLUSIVE", 8, "query tokens per batch row S must be below this"),
+    ),
+    ge=GeOp("GatherSelectionKvCache", ref_known=True,
+            outputs=("selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
+                     "selection_kv_block_status", "selection_kv_actual_seq")),
 )
-FUNCTIONAL_SCHEMA = (
-    "npu_gather_selection_kv_cache_functional(Tensor selection_k_rope, Tensor selection_kv_cache, "
-    "Tensor selection_kv_block_table, Tensor selection_kv_block_status, Tensor selection_topk_indices, "
-    "Tensor full_k_rope, Tensor full_kv_cache, Tensor full_kv_block_table, Tensor full_kv_actual_seq, "
-    "Tensor full_q_actual_seq, *, int selection_topk_block_size=64) -> "
-    "(Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
-L.define(SCHEMA)
-L.define(FUNCTIONAL_SCHEMA)
+OP, FUNCTIONAL_OP = SPEC.op_names
+L.define(SPEC.schema)
+L.define(SPEC.functional_schema)
 
-#: Limits of tiling/gather_selection_kv_cache.
-MAX_TOPK = 2048
-SMALL_TOPK = 32  # K <= 32 uses the block-size path (§1.5); above it bsz must be 1 (§1.4)
-DEFAULT_BLOCK_SIZE = 64  # replaces selection_topk_block_size <= 0
-MAX_KV_DIM = 656
-MAX_SEQ_EXCLUSIVE = 8
+MAX_TOPK, SMALL_TOPK, DEFAULT_BLOCK_SIZE, MAX_KV_DIM, MAX_SEQ_EXCLUSIVE = SPEC.limit_values(
+    "MAX_TOPK", "SMALL_TOPK", "DEFAULT_BLOCK_SIZE", "MAX_KV_DIM", "MAX_SEQ_EXCLUSIVE")
 PAYLOAD_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
 
 
@@ -578,9 +583,4 @@ L.register_fake(OP, _gather_fake)
 L.register_fake(FUNCTIONAL_OP, _gather_functional_fake)
 L.impl(OP, "CPU", _gather_cpu)
 L.impl(FUNCTIONAL_OP, "CPU", _gather_functional_cpu)
-L.register_functionalization(
-    OP,
-    FUNCTIONAL_OP,
-    ["selection_k_rope", "selection_kv_cache", "selection_kv_block_table", "selection_kv_block_status"],
-    num_leading_outputs=1,
-)
+L.register_functionalization(OP, FUNCTIONAL_OP, SPEC.mutated, SPEC.num_leading_outputs)

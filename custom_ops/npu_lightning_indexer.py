@@ -26,7 +26,6 @@ import torch
 
 from ._attention_common import (  # noqa: F401  (REF_NAMESPACE, FLOAT_DTYPES: re-exported)
     FLOAT_DTYPES,
-    INDEXER_MAX_SPARSE_COUNT,
     REF_NAMESPACE,
     check_indexer_key,
     check_indexer_query_lengths,
@@ -41,20 +40,30 @@ from ._attention_common import (  # noqa: F401  (REF_NAMESPACE, FLOAT_DTYPES: re
     ref_impl,
     ref_register_fake,
 )
+from .opspec import GeOp, OpSpec, shared_limits
 
 log = logging.getLogger("offload_passes.custom_ops.npu_lightning_indexer")
 
-SCHEMA = (
-    "npu_lightning_indexer(Tensor query, Tensor key, Tensor weights, *, "
-    "Tensor? actual_seq_lengths_query=None, Tensor? actual_seq_lengths_key=None, "
-    "Tensor? block_table=None, str layout_query=\"BSND\", str layout_key=\"BSND\", "
-    "int sparse_count=2048, int sparse_mode=3, int pre_tokens=9223372036854775807, "
-    "int next_tokens=9223372036854775807, bool return_value=False) -> (Tensor, Tensor)"
+SPEC = OpSpec(
+    namespace=REF_NAMESPACE,
+    name="npu_lightning_indexer",
+    schema=(
+        "npu_lightning_indexer(Tensor query, Tensor key, Tensor weights, *, "
+        "Tensor? actual_seq_lengths_query=None, Tensor? actual_seq_lengths_key=None, "
+        "Tensor? block_table=None, str layout_query=\"BSND\", str layout_key=\"BSND\", "
+        "int sparse_count=2048, int sparse_mode=3, int pre_tokens=9223372036854775807, "
+        "int next_tokens=9223372036854775807, bool return_value=False) -> (Tensor, Tensor)"
+    ),
+    role="decode",
+    summary="CPU reference of torch_npu's decode lightning indexer (top-k key ids per query token)",
+    limits=shared_limits("INDEXER_MAX_SPARSE_COUNT"),
+    ge=GeOp("LightningIndexer", outputs=("sparse_indices", "sparse_values"),
+            attr_names={"return_value": "return_values"}),
 )
-OP = "npu_lightning_indexer"
+OP = SPEC.name
 
 #: torch_npu's documented upper limit of ``sparse_count``.
-MAX_SPARSE_COUNT = INDEXER_MAX_SPARSE_COUNT
+MAX_SPARSE_COUNT = SPEC.limit("INDEXER_MAX_SPARSE_COUNT")
 
 # --------------------------------------------------------------------------------------------
 # validation (shapes, dtypes, attributes only: shared by the fake and the CPU kernel)
@@ -161,6 +170,6 @@ def _cpu(query, key, weights, **kwargs):
     return reference_npu_lightning_indexer(query, key, weights, **kwargs)
 
 
-ref_define(SCHEMA)
+ref_define(SPEC.schema)
 ref_register_fake(OP, _fake)
 ref_impl(OP, "CPU", _cpu)

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from ._attention_common import (
-    INDEXER_MAX_SPARSE_COUNT,
+    REF_NAMESPACE,
     check_indexer_key,
     check_indexer_query_lengths,
     check_kv_layout,
@@ -43,21 +43,31 @@ from ._attention_common import (
     ref_impl,
     ref_register_fake,
 )
+from .opspec import OpSpec, shared_limits
 
 log = logging.getLogger("offload_passes.custom_ops.npu_quant_lightning_indexer")
 
-SCHEMA = (
-    "npu_quant_lightning_indexer(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, "
-    "Tensor key_dequant_scale, int query_quant_mode, int key_quant_mode, *, "
-    "Tensor? actual_seq_lengths_query=None, Tensor? actual_seq_lengths_key=None, Tensor? block_table=None, "
-    "str layout_query=\"BSND\", str layout_key=\"BSND\", int sparse_count=2048, int sparse_mode=3, "
-    "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, "
-    "int? query_dtype=None, int? key_dtype=None) -> Tensor"
+SPEC = OpSpec(
+    namespace=REF_NAMESPACE,
+    name="npu_quant_lightning_indexer",
+    schema=(
+        "npu_quant_lightning_indexer(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, "
+        "Tensor key_dequant_scale, int query_quant_mode, int key_quant_mode, *, "
+        "Tensor? actual_seq_lengths_query=None, Tensor? actual_seq_lengths_key=None, Tensor? block_table=None, "
+        "str layout_query=\"BSND\", str layout_key=\"BSND\", int sparse_count=2048, int sparse_mode=3, "
+        "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, "
+        "int? query_dtype=None, int? key_dtype=None) -> Tensor"
+    ),
+    role="decode",
+    summary="CPU reference of torch_npu's int8 (quantised) decode lightning indexer",
+    # ge=None: no converter of ours; on an NPU the model calls torch.ops.npu.npu_quant_lightning_indexer,
+    # which TorchAir's own converter lowers
+    limits=shared_limits("INDEXER_MAX_SPARSE_COUNT"),
 )
-OP = "npu_quant_lightning_indexer"
+OP = SPEC.name
 
 #: torch_npu's documented upper limit of ``sparse_count``.
-MAX_SPARSE_COUNT = INDEXER_MAX_SPARSE_COUNT
+MAX_SPARSE_COUNT = SPEC.limit("INDEXER_MAX_SPARSE_COUNT")
 #: Quantised operand dtype the reference computes with.
 QUANT_DTYPES = (torch.int8,)
 #: weights / dequant-scale dtypes of the documented op.
@@ -204,6 +214,6 @@ def _cpu(query, key, weights, query_dequant_scale, key_dequant_scale, query_quan
     )
 
 
-ref_define(SCHEMA)
+ref_define(SPEC.schema)
 ref_register_fake(OP, _fake)
 ref_impl(OP, "CPU", _cpu)

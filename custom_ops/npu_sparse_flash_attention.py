@@ -26,6 +26,7 @@ import torch
 from ._attention_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    REF_NAMESPACE,
     check_kv_layout,
     check_layouts,
     check_query_shape,
@@ -37,18 +38,26 @@ from ._attention_common import (
     ref_register_fake,
     token_positions,
 )
+from .opspec import GeOp, OpSpec
 
 log = logging.getLogger("offload_passes.custom_ops.npu_sparse_flash_attention")
 
-SCHEMA = (
-    "npu_sparse_flash_attention(Tensor query, Tensor key, Tensor? value, Tensor sparse_indices, "
-    "float scale_value, *, Tensor? block_table=None, Tensor? actual_seq_lengths_query=None, "
-    "Tensor? actual_seq_lengths_kv=None, Tensor? query_rope=None, Tensor? key_rope=None, "
-    "int sparse_block_size=1, str layout_query=\"BSND\", str layout_kv=\"BSND\", int sparse_mode=3, "
-    "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, int attention_mode=0, "
-    "bool return_softmax_lse=False, Tensor? sinks=None) -> (Tensor, Tensor, Tensor)"
+SPEC = OpSpec(
+    namespace=REF_NAMESPACE,
+    name="npu_sparse_flash_attention",
+    schema=(
+        "npu_sparse_flash_attention(Tensor query, Tensor key, Tensor? value, Tensor sparse_indices, "
+        "float scale_value, *, Tensor? block_table=None, Tensor? actual_seq_lengths_query=None, "
+        "Tensor? actual_seq_lengths_kv=None, Tensor? query_rope=None, Tensor? key_rope=None, "
+        "int sparse_block_size=1, str layout_query=\"BSND\", str layout_kv=\"BSND\", int sparse_mode=3, "
+        "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, int attention_mode=0, "
+        "bool return_softmax_lse=False, Tensor? sinks=None) -> (Tensor, Tensor, Tensor)"
+    ),
+    role="decode",
+    summary="CPU reference of torch_npu's sparse flash attention over the selected KV rows",
+    ge=GeOp("SparseFlashAttention", outputs=("attention_out", "softmax_max", "softmax_sum"), omit_if_none=("sinks",)),
 )
-OP = "npu_sparse_flash_attention"
+OP = SPEC.name
 
 
 def validate_npu_sparse_flash_attention(
@@ -252,6 +261,6 @@ def _cpu(query, key, value, sparse_indices, scale_value, **kwargs):
     return reference_npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, **kwargs)
 
 
-ref_define(SCHEMA)
+ref_define(SPEC.schema)
 ref_register_fake(OP, _fake)
 ref_impl(OP, "CPU", _cpu)

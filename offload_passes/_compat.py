@@ -49,6 +49,20 @@ def dispatcher_schema(qualname: str) -> str | None:
         return None
 
 
+def dispatcher_op_names(namespace: str) -> list[str]:
+    """Sorted ``ns::name`` of every operator the dispatcher knows in ``namespace`` (overload names
+    dropped); torch.library has no way to enumerate a namespace (2.8/2.13)."""
+    prefix = f"{namespace}::"
+    return sorted({n.split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)})
+
+
+# Schema strings parsed without registering anything (custom_ops/opspec.py); torch.library parses
+# with the same private parser and exposes none (2.8/2.13).
+FunctionSchema = torch._C.FunctionSchema
+SchemaArgument = torch._C.Argument
+parse_schema = torch._C.parse_schema
+
+
 def resolve_library_path(path: str) -> str:
     """The path ``torch.ops.load_library`` will actually load (same resolution rules) (2.8/2.13)."""
     return torch._utils_internal.resolve_library_path(path)

@@ -9,10 +9,12 @@ Design decisions (copied into the README's design section):
    inputs and functionalizes the ops through our Functionalize kernels into ``*_functional`` twins +
    ``copy_`` epilogues, with correct mutated-input bookkeeping. A post-AOT rewrite (TorchAir's
    ``post_grad_custom_pre_pass``) would have to introduce input mutations after
-   ``mutated_user_inputs`` is computed (spec/torchair.md §2). One rewrite core for every mode:
-   :func:`rewrite_for_offload` (``gm, example_inputs, options -> gm, state, report``), which the NPU
-   modes (``npu_modes.py``) call before handing the graph to TorchAir / npugraph_ex; its
-   ``install_hook`` receives each layer's install nodes to wrap them in a side-stream scope.
+   ``mutated_user_inputs`` is computed (spec/torchair.md §2). One backend core for every mode:
+   :class:`OffloadBackend` (graph ids, the rewrite :func:`rewrite_for_offload`, state binding and the
+   stale-state rule, dumps, reports); the modes differ only in their lowering (:data:`LOWERINGS`:
+   ``eager`` / ``inductor`` here, ``ge_graph`` / ``npugraph_ex`` in ``npu_modes.py``, which hands the
+   graph to TorchAir / npugraph_ex and whose ``install_hook`` wraps each layer's installs in a
+   side-stream scope). ``npu_modes.py`` never imports this module.
 2. **Small passes with typed reports**: ``passes/detect.py`` (``DetectReport``), ``group.py``
    (``GroupReport``), ``preconditions.py`` (``PlanReport``), ``rewrite.py`` (``RewriteReport``),
    ``reinplace.py`` (``ReinplaceReport``). This module only chains them and lowers.
@@ -48,45 +50,44 @@ import itertools
 import logging
 import time
 import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 from torch import fx
 
 from . import _compat
 from .dump import Dumper
-from .options import CPU_EXE_MODES, OffloadOptions
+from .options import CPU_EXE_MODES, EXE_MODES, OffloadOptions
 from .passes import _fx
-from .passes.detect import Refusal, detect
-from .passes.group import group
-from .passes.preconditions import plan as plan_pass
+from .passes.detect import DetectReport, Refusal, detect
+from .passes.group import GroupReport, group
+from .passes.preconditions import PlanReport, plan as plan_pass
 from .passes.inductor_targets import define_aliases, retarget_for_inductor
 from .passes.reinplace import ReinplaceReport, reinplace
-from .passes.rewrite import InstallHook, rewrite
+from .passes.rewrite import InstallHook, OffloadRefused, rewrite
 from .passes.rewrite_hf import rewrite_hf
-from .state import REGISTRY, GroupLayout, OffloadState, StateBinder
+from .state import REGISTRY, OffloadState, StateBinder, build_state
 
 log = logging.getLogger("offload_passes.backend")
 
-__all__ = ["OffloadBackend", "offload_backend", "make_offload_backend", "dsa_offload_backend",
-           "rewrite_for_offload", "OffloadRefused"]
+__all__ = ["OffloadBackend", "NpuOffloadBackend", "offload_backend", "make_offload_backend",
+           "dsa_offload_backend", "rewrite_for_offload", "OffloadRefused", "LOWERINGS", "LowerContext"]
 
 _graph_ids = itertools.count()
 PASS_FILES = {
     "detect": "passes/detect.py", "group": "passes/group.py", "plan": "passes/preconditions.py",
     "rewrite": "passes/rewrite.py", "reinplace": "passes/reinplace.py",
 }
-
-
-class OffloadRefused(RuntimeError):
-    """Raised under ``strict=True`` when a graph with DSA sites cannot be rewritten."""
+NPU_EXE_MODES = ("ge_graph", "npugraph_ex")  # npu_modes.NPU_MODES, without importing it
 
 
 def _new_graph_id() -> str:
     return f"graph_{next(_graph_ids):03d}"
 
 
+# ------------------------------------------------------------------------------- the rewrite core
 def rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], options: OffloadOptions | None = None,
                         install_hook: Optional[InstallHook] = None, graph_id: Optional[str] = None,
                         shared_state: bool = False,
@@ -105,45 +106,45 @@ def rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], optio
     emitted for the CPU modes only (GE has no converter for ``aten._assert_async``).
     """
     with _fx.paused_gc():
-        return _rewrite_for_offload(gm, example_inputs, options, install_hook, graph_id, shared_state)
+        return _rewrite_for_offload(gm, example_inputs, options or OffloadOptions(), install_hook,
+                                    graph_id or _new_graph_id(), shared_state)
 
 
-def _cache_refs(gm: fx.GraphModule, plans: Sequence[Any], example_inputs: Sequence[Any]
-                ) -> Optional[tuple[list[list[tuple]], list[list[Any]]]]:
-    """Per group, per layer the full kv / rope caches as ``("arg", i)`` / ``("const", tensor)`` refs and
-    the example tensors; None when a cache is neither a graph input nor an attribute."""
-    index = {p: i for i, p in enumerate(_fx.placeholders(gm.graph))}
-    refs: list[list[tuple]] = []
-    tensors: list[list[Any]] = []
-    for p in plans:
-        r, t = [], []
-        for l in p.layers:
-            for node in (p.geometry[l].full_kv, p.geometry[l].full_rope):
-                root = _fx.strip_views(node)
-                if root in index and index[root] < len(example_inputs):
-                    r.append(("arg", index[root]))
-                    t.append(example_inputs[index[root]])
-                elif isinstance(root, fx.Node) and root.op == "get_attr":
-                    obj: Any = gm
-                    for part in str(root.target).split("."):
-                        obj = getattr(obj, part)
-                    r.append(("const", obj))
-                    t.append(obj)
-                else:
-                    return None
-        refs.append(r)
-        tensors.append(t)
-    if not all(hasattr(x, "data_ptr") for ts in tensors for x in ts):
-        return None
-    return refs, tensors
+def _base_report(graph_id: str, opts: OffloadOptions, det: DetectReport, pr: PlanReport, refusals: list,
+                 ops_before: dict, timings: dict) -> dict:
+    """The GraphReport of a graph before (or without) its rewrite."""
+    return {
+        "graph_id": graph_id, "rewritten": False, "mode": opts.exe_mode, "options": opts.to_dict(),
+        "groups": [p.to_dict() for p in pr.groups], "sites": [],
+        "layer_nodes": {"before": {}, "after": {}}, "ops": {"before": ops_before, "after": ops_before},
+        "state": [], "refusals": [r.to_dict() for r in refusals], "timings": timings,
+        "passes": [{"name": k, "file": v} for k, v in PASS_FILES.items()],
+        "detect": {"gathers": det.gathers, "sites": len(det.sites), "indexers": det.indexers,
+                   "other_topk": det.other_topk},
+    }
 
 
-def _rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], options: OffloadOptions | None,
-                         install_hook: Optional[InstallHook], graph_id: Optional[str], shared_state: bool,
+def _refusals(det: DetectReport, pr: PlanReport, opts: OffloadOptions) -> list[Refusal]:
+    refusals: list[Refusal] = list(det.refusals) + list(pr.refusals)
+    if det.has_dsa and not (opts.enable_offload and opts.shared_indexer_offload):
+        refusals.insert(0, Refusal("disabled", "enable_offload / shared_indexer_offload is off in the config"))
+    return refusals
+
+
+def _refuse(graph_id: str, refusals: list[Refusal], strict: bool) -> None:
+    """One warning naming the reasons (the graph compiles unmodified); ``OffloadRefused`` under strict."""
+    reasons = sorted({r.reason for r in refusals})
+    msg = (f"{graph_id}: DSA offload not applied ({', '.join(reasons)}): "
+           + "; ".join(r.detail for r in refusals[:4]) + (" ..." if len(refusals) > 4 else ""))
+    if strict:
+        raise OffloadRefused(msg)
+    log.warning("%s; compiling the graph unmodified", msg)
+
+
+def _rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions,
+                         install_hook: Optional[InstallHook], graph_id: str, shared_state: bool,
                          ) -> tuple[fx.GraphModule, Optional[OffloadState], dict]:
-    opts = options or OffloadOptions()
-    graph_id = graph_id or _new_graph_id()
-    t = {}
+    t: dict = {}
     t0 = time.perf_counter()
     ops_before = _fx.count_ops(gm.graph)
     det = detect(gm)
@@ -158,62 +159,43 @@ def _rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], opti
     t1 = time.perf_counter()
     pr = plan_pass(gm, grp, example_inputs, opts)
     t["plan_s"] = time.perf_counter() - t1
-    refusals: list[Refusal] = list(det.refusals) + list(pr.refusals)
-    if det.has_dsa and not (opts.enable_offload and opts.shared_indexer_offload):
-        refusals.insert(0, Refusal("disabled", "enable_offload / shared_indexer_offload is off in the config"))
-    report: dict = {
-        "graph_id": graph_id, "rewritten": False, "mode": opts.exe_mode, "options": opts.to_dict(),
-        "groups": [p.to_dict() for p in pr.groups], "sites": [],
-        "layer_nodes": {"before": {}, "after": {}}, "ops": {"before": ops_before, "after": ops_before},
-        "state": [], "refusals": [r.to_dict() for r in refusals], "timings": t,
-        "passes": [{"name": k, "file": v} for k, v in PASS_FILES.items()],
-        "detect": {"gathers": det.gathers, "sites": len(det.sites), "indexers": det.indexers,
-                   "other_topk": det.other_topk},
-    }
-    state = None
+    refusals = _refusals(det, pr, opts)
+    report = _base_report(graph_id, opts, det, pr, refusals, ops_before, t)
     t["rewrite_s"] = 0.0
     if not det.has_dsa:
         log.debug("%s: no DSA gather in the graph; passing it through", graph_id)
         return gm, None, report
     if refusals:
-        reasons = sorted({r.reason for r in refusals})
-        msg = (f"{graph_id}: DSA offload not applied ({', '.join(reasons)}): "
-               + "; ".join(r.detail for r in refusals[:4]) + (" ..." if len(refusals) > 4 else ""))
-        if opts.strict:
-            raise OffloadRefused(msg)
-        log.warning("%s; compiling the graph unmodified", msg)
+        _refuse(graph_id, refusals, opts.strict)
         return gm, None, report
     t1 = time.perf_counter()
-    layouts = [GroupLayout.from_plan(p) for p in pr.groups]
-    found = _cache_refs(gm, pr.groups, example_inputs)
-    if shared_state and found is not None:
-        state = REGISTRY.bind(graph_id, layouts, found[1])
-    else:
-        device = _fx.example(pr.groups[0].geometry[pr.groups[0].owner_layer].full_kv)
-        state = OffloadState.allocate(graph_id, layouts, device=device.device if device is not None else None)
-    state.layouts = layouts
-    state.cache_refs = found[0] if found is not None else None
-    state.shared = bool(shared_state and found is not None)
+    state = build_state(gm, pr.groups, example_inputs, graph_id, shared_state)
     t["alloc_s"] = time.perf_counter() - t1  # zero-filling pools: memory bandwidth, not pass work
+    _apply_rewrite(gm, grp, pr, state, opts, install_hook, report)
+    return gm, state, report
+
+
+def _apply_rewrite(gm: fx.GraphModule, grp: GroupReport, pr: PlanReport, state: OffloadState,
+                   opts: OffloadOptions, install_hook: Optional[InstallHook], report: dict) -> None:
     t1 = time.perf_counter()
     rr = rewrite(gm, grp, pr, state, update_ledger=opts.update_ledger, install_hook=install_hook,
                  in_graph_guards=opts.exe_mode in CPU_EXE_MODES, replacement_policy=opts.replacement_policy)
-    t["rewrite_s"] = time.perf_counter() - t1
+    report["timings"]["rewrite_s"] = time.perf_counter() - t1
     report.update({
         "rewritten": True,
         "sites": [s.to_dict() for s in rr.sites],
         "layer_nodes": {"before": rr.layer_nodes_before, "after": rr.layer_nodes_after},
-        "ops": {"before": ops_before, "after": _fx.count_ops(gm.graph)},
+        "ops": {"before": report["ops"]["before"], "after": _fx.count_ops(gm.graph)},
         "state": state.describe(),
         "state_bytes": state.total_bytes,
         "buffers": rr.buffers,
         "guards": rr.guards,
     })
-    log.info("%s: rewrote %d DSA layers in %d groups %s", graph_id, len(rr.sites), len(pr.groups),
+    log.info("%s: rewrote %d DSA layers in %d groups %s", report["graph_id"], len(rr.sites), len(pr.groups),
              [p.layers for p in pr.groups])
-    return gm, state, report
 
 
+# ---------------------------------------------------------------------------- the CPU lowerings
 class _ReinplacePass:
     """Inductor ``post_grad_custom_pre_pass``: our reinplace, with a stable uuid for the FX cache."""
 
@@ -261,20 +243,7 @@ def state_as_inputs(gm: fx.GraphModule, state: OffloadState) -> tuple[fx.GraphMo
     env: dict = {}
     out = g.graph_copy(gm.graph, env)
     g.output(out)
-    last = [n for n in g.nodes if n.op == "placeholder"][-1]
-    used: list[str] = []
-    for n in list(g.nodes):
-        if n.op == "get_attr" and n.target in attrs:
-            name = attrs[n.target]
-            with g.inserting_after(last):
-                ph = g.placeholder(f"offload_{name}")
-            ph._dynamo_source = None  # not a user value: no Dynamo source, no guard
-            t = state.tensors()[name]
-            ph.meta["example_value"] = torch.empty_like(t, device="meta")
-            n.replace_all_uses_with(ph)
-            g.erase_node(n)
-            last = ph
-            used.append(name)
+    used = _attrs_to_placeholders(g, attrs, state)
     for old, copied in env.items():
         if old.op == "placeholder" and hasattr(old, "_dynamo_source"):
             copied._dynamo_source = old._dynamo_source  # AOT reads Dynamo's metadata (static shapes)
@@ -290,6 +259,25 @@ def state_as_inputs(gm: fx.GraphModule, state: OffloadState) -> tuple[fx.GraphMo
     return new, used
 
 
+def _attrs_to_placeholders(g: fx.Graph, attrs: dict[str, str], state: OffloadState) -> list[str]:
+    """Replace the ``get_attr`` of each state buffer by a new last placeholder; the state names in order."""
+    last = [n for n in g.nodes if n.op == "placeholder"][-1]
+    used: list[str] = []
+    for n in list(g.nodes):
+        if n.op == "get_attr" and n.target in attrs:
+            name = attrs[n.target]
+            with g.inserting_after(last):
+                ph = g.placeholder(f"offload_{name}")
+            ph._dynamo_source = None  # not a user value: no Dynamo source, no guard
+            t = state.tensors()[name]
+            ph.meta["example_value"] = torch.empty_like(t, device="meta")
+            n.replace_all_uses_with(ph)
+            g.erase_node(n)
+            last = ph
+            used.append(name)
+    return used
+
+
 def _static_fakes(example_inputs: Sequence[Any], tensors: Sequence[torch.Tensor]) -> list:
     """``tensors`` as static-shape fake tensors of the compile's fake mode (AOT would otherwise make
     the extra state inputs dynamic), or as they are outside a fake mode."""
@@ -299,12 +287,165 @@ def _static_fakes(example_inputs: Sequence[Any], tensors: Sequence[torch.Tensor]
     return [fm.from_tensor(t, static_shapes=True) for t in tensors]
 
 
+@dataclass
+class LowerContext:
+    """What the core hands a lowering besides the graph (one compile)."""
+
+    graph_id: str
+    options: OffloadOptions
+    state: Optional[OffloadState]
+    report: dict
+    dumper: Optional[Dumper]
+    kwargs: dict = field(default_factory=dict)  # extra arguments Dynamo passed to the backend
+    final_graph: Optional[fx.Graph] = None  # set by a lowering that runs our reinplace
+
+    @property
+    def timings(self) -> dict:
+        return self.report["timings"]
+
+    @property
+    def dump_dir(self) -> Optional[Path]:
+        return self.dumper.root if self.dumper is not None else None
+
+
+class Lowering(Protocol):
+    """One exe_mode's part of the backend: everything else (graph ids, state binding, dumps, reports)
+    is the core's. CPU: :class:`CpuLowering`; NPU: ``npu_modes.NpuLowering`` (duck-typed: that module
+    never imports this one)."""
+
+    #: the state as per-call graph inputs chosen by the caches (CPU) or as private graph buffers (NPU)
+    shared_state: bool
+
+    def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
+                ) -> tuple[OffloadOptions, Optional[InstallHook]]: ...
+
+    def after_rewrite(self, gm: fx.GraphModule, state: Optional[OffloadState], report: dict,
+                      options: OffloadOptions, install_hook: Optional[InstallHook]) -> None: ...
+
+    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable: ...
+
+
+class CpuLowering:
+    """``eager`` (AOT + our reinplace, run op by op) and ``inductor`` (our reinplace as Inductor's
+    ``post_grad_custom_pre_pass``, in-place custom ops retargeted to their ``offload_inductor::`` aliases)."""
+
+    shared_state = True
+
+    def __init__(self, mode: str):
+        if mode not in CPU_EXE_MODES:
+            raise ValueError(f"exe_mode must be one of {CPU_EXE_MODES} for the CPU lowering, got {mode!r}")
+        self.mode = mode
+
+    def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
+                ) -> tuple[OffloadOptions, Optional[InstallHook]]:
+        return options, install_hook
+
+    def after_rewrite(self, gm: fx.GraphModule, state: Optional[OffloadState], report: dict,
+                      options: OffloadOptions, install_hook: Optional[InstallHook]) -> None:
+        return None
+
+    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable:
+        timings, report = ctx.timings, ctx.report
+        if not report["detect"]["gathers"] or (ctx.state is None and self.mode == "eager"):
+            # untouched: no DSA at all, or refused (the model's own in-place ops run as written)
+            timings["aot_s"] = 0.0
+            timings["reinplace_s"] = 0.0
+            return gm.forward
+        rinfo: dict = {}
+        on_graph = self._on_graph(ctx, rinfo)
+        if self.mode == "eager":
+            fn = _lower_eager(gm, example_inputs, on_graph, timings)
+        else:
+            fn = _lower_inductor(gm, example_inputs, on_graph, timings)
+        if "report" in rinfo:
+            report["reinplace"] = rinfo["report"].to_dict()
+            report["ops"]["after"] = rinfo["ops_after"]
+            ctx.final_graph = rinfo["final_graph"]
+        elif ctx.state is not None and self.mode == "inductor":
+            report["reinplace"] = {"cached": True}
+        return fn
+
+    @staticmethod
+    def _on_graph(ctx: LowerContext, rinfo: dict) -> Callable[[fx.Graph, str], None]:
+        """The post-AOT callback: dump the functional graph, reinplace it, dump the result."""
+        def on_graph(graph: fx.Graph, stage: str) -> None:
+            if stage == "functional":
+                if ctx.dumper:
+                    ctx.dumper.graph(ctx.graph_id, "functional", graph)
+                rinfo["t0"] = time.perf_counter()
+                return
+            with _fx.paused_gc():
+                rep: ReinplaceReport = reinplace(graph)
+            ctx.timings["reinplace_s"] = time.perf_counter() - rinfo.pop("t0")
+            rinfo.update(report=rep, ops_after=_fx.count_ops(graph), final_graph=graph)
+            if ctx.dumper:
+                ctx.dumper.graph(ctx.graph_id, "reinplace", graph)
+
+        return on_graph
+
+
+def _lower_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], on_graph, timings: dict) -> Callable:
+    aot_module_simplified, make_boxed_func = _compat.aot_module_simplified(), _compat.make_boxed_func()
+
+    def inner(fx_gm: fx.GraphModule, ex: Sequence[Any]):
+        timings["aot_s"] = time.perf_counter() - t0
+        on_graph(fx_gm.graph, "functional")
+        on_graph(fx_gm.graph, "reinplace")
+        fx_gm.recompile()
+        return make_boxed_func(fx_gm.forward)
+
+    t0 = time.perf_counter()
+    return aot_module_simplified(gm, example_inputs, fw_compiler=inner, inference_compiler=inner,
+                                 keep_inference_input_mutations=True)
+
+
+def _lower_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], on_graph, timings: dict) -> Callable:
+    compile_fx = _compat.inductor_compile_fx()
+
+    t0 = time.perf_counter()
+
+    def hook(graph: fx.Graph, stage: str) -> None:
+        if stage == "functional":
+            timings["aot_s"] = time.perf_counter() - t0
+        on_graph(graph, stage)
+        if stage == "reinplace":  # in-place custom ops as every Inductor version runs them
+            retarget_for_inductor(graph)
+
+    define_aliases(_custom_op_overloads())  # a warm FX-graph cache calls them without our pass
+    kw = {}
+    if not _compat.inductor_lowers_assert_async():  # torch 2.8: keep the guards (see inductor_targets)
+        kw["decompositions"] = _compat.inductor_decompositions_keeping_asserts()
+    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": _inductor_pass(hook)},
+                      **kw)
+
+
+def _npu_lowering(mode: str, **npu_kw: Any) -> Lowering:
+    from .npu_modes import NpuLowering  # lazy: the NPU modes' glue is only needed for them
+
+    return NpuLowering(mode, **npu_kw)
+
+
+def _cpu_lowering(mode: str, **npu_kw: Any) -> Lowering:
+    given = sorted(k for k, v in npu_kw.items() if v not in (None, {}, True))
+    if given:
+        raise ValueError(f"{given} only apply to the NPU exe_modes {NPU_EXE_MODES}, not {mode!r}")
+    return CpuLowering(mode)
+
+
+#: exe_mode -> lowering factory ``(mode, compiler_config=, npu_options=, side_stream=) -> Lowering``.
+LOWERINGS: dict[str, Callable[..., Lowering]] = {
+    "eager": _cpu_lowering, "inductor": _cpu_lowering, "ge_graph": _npu_lowering, "npugraph_ex": _npu_lowering,
+}
+
+
+# ---------------------------------------------------------------------------------- the backend
 class _Compiled:
-    """What Dynamo calls: picks the offload state for the call's caches (``StateBinder``), then runs."""
+    """What Dynamo calls: picks the offload state for the call's caches (``StateBinder``: per-call
+    inputs, or the graph's own buffers after the stale-state rule), then runs."""
 
     def __init__(self, fn: Callable, binder: Optional[StateBinder], backend: "OffloadBackend", graph_id: str):
         self.fn = fn
-        self.binder = binder
+        self.binder = binder  # owns a private state: the backend holds it weakly
         self.backend_ref = weakref.ref(backend)
         self.graph_id = graph_id
         if binder is not None and binder.input_names is not None:
@@ -322,22 +463,34 @@ class _Compiled:
 
 
 class OffloadBackend:
-    """A Dynamo backend instance: ``torch.compile(model, backend=OffloadBackend(pool_size=...))``.
+    """A Dynamo backend instance: ``torch.compile(model, backend=OffloadBackend(pool_size=...))``; the one
+    core of every exe_mode (the modes differ only in their lowering, :data:`LOWERINGS`).
 
     Exposes ``state`` (the state of the most recently run rewritten graph), ``states`` (all live
-    ones), ``reports`` (GraphReport dicts), ``reset_state(rows=None)``.
+    ones), ``reports`` (GraphReport dicts), ``reset_state(rows=None)``. NPU modes also take
+    ``compiler_config`` (``torchair.CompilerConfig`` / ``npugraph_ex.CompilerConfig``), ``npu_options``
+    (npugraph_ex options) and ``side_stream`` (installs on a side stream, default); with ``dump_dir``
+    ge_graph also writes TorchAir's GE graph dump ``<dump_dir>/<graph_id>/dynamo_optimized_*.txt``.
     """
 
-    def __init__(self, options: OffloadOptions | Mapping | str | Path | None = None, **kw: Any):
+    #: the exe_modes this class accepts (all of them; :class:`NpuOffloadBackend` narrows it)
+    modes: tuple[str, ...] = EXE_MODES
+
+    def __init__(self, options: OffloadOptions | Mapping | str | Path | None = None, *,
+                 compiler_config: Any = None, npu_options: Optional[Mapping[str, Any]] = None,
+                 side_stream: bool = True, **kw: Any):
         self.options = OffloadOptions.from_any(options, **kw)
-        if self.options.exe_mode not in CPU_EXE_MODES:
-            raise ValueError(f"exe_mode {self.options.exe_mode!r} needs offload_passes.npu_modes "
-                             f"(torchair); this backend runs {CPU_EXE_MODES}")
-        # weak: a compiled graph owns its binder; the state lives with the caches (state.REGISTRY)
+        mode = self.options.exe_mode
+        if mode not in self.modes:
+            raise ValueError(f"exe_mode must be one of {self.modes} for {type(self).__name__}, got {mode!r}")
+        self.lowering: Lowering = LOWERINGS[mode](mode, compiler_config=compiler_config,
+                                                  npu_options=dict(npu_options or {}), side_stream=side_stream)
+        # weak: a compiled graph owns its binder; the state lives with the caches (state.REGISTRY) or,
+        # private, with the compiled graph
         self._binders: "weakref.WeakValueDictionary[str, StateBinder]" = weakref.WeakValueDictionary()
         self._last: Optional[weakref.ref] = None  # binder of the rewritten graph that ran last
         self.reports: list[dict] = []
-        self.install_hook: Optional[InstallHook] = None
+        self.install_hook: Optional[InstallHook] = None  # CPU modes; the NPU lowerings bring their own
         self._final_graphs: dict[str, Optional[fx.Graph]] = {}  # post-reinplace graphs, for tests / inspection
 
     # -- public ---------------------------------------------------------------------------
@@ -365,135 +518,83 @@ class OffloadBackend:
         for st in self.states:
             st.reset(rows)
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        return self.compile(gm, example_inputs)
-
-    # -- compile --------------------------------------------------------------------------
-    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        opts = self.options
-        t_start = time.perf_counter()
-        graph_id = _new_graph_id()
-        dump_dir = opts.resolved_dump_dir
-        dumper = Dumper(dump_dir) if dump_dir else None
-        if dumper:
-            dumper.graph(graph_id, "dynamo", gm)
-        gm, state, report = rewrite_for_offload(gm, example_inputs, opts, self.install_hook, graph_id,
-                                                shared_state=True)
-        timings = report["timings"]
-        binder = None
-        if state is not None:
-            if dumper:
-                dumper.graph(graph_id, "rewrite", gm)
-            names = None
-            if state.shared and state.cache_refs is not None:
-                gm, names = state_as_inputs(gm, state)
-                example_inputs = list(example_inputs) + _static_fakes(example_inputs, state.flat(names))
-            binder = self._binder(state, graph_id, names)
-            report["state_per_caches"] = bool(binder is not None and binder.input_names is not None)
-        rinfo: dict = {}
-
-        def on_graph(graph: fx.Graph, stage: str) -> None:
-            if stage == "functional":
-                if dumper:
-                    dumper.graph(graph_id, "functional", graph)
-                rinfo["t0"] = time.perf_counter()
-                return
-            with _fx.paused_gc():
-                rep: ReinplaceReport = reinplace(graph)
-            timings["reinplace_s"] = time.perf_counter() - rinfo.pop("t0")
-            rinfo["report"] = rep
-            rinfo["ops_after"] = _fx.count_ops(graph)
-            rinfo["final_graph"] = graph
-            if dumper:
-                dumper.graph(graph_id, "reinplace", graph)
-
-        t_lower = time.perf_counter()
-        if not report["detect"]["gathers"] or (state is None and opts.exe_mode == "eager"):
-            # untouched: no DSA at all, or refused (the model's own in-place ops run as written)
-            fn = gm.forward
-            timings["aot_s"] = 0.0
-            timings["reinplace_s"] = 0.0
-        elif opts.exe_mode == "eager":
-            fn = self._lower_eager(gm, example_inputs, on_graph, timings)
-        else:
-            fn = self._lower_inductor(gm, example_inputs, on_graph, timings)
-        timings["lower_s"] = time.perf_counter() - t_lower
-        timings["total_s"] = time.perf_counter() - t_start
-        timings["pass_s"] = sum(timings.get(k, 0.0) for k in ("detect_s", "group_s", "plan_s", "rewrite_s",
-                                                              "reinplace_s"))
-        if "report" in rinfo:
-            report["reinplace"] = rinfo["report"].to_dict()
-            report["ops"]["after"] = rinfo["ops_after"]
-        elif state is not None and opts.exe_mode == "inductor":
-            report["reinplace"] = {"cached": True}
-        self.reports.append(report)
-        self._final_graphs[graph_id] = rinfo.get("final_graph")
-        if dumper:
-            dumper.report(report)
-        compiled = _Compiled(fn, binder, self, graph_id)
-        return compiled
-
-    def _binder(self, state: OffloadState, graph_id: str, names: Optional[list[str]]) -> StateBinder:
-        if state.cache_refs is None or state.layouts is None:
-            # caches not identifiable (e.g. the HF form): the graph's own state, tracked but no switch rule
-            b = StateBinder(graph_id, [], [], None, state)
-        else:
-            b = StateBinder(graph_id, state.layouts, state.cache_refs, names, state)
-        self._binders[graph_id] = b
-        return b
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        return self.compile(gm, example_inputs, **kwargs)
 
     def final_graph(self, graph_id: Optional[str] = None) -> Optional[fx.Graph]:
         if graph_id is None:
             graph_id = self.reports[-1]["graph_id"] if self.reports else None
         return self._final_graphs.get(graph_id)
 
-    @staticmethod
-    def _lower_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], on_graph, timings: dict) -> Callable:
-        aot_module_simplified, make_boxed_func = _compat.aot_module_simplified(), _compat.make_boxed_func()
+    # -- compile --------------------------------------------------------------------------
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        """Rewrite (every mode alike), bind the state, record / dump the report, lower per mode."""
+        t_start = time.perf_counter()
+        graph_id = _new_graph_id()
+        dump_dir = self.options.resolved_dump_dir
+        dumper = Dumper(dump_dir) if dump_dir else None
+        if dumper:
+            dumper.graph(graph_id, "dynamo", gm)
+        opts, hook = self.lowering.prepare(self.options, graph_id, self.install_hook)
+        gm, state, report = rewrite_for_offload(gm, example_inputs, opts, hook, graph_id,
+                                                shared_state=self.lowering.shared_state)
+        self.lowering.after_rewrite(gm, state, report, opts, hook)
+        binder = None
+        if state is not None:
+            if dumper:
+                dumper.graph(graph_id, "rewrite", gm)
+            gm, example_inputs, binder = self._bind(gm, example_inputs, state, graph_id)
+            report["state_per_caches"] = binder.input_names is not None
+        self.reports.append(report)
+        if dumper:  # before lowering too: a lowering that stops (no CANN here) leaves the report
+            dumper.report(report)
+        ctx = LowerContext(graph_id, opts, state, report, dumper, dict(kwargs))
+        timings = report["timings"]
+        t_lower = time.perf_counter()
+        fn = self.lowering.lower(gm, example_inputs, ctx)
+        timings["lower_s"] = time.perf_counter() - t_lower
+        timings["total_s"] = time.perf_counter() - t_start
+        timings["pass_s"] = sum(timings.get(k, 0.0) for k in ("detect_s", "group_s", "plan_s", "rewrite_s",
+                                                              "reinplace_s"))
+        self._final_graphs[graph_id] = ctx.final_graph
+        if dumper:
+            dumper.report(report)
+        return _Compiled(fn, binder, self, graph_id)
 
-        def inner(fx_gm: fx.GraphModule, ex: Sequence[Any]):
-            timings["aot_s"] = time.perf_counter() - t0
-            on_graph(fx_gm.graph, "functional")
-            on_graph(fx_gm.graph, "reinplace")
-            fx_gm.recompile()
-            return make_boxed_func(fx_gm.forward)
+    def _bind(self, gm: fx.GraphModule, example_inputs: Sequence[Any], state: OffloadState, graph_id: str
+              ) -> tuple[fx.GraphModule, Sequence[Any], StateBinder]:
+        """The binder that applies the stale-state rule before every call (and, for shared state, picks
+        the state of the call's caches as extra graph inputs)."""
+        names = None
+        if state.shared and state.cache_refs is not None:
+            gm, names = state_as_inputs(gm, state)
+            example_inputs = list(example_inputs) + _static_fakes(example_inputs, state.flat(names))
+        if state.cache_refs is None or state.layouts is None:
+            # caches not identifiable (e.g. the HF form): the graph's own state, tracked but no switch rule
+            b = StateBinder(graph_id, [], [], None, state)
+        else:
+            b = StateBinder(graph_id, state.layouts, state.cache_refs, names, state)
+        self._binders[graph_id] = b
+        return gm, example_inputs, b
 
-        t0 = time.perf_counter()
-        return aot_module_simplified(gm, example_inputs, fw_compiler=inner, inference_compiler=inner,
-                                     keep_inference_input_mutations=True)
 
-    @staticmethod
-    def _lower_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], on_graph, timings: dict) -> Callable:
-        compile_fx = _compat.inductor_compile_fx()
+class NpuOffloadBackend(OffloadBackend):
+    """The core configured with an NPU exe_mode (``ge_graph`` / ``npugraph_ex``); rejects the CPU ones:
+    ``torch.compile(model, backend=NpuOffloadBackend(exe_mode="ge_graph", pool_size=8192))``."""
 
-        t0 = time.perf_counter()
+    modes = NPU_EXE_MODES
 
-        def hook(graph: fx.Graph, stage: str) -> None:
-            if stage == "functional":
-                timings["aot_s"] = time.perf_counter() - t0
-            on_graph(graph, stage)
-            if stage == "reinplace":  # in-place custom ops as every Inductor version runs them
-                retarget_for_inductor(graph)
 
-        define_aliases(_custom_op_overloads())  # a warm FX-graph cache calls them without our pass
-        kw = {}
-        if not _compat.inductor_lowers_assert_async():  # torch 2.8: keep the guards (see inductor_targets)
-            kw["decompositions"] = _compat.inductor_decompositions_keeping_asserts()
-        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": _inductor_pass(hook)},
-                          **kw)
-
-def make_offload_backend(config: OffloadOptions | Mapping | str | Path | None = None, **kw: Any) -> Any:
+def make_offload_backend(config: OffloadOptions | Mapping | str | Path | None = None, **kw: Any) -> OffloadBackend:
     """A new backend from keyword options and/or the recipe's yaml config (path or dict).
 
-    ``exe_mode`` ``eager``/``inductor`` give an :class:`OffloadBackend`; ``ge_graph``/``npugraph_ex``
-    give ``npu_modes.NpuOffloadBackend`` (imports torchair / npugraph_ex lazily, on first compile).
+    ``exe_mode`` ``eager``/``inductor`` give an :class:`OffloadBackend`; ``ge_graph``/``npugraph_ex`` an
+    :class:`NpuOffloadBackend` (imports torchair / npugraph_ex lazily, on first compile).
     """
+    npu_kw = {k: kw.pop(k) for k in ("compiler_config", "npu_options", "side_stream") if k in kw}
     opts = OffloadOptions.from_any(config, **kw)
-    if opts.exe_mode not in CPU_EXE_MODES:
-        from .npu_modes import NpuOffloadBackend
-
-        return NpuOffloadBackend(opts)
-    return OffloadBackend(opts)
+    cls = OffloadBackend if opts.exe_mode in CPU_EXE_MODES else NpuOffloadBackend
+    return cls(opts, **npu_kw)
 
 
 #: The default backend (pool 8192, eager): ``torch.compile(model, backend=offload_backend)``.

@@ -1,7 +1,8 @@
 """NPU execution modes of the offload backend: ``ge_graph`` (TorchAir GE) and ``npugraph_ex`` (ACL graph).
 
-Both share the backend's pre-AOT rewrite core (:func:`offload_passes.backend.rewrite_for_offload`) and
-then hand the rewritten Dynamo graph to torch_npu's own backend, so all of TorchAir's handling
+Both run in the one backend core (``offload_passes.backend.OffloadBackend``: rewrite, state binding and
+the stale-state rule, dumps, reports) with :class:`NpuLowering` as their lowering, which hands the
+rewritten Dynamo graph to torch_npu's own backend, so all of TorchAir's handling
 (stream/event rewriting, decompositions, AOT with input mutations, reinplace, converters, static /
 frozen inputs) is kept:
 
@@ -28,7 +29,7 @@ as soon as that layer's ``dsa_serve`` has finished, so they overlap the layer's 
 
 Per-step bookkeeping (the pool statistics and the ledger update) is main-stream work the reference does
 not do: off by default in these modes, ``npu_bookkeeping=True`` keeps it. In ge_graph the model's
-KV-cache writes become ``ScatterNdUpdate`` on the cache inputs (:mod:`offload_passes.converters.cache_write`),
+KV-cache writes become ``ScatterNdUpdate`` on the cache inputs (:mod:`offload_passes.passes.cache_writes`),
 which GE runs in place.
 
 Nothing here imports torch_npu / TorchAir at import time; CPU users never need them.
@@ -36,7 +37,6 @@ Nothing here imports torch_npu / TorchAir at import time; CPU users never need t
 from __future__ import annotations
 
 import logging
-import weakref
 from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional, Sequence
 
@@ -45,7 +45,7 @@ from torch import fx
 
 from . import _compat
 from .options import OffloadOptions
-from .state import OffloadState, StateBinder
+from .state import OffloadState
 
 log = logging.getLogger("offload_passes.npu_modes")
 
@@ -53,7 +53,7 @@ NPU_MODES = ("ge_graph", "npugraph_ex")
 #: Stream label of the install side stream (``_user_stream_label``).
 SIDE_STREAM_LABEL = "dsa_offload_install"
 
-__all__ = ["NpuOffloadBackend", "make_npu_backend", "lower_ge_graph", "lower_npugraph_ex", "recipe_compiler_config",
+__all__ = ["NpuLowering", "lower_ge_graph", "lower_npugraph_ex", "recipe_compiler_config",
            "acl_install_hook", "ge_install_hook", "AclInstallHook", "GeInstallHook", "strip_bookkeeping", "ge_config",
            "npugraph_ex_config", "NPU_MODES", "SIDE_STREAM_LABEL"]
 
@@ -74,6 +74,15 @@ def _chain(first: Optional[Callable], second: Callable) -> Callable:
         second(gm, example_inputs, config)
 
     return chained
+
+
+def _chain_once(cfg: Any, option: str, flag: str, fn: Callable) -> None:
+    """Run ``fn`` after the pass already in ``cfg.<option>``; once (a reused config is chained once)."""
+    previous = getattr(getattr(cfg, option), "value", None)
+    if not getattr(previous, flag, False):
+        chained = _chain(previous, fn)
+        setattr(chained, flag, True)
+        setattr(cfg, option, chained)
 
 
 # ------------------------------------------------------------------------------------ install hooks
@@ -318,22 +327,18 @@ def ge_config(compiler_config: Any = None) -> Any:
 
     TorchAir has no GE converter for ``aten.index_put`` / ``index_copy`` (the model's cache writes), and an
     out-of-place form would write a full-cache-sized result every step;
-    :func:`offload_passes.converters.cache_write.cache_writes_to_scatter_nd` turns each write into a
+    :func:`offload_passes.passes.cache_writes.cache_writes_to_scatter_nd` turns each write into a
     ``ScatterNdUpdate`` on the cache input, which TorchAir's ref-copy pass then runs in place.
     """
     import torchair
 
-    from .converters.cache_write import cache_writes_to_scatter_nd
+    from .passes.cache_writes import cache_writes_to_scatter_nd
+
+    def cache_write(gm, example_inputs, config):
+        cache_writes_to_scatter_nd(gm)
 
     cfg = compiler_config if compiler_config is not None else torchair.CompilerConfig()
-    previous = getattr(cfg.post_grad_custom_pre_pass, "value", None)
-    if not getattr(previous, "_offload_passes_cache_write", False):
-        def cache_write(gm, example_inputs, config):
-            cache_writes_to_scatter_nd(gm)
-
-        chained = _chain(previous, cache_write)
-        chained._offload_passes_cache_write = True
-        cfg.post_grad_custom_pre_pass = chained
+    _chain_once(cfg, "post_grad_custom_pre_pass", "_offload_passes_cache_write", cache_write)
     return cfg
 
 
@@ -355,21 +360,18 @@ def npugraph_ex_config(compiler_config: Any = None) -> Any:
     masked metadata updates and KV-cache writes made in place on their inputs, install chains split."""
     import npugraph_ex
 
-    from .converters.cache_write import cache_writes_in_place
-    from .converters.fx_passes import inplace_masked_input_updates, split_install_chains
+    from .passes.cache_writes import cache_writes_in_place
+    from .passes.npu_install_chains import inplace_masked_input_updates, split_install_chains
 
     cfg = compiler_config if compiler_config is not None else npugraph_ex.CompilerConfig()
     cfg.mode = "npugraph_ex"
-    previous = getattr(cfg.post_grad_custom_post_pass, "value", None)
-    if not getattr(previous, "_offload_passes_split", False):
-        def split(gm, example_inputs, config):
-            inplace_masked_input_updates(gm)  # the new-request invalidation, so installs read inputs
-            cache_writes_in_place(gm)  # the model's KV-cache writes: no full-cache copy per step
-            split_install_chains(gm)
 
-        chained = _chain(previous, split)
-        chained._offload_passes_split = True
-        cfg.post_grad_custom_post_pass = chained
+    def split(gm, example_inputs, config):
+        inplace_masked_input_updates(gm)  # the new-request invalidation, so installs read inputs
+        cache_writes_in_place(gm)  # the model's KV-cache writes: no full-cache copy per step
+        split_install_chains(gm)
+
+    _chain_once(cfg, "post_grad_custom_post_pass", "_offload_passes_split", split)
     return cfg
 
 
@@ -434,106 +436,62 @@ def _with_ge_dump(cfg: Any, folder: Path) -> Any:
     return cfg
 
 
-class NpuOffloadBackend:
-    """``torch.compile(model, backend=NpuOffloadBackend(exe_mode="ge_graph", pool_size=8192))``.
+class NpuLowering:
+    """The NPU part of the offload backend (``backend.LOWERINGS`` for ``ge_graph`` / ``npugraph_ex``): the
+    core rewrites, binds the state, dumps and reports; this adds the side-stream install hook, drops the
+    per-step bookkeeping unless ``npu_bookkeeping``, and compiles with TorchAir / npugraph_ex.
 
     ``compiler_config``: a ``torchair.CompilerConfig`` (ge_graph) or ``npugraph_ex.CompilerConfig``;
     ``npu_options``: npugraph_ex options; ``side_stream``: move installs to a side stream (default).
-    Exposes ``reports``, ``states``, ``state`` and ``reset_state(rows=None)`` like the CPU backend
-    (not ``reset``: ``torch._dynamo.reset()`` calls ``backend.reset()``). With
-    ``dump_dir`` the Dynamo and rewritten graphs and ``report.json`` are written as on CPU, plus (ge_graph)
-    TorchAir's GE graph dump ``<dump_dir>/<graph_id>/dynamo_optimized_*.txt``.
+    The state stays buffers of the graph (``shared_state = False``): one private state per graph.
     """
 
-    def __init__(self, options: OffloadOptions | Mapping | str | Path | None = None, *,
-                 compiler_config: Any = None, npu_options: Optional[Mapping[str, Any]] = None,
-                 side_stream: bool = True, **kw: Any):
-        self.options = OffloadOptions.from_any(options, **kw)
-        if self.options.exe_mode not in NPU_MODES:
-            raise ValueError(f"exe_mode must be one of {NPU_MODES} for the NPU backend, got "
-                             f"{self.options.exe_mode!r}")
+    shared_state = False
+
+    def __init__(self, mode: str, compiler_config: Any = None, npu_options: Optional[Mapping[str, Any]] = None,
+                 side_stream: bool = True):
+        if mode not in NPU_MODES:
+            raise ValueError(f"exe_mode must be one of {NPU_MODES} for the NPU lowering, got {mode!r}")
+        self.mode = mode
         self.compiler_config = compiler_config
         self.npu_options = dict(npu_options or {})
         self.side_stream = side_stream
-        self.reports: list = []
-        # weak: the compiled artifact owns its state; a dropped graph must not keep its pools alive
-        self._states: "weakref.WeakValueDictionary[int, OffloadState]" = weakref.WeakValueDictionary()
-        self._next = 0
 
-    @property
-    def states(self) -> List[OffloadState]:
-        return [self._states[k] for k in sorted(self._states.keys())]
-
-    @property
-    def state(self) -> Optional[OffloadState]:
-        live = self.states
-        return live[-1] if live else None
-
-    def reset_state(self, rows: Optional[Sequence[int]] = None) -> None:
-        for st in self.states:
-            st.reset(rows)
-
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+    def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Any = None) -> tuple:
+        """Register the mode's converters; the rewrite's options and side-stream install hook."""
         from . import converters
-        from .backend import _new_graph_id, rewrite_for_offload
 
-        from .dump import Dumper
-
-        mode = self.options.exe_mode
-        if mode == "ge_graph":
+        if self.mode == "ge_graph":
             converters.register_ge()
         else:
             converters.register_npugraph_ex()
-        graph_id = _new_graph_id()
-        dump_dir = self.options.resolved_dump_dir
-        dumper = Dumper(dump_dir) if dump_dir else None
-        if dumper:
-            dumper.graph(graph_id, "dynamo", gm)
         hook = None
         if self.side_stream:
-            hook = ge_install_hook() if mode == "ge_graph" else acl_install_hook(graph_id)
-        keep = self.options.npu_bookkeeping
-        opts = self.options if keep else self.options.replace(update_ledger=False)
-        gm, state, report = rewrite_for_offload(gm, example_inputs, opts, install_hook=hook, graph_id=graph_id)
-        report["mode"] = mode
-        report["side_stream"] = bool(hook) and state is not None
+            hook = ge_install_hook() if self.mode == "ge_graph" else acl_install_hook(graph_id)
+        opts = options if options.npu_bookkeeping else options.replace(update_ledger=False)
+        return opts, hook
+
+    def after_rewrite(self, gm: fx.GraphModule, state: Optional[OffloadState], report: dict,
+                      options: OffloadOptions, install_hook: Any) -> None:
+        """Place the side stream's joins; strip the bookkeeping unless ``npu_bookkeeping``."""
+        keep = options.npu_bookkeeping
+        report["side_stream"] = bool(install_hook) and state is not None
         report["bookkeeping"] = bool(keep) and state is not None
-        if state is not None:
-            if hook is not None:
-                report["joins_before"] = hook.finish(gm.graph)
-                gm.recompile()
-            if not keep:
-                stats = [v for k, v in report.get("buffers", {}).items() if k.startswith("stats_g")]
-                report["bookkeeping_nodes_removed"] = strip_bookkeeping(gm, stats)
-        self.reports.append(report)
-        if state is not None:
-            self._states[self._next] = state
-            self._next += 1
-        if dumper:
-            if state is not None:
-                dumper.graph(graph_id, "rewrite", gm)
-            dumper.report(report)
-        if mode == "ge_graph":
-            cfg = self.compiler_config
-            if dumper:
-                cfg = _with_ge_dump(cfg, Path(dump_dir) / graph_id)
-            compiled = lower_ge_graph(gm, example_inputs, cfg, **kwargs)
-        else:
-            compiled = lower_npugraph_ex(gm, example_inputs, self.compiler_config, self.npu_options, **kwargs)
         if state is None:
-            return compiled
-        # the stale-state rule of every mode (state.py): caches last served by other state -> reset first
-        binder = StateBinder.for_private(graph_id, state)
+            return
+        if install_hook is not None:
+            report["joins_before"] = install_hook.finish(gm.graph)
+            gm.recompile()
+        if not keep:
+            stats = [v for k, v in report.get("buffers", {}).items() if k.startswith("stats_g")]
+            report["bookkeeping_nodes_removed"] = strip_bookkeeping(gm, stats)
 
-        def run(*args: Any) -> Any:
-            if binder is not None:
-                binder.state_for(args)
-            return compiled(*args)
-
-        run.offload_state = state  # the compiled artifact owns its state (the backend holds it weakly)
-        return run
-
-
-def make_npu_backend(config: OffloadOptions | Mapping | str | Path | None = None, **kw: Any) -> NpuOffloadBackend:
-    """The NPU-mode backend from options / recipe yaml (``exe_mode`` must be ge_graph or npugraph_ex)."""
-    return NpuOffloadBackend(config, **kw)
+    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Any) -> Callable:
+        """TorchAir's GE backend (with its GE graph dump into ``<dump_dir>/<graph_id>`` when dumping) or
+        npugraph_ex. ``ctx``: the core's ``LowerContext`` (graph_id, dump_dir, kwargs)."""
+        if self.mode == "ge_graph":
+            cfg = self.compiler_config
+            if ctx.dump_dir is not None:
+                cfg = _with_ge_dump(cfg, Path(ctx.dump_dir) / ctx.graph_id)
+            return lower_ge_graph(gm, example_inputs, cfg, **ctx.kwargs)
+        return lower_npugraph_ex(gm, example_inputs, self.compiler_config, self.npu_options, **ctx.kwargs)

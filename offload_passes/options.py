@@ -15,10 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .custom_ops import spec_for
+from .custom_ops._library import is_pow2
+
+_INSTALL = spec_for("dsa_install")  # the pool's limits are the install's (its OpSpec)
 DEFAULT_POOL_SIZE = 8192
 LARGE_POOL_SIZE = 16384
-MAX_POOL_SIZE = 16384
-WAYS = 16
+MAX_POOL_SIZE = _INSTALL.limit("MAX_POOL")
+WAYS = _INSTALL.limit("WAYS")
+MAX_NEXT_N = _INSTALL.limit("MAX_RAW_SEQ") - 1  # raw_seq = 1 + next_n
 MIN_ID_RANGE = 131072
 EXE_MODES = ("eager", "inductor", "npugraph_ex", "ge_graph")
 CPU_EXE_MODES = ("eager", "inductor")
@@ -26,10 +31,6 @@ REPLACEMENT_POLICIES = ("fifo", "second_chance")
 
 RECIPE_KEYS = ("enable_offload", "shared_indexer_offload", "enlarge_pool_size", "pa_block_size", "next_n",
                "exe_mode")
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -72,16 +73,17 @@ class OffloadOptions:
             raise ValueError(f"option pool_size must be in (0, {MAX_POOL_SIZE}], got {ps}")
         if ps % WAYS:
             raise ValueError(f"option pool_size must be a multiple of {WAYS} (16-way sets), got {ps}")
-        if not _pow2(ps // WAYS):
+        if not is_pow2(ps // WAYS):
             raise ValueError(f"option pool_size: pool_size/16 (the number of sets) must be a power of two, "
                              f"got pool_size={ps}")
         if self.exe_mode not in EXE_MODES:
             raise ValueError(f"option exe_mode must be one of {EXE_MODES}, got {self.exe_mode!r}")
         if self.id_range is not None and self.id_range <= 0:
             raise ValueError(f"option id_range must be > 0, got {self.id_range}")
-        if self.next_n is not None and not 0 <= self.next_n <= 3:
-            raise ValueError(f"option next_n must be in [0, 3] (raw_seq = 1 + next_n <= 4), got {self.next_n}")
-        if self.pa_block_size is not None and not (_pow2(self.pa_block_size) and 16 <= self.pa_block_size <= 128):
+        if self.next_n is not None and not 0 <= self.next_n <= MAX_NEXT_N:
+            raise ValueError(f"option next_n must be in [0, {MAX_NEXT_N}] (raw_seq = 1 + next_n <= "
+                             f"{MAX_NEXT_N + 1}), got {self.next_n}")
+        if self.pa_block_size is not None and not (is_pow2(self.pa_block_size) and 16 <= self.pa_block_size <= 128):
             raise ValueError(f"option pa_block_size must be a power of two in [16, 128], got {self.pa_block_size}")
         if self.replacement_policy not in REPLACEMENT_POLICIES:
             raise ValueError(f"option replacement_policy must be one of {REPLACEMENT_POLICIES}, "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -103,7 +103,7 @@ class OffloadState:
     pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> (kv, rope)
     resets: int = 0
     _flat: dict = field(default_factory=dict, repr=False, compare=False)
-    # how the backend rebuilds / selects this state per call (set by backend.rewrite_for_offload)
+    # how the backend rebuilds / selects this state per call (set by build_state)
     layouts: Optional[list] = field(default=None, repr=False, compare=False)
     cache_refs: Optional[list] = field(default=None, repr=False, compare=False)
     shared: bool = field(default=False, repr=False, compare=False)
@@ -403,7 +403,7 @@ REGISTRY = StateRegistry()
 
 
 class StateBinder:
-    """The piece every mode's compiled graph calls first (CPU backend and ``npu_modes``).
+    """The piece every mode's compiled graph calls first (``backend._Compiled``, one core for all modes).
 
     ``cache_refs``: per group, per layer the full caches as ``("arg", i)`` (graph input i) or
     ``("const", tensor)`` (a buffer the graph holds). ``input_names`` set: the state is passed as extra
@@ -422,14 +422,6 @@ class StateBinder:
         self._initial = initial if self.input_names is None else None  # a private state lives with the graph
         self._last: Optional["weakref.ref[OffloadState]"] = weakref.ref(initial)
         self.calls = 0
-
-    @classmethod
-    def for_private(cls, graph_id: str, state: OffloadState) -> Optional["StateBinder"]:
-        """The binder of a graph that holds ``state`` as buffers (NPU modes); None when its caches are
-        unknown (``state.cache_refs`` unset)."""
-        if state.cache_refs is None or state.layouts is None:
-            return None
-        return cls(graph_id, state.layouts, state.cache_refs, None, state)
 
     def caches(self, args: Sequence[Any]) -> list[list[torch.Tensor]]:
         return [[args[v] if kind == "arg" else v for kind, v in refs] for refs in self.cache_refs]
@@ -458,10 +450,53 @@ class StateBinder:
             return [self._initial]
         return self.registry.bindings([self.graph_id])
 
-    def wrap(self, fn: Callable) -> Callable:
-        """``fn(*args, *state)`` with the state of the call's caches (see the class doc)."""
-        def run(*args: Any) -> Any:
-            return fn(*args, *self.extra_inputs(args))
 
-        run.offload_binder = self  # type: ignore[attr-defined]
-        return run
+# -- building a graph's state (every mode, both graph forms) ------------------------------------------
+def _cache_refs(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any]
+                ) -> Optional[tuple[list[list[tuple]], list[list[Any]]]]:
+    """Per group, per layer the full kv / rope caches as ``("arg", i)`` / ``("const", tensor)`` refs and
+    the example tensors; None when a cache is neither a graph input nor an attribute."""
+    from .passes import _fx  # lazy: keeps this module free of FX for model code
+
+    index = {p: i for i, p in enumerate(_fx.placeholders(gm.graph))}
+    refs: list[list[tuple]] = []
+    tensors: list[list[Any]] = []
+    for p in plans:
+        r, t = [], []
+        for l in p.layers:
+            for node in (p.geometry[l].full_kv, p.geometry[l].full_rope):
+                root = _fx.strip_views(node)
+                if root in index and index[root] < len(example_inputs):
+                    r.append(("arg", index[root]))
+                    t.append(example_inputs[index[root]])
+                elif _fx.is_graph_input_or_attr(root) and root.op == "get_attr":
+                    obj = _fx.attr_value(gm, root)
+                    r.append(("const", obj))
+                    t.append(obj)
+                else:
+                    return None
+        refs.append(r)
+        tensors.append(t)
+    if not all(hasattr(x, "data_ptr") for ts in tensors for x in ts):
+        return None
+    return refs, tensors
+
+
+def build_state(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any], graph_id: str,
+                shared_state: bool) -> OffloadState:
+    """The state of one rewritten graph: taken from :data:`REGISTRY` for the example inputs' full caches
+    when ``shared_state`` and the caches are graph inputs / attributes (graphs on the same caches share
+    it), else private tensors. ``layouts`` / ``cache_refs`` / ``shared`` say how to bind it per call."""
+    from .passes import _fx
+
+    layouts = [GroupLayout.from_plan(p) for p in plans]
+    found = _cache_refs(gm, plans, example_inputs)
+    if shared_state and found is not None:
+        state = REGISTRY.bind(graph_id, layouts, found[1])
+    else:
+        ex = _fx.example(plans[0].geometry[plans[0].owner_layer].full_kv)
+        state = OffloadState.allocate(graph_id, layouts, device=ex.device if ex is not None else None)
+    state.layouts = layouts
+    state.cache_refs = found[0] if found is not None else None
+    state.shared = bool(shared_state and found is not None)
+    return state

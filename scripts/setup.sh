@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs offload_passes (editable) with its test extras, the CPU build of torch 2.13.0, Graphviz's
+# Installs offload_passes (editable, C++ kernels built by pip) with its test extras, the CPU build of torch 2.13.0, Graphviz's
 # `dot` (for offload-inspect --svg/--png) and the TorchAir / npugraph_ex Python sources used by the
 # converter tests (extracted from the torch-npu wheel, never installed into site-packages).
 set -euo pipefail
@@ -8,7 +8,18 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 # torch 2.13.0 by default; OFFLOAD_PASSES_TORCH=2.8.0 picks the other supported version (setup.py: >=2.8,<2.14;
 # scripts/test_matrix.sh runs the suite on both). The TorchAir sources below follow the installed torch.
 python -m pip install -q "torch==${OFFLOAD_PASSES_TORCH:-2.13.0}"
-python -m pip install -q -e ".[test,viz,hf]"
+# The C++ kernels are compiled here, at install (about 3 min on 2 cores), against the torch just installed:
+# --no-build-isolation so that pip builds with this environment's torch/setuptools/ninja instead of
+# downloading a second torch into an isolated build env (pyproject.toml lists no torch on purpose).
+python -m pip install -q "setuptools>=64" wheel ninja
+python -m pip install -q --no-build-isolation -e ".[test,viz,hf]"
+python - <<'PY'
+import offload_passes.custom_ops._library as L
+lib = L.prebuilt_library()
+if lib is None:
+    raise SystemExit("setup: pip install did not build the C++ CPU kernels for this torch (see the pip output)")
+print("setup: C++ CPU kernels built at install:", lib)
+PY
 if ! command -v dot >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq graphviz >/dev/null) || echo "setup: could not install graphviz; offload-inspect --svg/--png will ask for --dot" >&2

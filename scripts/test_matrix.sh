@@ -8,8 +8,8 @@
 # when its torch is already that version), torch from PyPI (2.13.0 as the CPU wheel when pip finds one,
 # as scripts/setup.sh installs it; for 2.8.0 PyPI serves the CUDA build, ~0.9 GB plus ~3 GB of nvidia
 # libraries, which runs on CPU), this project editable with its test extras (the global environment
-# is never touched), the TorchAir / npugraph_ex sources of the matching torch-npu wheel
-# (tools/torchair_env.py: 2.8.0.post5 for 2.8, 2.13.0 for 2.13), its own C++-extension build folder,
+# is never touched; pip builds the C++ kernels for that torch), the TorchAir / npugraph_ex sources of the
+# matching torch-npu wheel (tools/torchair_env.py: 2.8.0.post5 for 2.8, 2.13.0 for 2.13), its own JIT folder,
 # then `python -m pytest -q tests` with OFFLOAD_PASSES_NO_SKIP=1 (skips are failures).
 # Prints one summary line per version; exits 1 if any version failed.
 set -uo pipefail
@@ -35,12 +35,16 @@ for v in $TORCH_VERSIONS; do
   if [ "$have" != "$v" ]; then
     "$py" -m pip install -q "torch==$v" || { SUMMARY+=("torch $v: FAILED (pip install torch==$v)"); status=1; continue; }
   fi
-  # --no-build-isolation: build against this venv's torch, never a second one pulled into an isolated
-  # env; --use-pep517: a PEP 660 editable install (setup.py develop would ignore the package_dir mapping)
-  "$py" -m pip install -q setuptools wheel >/dev/null
-  "$py" -m pip install -q --use-pep517 --no-build-isolation -e ".[test,viz,hf]" \
+  # --no-build-isolation: pip compiles the C++ kernels (setup.py) against this venv's torch, never a second
+  # one pulled into an isolated env; PEP 660 editable (pyproject.toml), so the package_dir mapping holds.
+  # The libraries land in the shared checkout named for their torch (_C_torch2_8_0...so), beside the
+  # other versions' builds; object files go to build/temp-torch<version>.
+  "$py" -m pip install -q "setuptools>=64" wheel ninja >/dev/null
+  "$py" -m pip install -q --no-build-isolation -e ".[test,viz,hf]" \
     || { SUMMARY+=("torch $v: FAILED (pip install -e .[test,viz,hf])"); status=1; continue; }
-  export TORCH_EXTENSIONS_DIR="$MATRIX_DIR/torch_extensions-$v"  # C++ kernels built per torch ABI
+  "$py" -c "import offload_passes.custom_ops._library as L, sys; sys.exit(L.prebuilt_library() is None)" \
+    || { SUMMARY+=("torch $v: FAILED (no prebuilt C++ kernels after pip install)"); status=1; continue; }
+  export TORCH_EXTENSIONS_DIR="$MATRIX_DIR/torch_extensions-$v"  # JIT builds (CANN test double) per torch ABI
   "$py" -m offload_passes.tools.torchair_env --ensure \
     || { SUMMARY+=("torch $v: FAILED (TorchAir sources)"); status=1; continue; }
   torch_full=$("$py" -c "import torch; print(torch.__version__)")

@@ -11,6 +11,11 @@ import torch
 from torch import fx
 
 from .._compat import OpOverload, OpOverloadPacket
+from ..custom_ops import OP_SPECS
+from ..custom_ops.opspec import counted_names
+
+#: Short names count_ops reports (derived from the op specs).
+COUNTED_OPS: frozenset[str] = counted_names(OP_SPECS)
 
 # Ops that only reinterpret a tensor (no data movement): followed when tracing data flow.
 VIEW_METHODS = {"view", "reshape", "unsqueeze", "squeeze", "contiguous", "flatten", "view_as", "reshape_as"}
@@ -189,14 +194,11 @@ def input_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[fx.N
 
 
 def count_ops(graph: fx.Graph) -> dict[str, int]:
-    """Counts of our ops and the decode-path ops (every top-k producer of ``producers.TOPK_PRODUCERS``),
-    keyed by the short op name."""
+    """Counts of our offload and decode-path ops (``custom_ops`` specs with those roles, and every top-k
+    producer of ``producers.TOPK_PRODUCERS``), keyed by the short op name in any namespace."""
     from .producers import PRODUCER_NAMES  # lazy: producers imports this module
 
-    interesting = {"dsa_plan", "dsa_serve", "dsa_install", "dsa_install_sc", "dsa_serve_functional",
-                   "dsa_install_functional",
-                   "npu_gather_selection_kv_cache", "npu_gather_selection_kv_cache_functional",
-                   "npu_sparse_flash_attention"} | PRODUCER_NAMES
+    interesting = COUNTED_OPS | PRODUCER_NAMES
     c: Counter = Counter()
     for n in graph.nodes:
         name = op_name(n)
@@ -233,3 +235,63 @@ def paused_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def fake_mode_of(values: Iterable[Any]) -> Any:
+    """The fake mode of the first fake tensor among ``values`` (nested lists / tuples included)."""
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            m = fake_mode_of(v)
+        else:
+            m = getattr(v, "fake_mode", None) if isinstance(v, torch.Tensor) else None
+        if m is not None:
+            return m
+    return None
+
+
+def graph_fake_mode(graph: fx.Graph) -> Any:
+    """The fake mode of the graph's example values (its placeholders'; Dynamo's tracing mode), or None.
+    Not ``detect_fake_mode``: inside a backend that returns the compile's fresh mode, not the graph's."""
+    vals = []
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            break
+        vals.append(n.meta.get("val", n.meta.get("example_value")))
+    return fake_mode_of(vals)
+
+
+def set_fake_val(node: fx.Node, fake_mode: Any = None) -> Any:
+    """Give a node a pass created ``meta["val"]``, as Inductor's FX helpers do: a ``call_function`` runs
+    its target on its inputs' fake values (``val`` / ``example_value``) under their fake mode, a
+    ``get_attr`` gets its module attribute as a fake of ``fake_mode`` (default: the graph's). Returns the
+    value; leaves ``val`` unset (None) when an input has no fake value or no fake mode is found (e.g. a
+    symbolically traced graph)."""
+    gm = node.graph.owning_module
+    if node.op == "get_attr":
+        t = attr_value(gm, node) if gm is not None else None
+        mode = fake_mode or graph_fake_mode(node.graph)
+        if not isinstance(t, torch.Tensor) or mode is None:
+            return None
+        # static: a buffer of known shape, no new symbols in the graph's shape env (it guards them)
+        val = t if getattr(t, "fake_mode", None) is mode else mode.from_tensor(t, static_shapes=True)
+    elif node.op == "call_function":
+        missing: list = []
+
+        def fake(a: fx.Node) -> Any:
+            v = a.meta.get("val", a.meta.get("example_value"))
+            if v is None and a.op == "get_attr":
+                v = set_fake_val(a, fake_mode)
+            if v is None and a.op != "call_function":  # (a call may return None: an in-place op)
+                missing.append(a)
+            return v
+
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), fake)
+        mode = fake_mode_of(list(args) + list(kwargs.values())) or fake_mode
+        if missing or mode is None:
+            return None
+        with mode:
+            val = node.target(*args, **kwargs)
+    else:
+        return None
+    node.meta["val"] = val
+    return val

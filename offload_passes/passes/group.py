@@ -36,9 +36,6 @@ class Group:
 class GroupReport:
     groups: list[Group]
 
-    def layer_lists(self) -> list[list[int]]:
-        return [g.layers for g in self.groups]
-
 
 def group(det: DetectReport) -> GroupReport:
     by_producer: dict[fx.Node, list[Site]] = {}

@@ -13,16 +13,25 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import fx
 
+from ..custom_ops import spec_for
+from ..custom_ops._library import is_pow2
 from ..options import OffloadOptions
 from ._fx import bind, example, input_values, is_graph_input_or_attr, strip_views
 from .detect import Refusal, Site
 from .producers import producer_of_call
 from .group import GroupReport
 
-MAX_TOPK = 2048
-MAX_RAW_SEQ = 4
-MAX_DKV = 512
-MAX_DR = 128
+# A group's limits are those of the ops the rewrite emits (their OpSpecs; one definition each).
+_PLAN, _INSTALL = spec_for("dsa_plan"), spec_for("dsa_install")
+MAX_TOPK = _PLAN.limit("MAX_TOPK")
+MAX_RAW_SEQ = _PLAN.limit("MAX_RAW_SEQ")
+TOPK_ALIGN = _PLAN.limit("TOPK_ALIGN")
+MAX_DKV = _INSTALL.limit("MAX_DKV")
+MAX_DR = _INSTALL.limit("MAX_DR")
+MAX_POOL = _INSTALL.limit("MAX_POOL")
+WAYS = _INSTALL.limit("WAYS")
+MIN_SBS = _INSTALL.limit("MIN_SELECTION_BLOCK_SIZE")
+MAX_SBS = _INSTALL.limit("MAX_SELECTION_BLOCK_SIZE")
 FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
@@ -70,14 +79,6 @@ class PlanReport:
     groups: list[GroupPlan]
     refusals: list[Refusal]
 
-    @property
-    def ok(self) -> bool:
-        return not self.refusals
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
 
 class _Checker:
     def __init__(self, layer: Optional[int]):
@@ -123,9 +124,9 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Option
                f"full_kv_cache {tuple(fkv.shape)} must be [blocks, block_size, Dkv] with a 2-D block table"):
         return None
     K = tk.size(-1)
-    chk(K % 64 == 0, "topk_alignment", f"top-k width K={K} must be a multiple of 64")
+    chk(K % TOPK_ALIGN == 0, "topk_alignment", f"top-k width K={K} must be a multiple of {TOPK_ALIGN}")
     # K <= MAX_TOPK needs no check of its own: every top-k producer detect accepts is a lightning indexer
-    # whose schema limits sparse_count to 2048 (torch_npu's documented limit), as does the gather.
+    # whose schema limits sparse_count to INDEXER_MAX_SPARSE_COUNT = MAX_TOPK, as does the gather.
     B, maxblk = fbt.shape
     T = tk.numel() // max(K, 1)
     S = T // max(B, 1)
@@ -150,7 +151,8 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Option
     chk(0 < Dkv <= MAX_DKV, "dims", f"Dkv={Dkv} must be in (0, {MAX_DKV}]")
     chk(0 < Dr <= MAX_DR, "dims", f"Dr={Dr} must be in (0, {MAX_DR}]")
     nb, SBS = skv.size(0), skv.size(1)
-    chk(_pow2(SBS) and 16 <= SBS <= 128, "selection_layout", f"selection block size {SBS} must be a power of two in [16, 128]")
+    chk(is_pow2(SBS) and MIN_SBS <= SBS <= MAX_SBS, "selection_layout",
+        f"selection block size {SBS} must be a power of two in [{MIN_SBS}, {MAX_SBS}]")
     chk(K % SBS == 0, "selection_layout", f"K={K} must be a multiple of the selection block size {SBS}")
     chk(nb * SBS == B * S * K, "selection_layout",
         f"selection_kv_cache {tuple(skv.shape)} must hold exactly B*S*K = {B * S * K} rows")
@@ -211,8 +213,8 @@ def plan(gm: fx.GraphModule, groups: GroupReport, example_inputs: Sequence[Any],
         IR = opts.id_range if opts.id_range is not None else max(131072, F)
         chk = _Checker(g.owner.layer)
         chk(PS % SBS == 0, "pool_size", f"pool_size={PS} must be a multiple of the selection block size {SBS}")
-        chk(PS % 16 == 0 and _pow2(PS // 16) and PS <= 16384, "pool_size",
-            f"pool_size={PS}: needs PS % 16 == 0, PS/16 a power of two, PS <= 16384")
+        chk(PS % WAYS == 0 and is_pow2(PS // WAYS) and PS <= MAX_POOL, "pool_size",
+            f"pool_size={PS}: needs PS % {WAYS} == 0, PS/{WAYS} a power of two, PS <= {MAX_POOL}")
         refusals.extend(chk.refusals)
         out.append(GroupPlan(g.group_id, g.owner.layer, g.last.layer, g.layers, B, S, K, SBS, PS, PS // 16, IR,
                              g.owner.args["full_kv_actual_seq"], g.owner.topk, g.producer.name, geos))

@@ -46,6 +46,8 @@ import torch
 from torch import fx
 
 from .. import _compat
+from ..custom_ops import OP_SPECS
+from ..custom_ops.opspec import reinplace_pairs
 from . import _fx
 
 log = logging.getLogger("offload_passes.passes.reinplace")
@@ -54,6 +56,8 @@ aten = torch.ops.aten
 _HOP = torch.ops.higher_order
 #: Out-of-place ATen ops that AOT emits for the model's own in-place writes, reinplaced to ``<name>_``.
 ATEN_OUT_OF_PLACE = ("index_put", "index_copy", "copy")
+#: Our functional twins -> their in-place ops (qualified names, from the op specs).
+_OUR_TWINS = {f: inplace for f, (inplace, _) in reinplace_pairs(OP_SPECS).items()}
 # Operators that read only metadata (Inductor's META_ONLY_OPS).
 _META_ONLY = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
 
@@ -110,7 +114,9 @@ def _inplace_of(target: Any) -> Optional[_compat.OpOverload]:
     if not isinstance(target, _compat.OpOverload):
         return None
     ns, _, name = target._schema.name.partition("::")
-    if name.endswith("_functional"):
+    if target._schema.name in _OUR_TWINS:
+        ns, _, base = _OUR_TWINS[target._schema.name].partition("::")
+    elif name.endswith("_functional"):  # another library's twin following the same convention
         base = name[: -len("_functional")]
     elif ns == "aten" and name in ATEN_OUT_OF_PLACE:
         base = name + "_"
@@ -257,98 +263,38 @@ def _same_layout(a: Any, b: Any) -> bool:
 # the pass
 # ----------------------------------------------------------------------------------------------
 
+@dataclass
+class _Graph:
+    """What the one walk over the graph finds, and the value classes derived from it."""
+
+    order: dict[fx.Node, int] = field(default_factory=dict)
+    uf: _Classes = field(default_factory=_Classes)
+    cands: list[_Cand] = field(default_factory=list)
+    copies: list[fx.Node] = field(default_factory=list)
+    output: Optional[fx.Node] = None
+    members: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)  # class root -> nodes
+    input_of: dict[fx.Node, fx.Node] = field(default_factory=dict)  # class root -> input owning it
+    shared_inputs: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    epilogue: dict[fx.Node, fx.Node] = field(default_factory=dict)  # input P -> first copy_(P, ·)
+    # value id (class root) -> (input P it belongs to, writer that produced it or None for P's own value)
+    owner: dict[fx.Node, tuple] = field(default_factory=dict)
+    values_of: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)  # P -> its value ids
+    returned: set = field(default_factory=set)
+    by_node: dict[fx.Node, _Cand] = field(default_factory=dict)
+
+
 def reinplace(graph: fx.Graph) -> ReinplaceReport:
     """Reinplace every functional op of ``graph`` whose mutation is unobservable (module docstring);
     report the others with their reasons."""
-    gm = graph.owning_module
     rep = ReinplaceReport()
-    order: dict[fx.Node, int] = {}
-    uf = _Classes()
-    by_storage: dict[int, fx.Node] = {}
-    cands: list[_Cand] = []
-    copies: list[fx.Node] = []
-    output: Optional[fx.Node] = None
-    for i, n in enumerate(graph.nodes):  # the one walk over the graph
-        order[n] = i
-        key = _storage_key(_value(n, gm))
-        if key is not None:
-            if key in by_storage:
-                uf.union(n, by_storage[key])
-            else:
-                by_storage[key] = n
-        src = _schema_view_source(n)
-        if src is not None:
-            uf.union(n, src)
-        if n.op == "output":
-            output = n
-        elif n.op == "call_function" and n.target is aten.copy_.default:
-            copies.append(n)
-        else:
-            c = _candidate(n)
-            if c is not None:
-                cands.append(c)
-    # value classes (before any reinplacing): root -> nodes; root -> input owning it
-    members: dict[fx.Node, list[fx.Node]] = {}
-    for n in order:
-        members.setdefault(uf.find(n), []).append(n)
-    input_of: dict[fx.Node, fx.Node] = {}
-    shared_inputs: dict[fx.Node, list[fx.Node]] = {}
-    for n in order:
-        if _fx.is_graph_input_or_attr(n):
-            r = uf.find(n)
-            if r in input_of:
-                shared_inputs.setdefault(r, [input_of[r]]).append(n)
-            else:
-                input_of[r] = n
-    epilogue: dict[fx.Node, fx.Node] = {}  # input P -> first copy_(P, ·)
-    for cp in copies:
-        dst = cp.args[0]
-        if _fx.is_graph_input_or_attr(dst) and dst not in epilogue:
-            epilogue[dst] = cp
-    by_node = {c.node: c for c in cands}
-    # value id (class root) -> (input P it belongs to, writer that produced it or None for P's own value)
-    owner: dict[fx.Node, tuple[fx.Node, Optional[_Cand]]] = {r: (p, None) for r, p in input_of.items()}
-    values_of: dict[fx.Node, list[fx.Node]] = {p: [r] for r, p in input_of.items()}  # P -> its value ids
-
-    returned = set(output.all_input_nodes) if output is not None else set()
-    seeds = _seeds(cands, epilogue, owner, uf)
-    pending = sorted(seeds, key=order.__getitem__)
-    for c in cands:
-        while pending and order[pending[0]] < order[c.node]:  # seeds in graph order with the writers
-            x = pending.pop(0)
-            P = seeds[x]
-            why = _old_value_read(x, P, epilogue[P], {uf.find(x)}, values_of, members, owner, uf, order, by_node)
-            if not why and any(m in returned for m in members[uf.find(x)]):
-                why = f"{x.name} is a graph output"
-            if why:
-                del seeds[x]
-                log.debug("not writing %s into %s early: %s", x.name, P, why)
-            else:
-                owner[uf.find(x)] = (P, _SEED)
-                values_of[P].append(uf.find(x))
-        if not c.why:
-            c.why = _check(c, uf, members, owner, values_of, shared_inputs, epilogue, order, returned, by_node)
-        c.ok = not c.why
-        if c.ok:  # its new values now live in P's storage
-            for k, hs in enumerate(c.holders):
-                P = c.owners[k]
-                for h in hs:
-                    r = uf.find(h)
-                    if r not in owner:
-                        owner[r] = (P, c)
-                        values_of[P].append(r)
-    for x in pending:  # after every writer: starts no chain
-        del seeds[x]
-    # a writer whose value only continues into writers that stay functional is not written back
-    for c in reversed(cands):
-        if c.ok and c.chain_only and not any(d.ok for d, _ in c.chain):
-            c.ok = False
-            c.why = (f"its new value of {[str(p) for p in c.owners]} flows only into "
-                     f"{sorted({d.node.name for d, _ in c.chain})}, which stay functional")
+    a = _scan(graph)
+    _value_classes(a)
+    seeds = _seeds(a.cands, a.epilogue, a.owner, a.uf)
+    _decide(a, seeds)
     for x, P in seeds.items():
-        if any(c.ok for c in cands if any(a is x for a in c.args)):  # else nobody relies on it
+        if any(c.ok for c in a.cands if any(arg is x for arg in c.args)):  # else nobody relies on it
             _apply_seed(graph, x, P, rep)
-    for c in cands:
+    for c in a.cands:
         if c.ok:
             _apply(graph, c, rep)
         else:
@@ -357,6 +303,97 @@ def reinplace(graph: fx.Graph) -> ReinplaceReport:
             log.debug("kept %s functional: %s", c.node.name, c.why)
     graph.lint()
     return rep
+
+
+def _scan(graph: fx.Graph) -> _Graph:
+    """The one walk over the graph: order, storage / view classes, candidates, ``copy_`` nodes, output."""
+    gm = graph.owning_module
+    a = _Graph()
+    by_storage: dict[int, fx.Node] = {}
+    for i, n in enumerate(graph.nodes):
+        a.order[n] = i
+        key = _storage_key(_value(n, gm))
+        if key is not None:
+            if key in by_storage:
+                a.uf.union(n, by_storage[key])
+            else:
+                by_storage[key] = n
+        src = _schema_view_source(n)
+        if src is not None:
+            a.uf.union(n, src)
+        if n.op == "output":
+            a.output = n
+        elif n.op == "call_function" and n.target is aten.copy_.default:
+            a.copies.append(n)
+        else:
+            c = _candidate(n)
+            if c is not None:
+                a.cands.append(c)
+    return a
+
+
+def _value_classes(a: _Graph) -> None:
+    """Value classes before any reinplacing: members, the input owning each, epilogues, graph outputs."""
+    for n in a.order:
+        a.members.setdefault(a.uf.find(n), []).append(n)
+    for n in a.order:
+        if _fx.is_graph_input_or_attr(n):
+            r = a.uf.find(n)
+            if r in a.input_of:
+                a.shared_inputs.setdefault(r, [a.input_of[r]]).append(n)
+            else:
+                a.input_of[r] = n
+    for cp in a.copies:
+        dst = cp.args[0]
+        if _fx.is_graph_input_or_attr(dst) and dst not in a.epilogue:
+            a.epilogue[dst] = cp
+    a.by_node = {c.node: c for c in a.cands}
+    a.owner = {r: (p, None) for r, p in a.input_of.items()}
+    a.values_of = {p: [r] for r, p in a.input_of.items()}
+    a.returned = set(a.output.all_input_nodes) if a.output is not None else set()
+
+
+def _decide(a: _Graph, seeds: dict) -> None:
+    """Decide every candidate in graph order (seeds taken in order with them); drop what is not needed."""
+    pending = sorted(seeds, key=a.order.__getitem__)
+    for c in a.cands:
+        while pending and a.order[pending[0]] < a.order[c.node]:  # seeds in graph order with the writers
+            _take_seed(a, seeds, pending.pop(0))
+        if not c.why:
+            c.why = _check(c, a.uf, a.members, a.owner, a.values_of, a.shared_inputs, a.epilogue, a.order,
+                           a.returned, a.by_node)
+        c.ok = not c.why
+        if c.ok:  # its new values now live in P's storage
+            for k, hs in enumerate(c.holders):
+                P = c.owners[k]
+                for h in hs:
+                    r = a.uf.find(h)
+                    if r not in a.owner:
+                        a.owner[r] = (P, c)
+                        a.values_of[P].append(r)
+    for x in pending:  # after every writer: starts no chain
+        del seeds[x]
+    # a writer whose value only continues into writers that stay functional is not written back
+    for c in reversed(a.cands):
+        if c.ok and c.chain_only and not any(d.ok for d, _ in c.chain):
+            c.ok = False
+            c.why = (f"its new value of {[str(p) for p in c.owners]} flows only into "
+                     f"{sorted({d.node.name for d, _ in c.chain})}, which stay functional")
+
+
+def _take_seed(a: _Graph, seeds: dict, x: fx.Node) -> None:
+    """Write ``x`` into its ``P`` early unless an old value of ``P`` is read later or ``x`` is returned."""
+    P = seeds[x]
+    why = _old_value_read(x, P, a.epilogue[P], {a.uf.find(x)}, a.values_of, a.members, a.owner, a.uf, a.order,
+                          a.by_node)
+    if not why and any(m in a.returned for m in a.members[a.uf.find(x)]):
+        why = f"{x.name} is a graph output"
+    if why:
+        del seeds[x]
+        log.debug("not writing %s into %s early: %s", x.name, P, why)
+    else:
+        a.owner[a.uf.find(x)] = (P, _SEED)
+        a.values_of[P].append(a.uf.find(x))
 
 
 def _check(c: _Cand, uf: _Classes, members: dict, owner: dict, values_of: dict, shared_inputs: dict,
@@ -438,6 +475,8 @@ def _apply_seed(graph: fx.Graph, x: fx.Node, P: fx.Node, rep: ReinplaceReport) -
         cp = graph.call_function(aten.copy_.default, (P, x))
     if "val" in P.meta:
         cp.meta["val"] = P.meta["val"]
+    else:
+        _fx.set_fake_val(cp)
     x.replace_all_uses_with(P, delete_user_cb=lambda u: u is not cp)
     rep.written_early.append(f"{x.name} -> {P.name}")
 
@@ -502,11 +541,12 @@ def _apply(graph: fx.Graph, c: _Cand, rep: ReinplaceReport) -> None:
     skip = {"val"} if c.kind == "twin" else {"val", "eager_input_vals"}
     new.meta.update({k: v for k, v in n.meta.items() if k not in skip})
     val = n.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        if c.leading:
-            new.meta["val"] = val[0] if c.leading == 1 else tuple(val[: c.leading])
+    if isinstance(val, (tuple, list)):  # the in-place op returns its unaliased outputs (None: nothing)
+        new.meta["val"] = None if not c.leading else val[0] if c.leading == 1 else tuple(val[: c.leading])
     elif val is not None:  # single-output ATen op: the in-place form returns self, same metadata
         new.meta["val"] = val
+    else:  # the functional node had no example value: compute one
+        _fx.set_fake_val(new)
     for k, hs in enumerate(c.holders):
         for h in hs:
             h.replace_all_uses_with(current[k])
@@ -584,4 +624,6 @@ def _regenerate_view(graph: fx.Graph, kw: dict, prefix: str, bases: list) -> Any
     bval = base.meta.get("val") if isinstance(base, fx.Node) else None
     if isinstance(bval, torch.Tensor):  # later passes (Inductor's lowering) read example values
         view.meta["val"] = op(bval, *args[1:])
+    else:
+        _fx.set_fake_val(view)
     return view

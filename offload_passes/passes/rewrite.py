@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import fx
@@ -54,10 +54,13 @@ class SiteRewrite:
                 "sfa_node": self.sfa_node, "serve_node": self.serve_node, "install_nodes": list(self.install_nodes)}
 
 
+class OffloadRefused(RuntimeError):
+    """Raised under ``strict=True`` when a graph with DSA sites cannot be rewritten."""
+
+
 @dataclass
 class RewriteReport:
     sites: list[SiteRewrite]
-    plan_nodes: dict[int, str]  # group_id -> dsa_plan node name
     buffers: dict[str, str]  # state tensor name -> attribute name on the GraphModule
     layer_nodes_before: dict[int, list[str]]
     layer_nodes_after: dict[int, list[str]]
@@ -65,18 +68,26 @@ class RewriteReport:
 
 
 class _Builder:
-    def __init__(self, graph: fx.Graph):
+    """Emits ``call_function`` nodes with their fake ``meta["val"]`` (``_fx.set_fake_val``)."""
+
+    def __init__(self, graph: fx.Graph, hints: Sequence[Any] = ()):
         self.g = graph
         self.record: Optional[list] = None  # when a list: every node created is appended to it
+        # the example values' fake mode (state get_attr fakes join it): from ``hints`` (nodes with fake
+        # values), else from the placeholders (a walk over them)
+        self.fake_mode = _fx.fake_mode_of([_fx.example(h) for h in hints]) or _fx.graph_fake_mode(graph)
 
     def __call__(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         n = self.g.call_function(target, args, kwargs)
+        _fx.set_fake_val(n, self.fake_mode)
         if self.record is not None:
             self.record.append(n)
         return n
 
     def item(self, node: fx.Node, i: int) -> fx.Node:
-        return self.g.call_function(operator.getitem, (node, i))
+        n = self.g.call_function(operator.getitem, (node, i))
+        _fx.set_fake_val(n, self.fake_mode)
+        return n
 
 
 def _name(node: Any) -> str:
@@ -108,7 +119,7 @@ def _guard(g: fx.Graph, b: "_Builder", first: fx.Node, inp: Any, make: Callable[
 
 
 def state_attr(gm: fx.GraphModule, name: str, t: torch.Tensor, buffers: dict[str, str],
-               before: fx.Node) -> fx.Node:
+               before: fx.Node, fake_mode: Any = None) -> fx.Node:
     """Register offload state ``t`` as buffer ``_offload_<name>`` of ``gm`` (recorded in ``buffers``) and
     return a ``get_attr`` node for it, placed before ``before``."""
     attr_name = f"_offload_{name}"
@@ -118,7 +129,9 @@ def state_attr(gm: fx.GraphModule, name: str, t: torch.Tensor, buffers: dict[str
         # AOT maps every lifted parameter/buffer of a Dynamo graph to a Dynamo source
         gm._param_name_to_source[attr_name] = _compat.constant_source(f"offload_state.{attr_name}")
     with gm.graph.inserting_before(before):
-        return gm.graph.get_attr(attr_name)
+        node = gm.graph.get_attr(attr_name)
+    _fx.set_fake_val(node, fake_mode)
+    return node
 
 
 def emit_plan_stats(b: Callable[..., fx.Node], plan_n: fx.Node, stats: fx.Node, dev: Any) -> None:
@@ -133,6 +146,47 @@ def emit_plan_stats(b: Callable[..., fx.Node], plan_n: fx.Node, stats: fx.Node, 
     b(aten.copy_.default, stats, b(aten.stack.default, [new, cum]))
 
 
+@dataclass
+class _Ctx:
+    """One rewrite's graph, options and accumulating results."""
+
+    gm: fx.GraphModule
+    b: _Builder
+    first: fx.Node  # the first computing node: state attributes and early guards go before it
+    state: OffloadState
+    update_ledger: bool
+    install_hook: Optional[InstallHook]
+    detect_new_requests: bool
+    replacement_policy: str
+    buffers: dict[str, str] = field(default_factory=dict)
+    guards: list[str] = field(default_factory=list)
+    after: dict[int, list[str]] = field(default_factory=dict)
+    sites: list[SiteRewrite] = field(default_factory=list)
+
+    @property
+    def g(self) -> fx.Graph:
+        return self.gm.graph
+
+    def attr(self, name: str, t: torch.Tensor) -> fx.Node:
+        return state_attr(self.gm, name, t, self.buffers, self.first, self.b.fake_mode)
+
+
+@dataclass
+class _GroupNodes:
+    """The nodes of one group every layer's serve / install uses."""
+
+    p: Any  # GroupPlan
+    meta: dict[str, fx.Node]  # pool_ids, id_to_slot, lru_counter, stats, seen_len
+    pools: dict[int, tuple[fx.Node, fx.Node]]  # layer -> (pool_kv, pool_rope)
+    dev: Any  # the state's device
+    plan: Optional[fx.Node] = None  # the dsa_plan call
+    plan_n: Optional[fx.Node] = None  # its outputs: plan, install records, active count
+    rec: Optional[fx.Node] = None
+    act: Optional[fx.Node] = None
+    tk2: Optional[fx.Node] = None  # top-k as [B*S, K]
+    by_layer: dict[int, SiteRewrite] = field(default_factory=dict)
+
+
 def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: OffloadState,
             update_ledger: bool = True, install_hook: Optional[InstallHook] = None,
             in_graph_guards: bool = True, detect_new_requests: bool = True,
@@ -144,109 +198,113 @@ def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: Of
     ``offload_ref::dsa_install_sc`` (same inputs plus the step's plan, whose hits set reference bits)."""
     g = gm.graph
     hoist_attrs(g)  # module buffers as get_attr (no nn-module inlining) become usable anywhere
-    b = _Builder(g)
     first = next(n for n in g.nodes if n.op not in ("placeholder", "get_attr"))
-    buffers: dict[str, str] = {}
-    guards: list[str] = []
-
-    def attr(name: str, t: torch.Tensor) -> fx.Node:
-        return state_attr(gm, name, t, buffers, first)
-
+    ctx = _Ctx(gm, _Builder(g, [p.topk for p in plan.groups]), first, state, update_ledger, install_hook, detect_new_requests, replacement_policy)
     before = {s.layer: [s.producer.name, s.gather.name, s.sfa.name] if s is grp.owner else [s.gather.name, s.sfa.name]
               for grp in groups.groups for s in grp.sites}
-    after: dict[int, list[str]] = {}
-    sites_out: list[SiteRewrite] = []
-    plan_nodes: dict[int, str] = {}
     plans = {p.group_id: p for p in plan.groups}
-    gstates = {gs.group_id: gs for gs in state.groups}
-
     if in_graph_guards:
-        _add_guards(g, b, first, groups, plans, guards)
-
+        _add_guards(g, ctx.b, first, groups, plans, ctx.guards)
+    gstates = {gs.group_id: gs for gs in state.groups}
     for grp in groups.groups:
-        p, gs = plans[grp.group_id], gstates[grp.group_id]
-        B, S, K, SBS = p.B, p.S, p.K, p.BS
-        meta = {n: attr(f"{n}_g{grp.group_id}", t) for n, t in
-                (("pool_ids", gs.pool_ids), ("id_to_slot", gs.id_to_slot), ("lru_counter", gs.lru_counter),
-                 ("stats", gs.stats), ("seen_len", gs.seen_len))}
-        pools = {}
+        gn = _group_nodes(ctx, grp, plans[grp.group_id], gstates[grp.group_id])
+        _emit_plan(ctx, grp, gn)
         for s in grp.sites:
-            kv, rope = state.pools[s.layer]
-            pools[s.layer] = (attr(f"pool_kv_l{s.layer}", kv), attr(f"pool_rope_l{s.layer}", rope))
-        dev = gs.stats.device
-        owner = grp.owner
-        if detect_new_requests:
-            with g.inserting_before(owner.gather):
-                _invalidate_new_rows(b, p, grp, meta, update_ledger)
-        with g.inserting_before(owner.gather):
-            tk = b(aten.view.default, p.topk, [B, S, 1, K])
-            pl = b(custom.dsa_plan.default, tk, p.lengths, meta["pool_ids"], meta["id_to_slot"],
-                   meta["lru_counter"], raw_seq=S, group_id=grp.group_id, owner_layer=owner.layer)
-            plan_n, rec, act = b.item(pl, 0), b.item(pl, 1), b.item(pl, 2)
-            emit_plan_stats(b, plan_n, meta["stats"], dev)
-            tk2 = b(aten.view.default, tk, [B * S, K])
-        plan_nodes[grp.group_id] = pl.name
-
-        cursor_installs: dict[int, SiteRewrite] = {}
+            _emit_serve(ctx, grp, gn, s)
         for s in grp.sites:
-            geo = p.geometry[s.layer]
-            pkv, prope = pools[s.layer]
-            with g.inserting_before(s.gather):
-                fkv = b(aten.view.default, geo.full_kv, [B, geo.F, geo.Dkv])
-                frp = b(aten.view.default, geo.full_rope, [B, geo.F, geo.Dr])
-                serve = b(custom.dsa_serve.default, plan_n, fkv, frp, pkv, prope, geo.sel_kv, geo.sel_rope,
-                          raw_seq=S, topk=K, selection_block_size=SBS, compact_layout=1)
-                ledger = []
-                if update_ledger:
-                    # keep the model's gather ledger valid for what serve placed (position k <- topk[k])
-                    ar = b(aten.arange.default, K, dtype=torch.int32, device=dev)
-                    lt = b(aten.lt.Tensor, b(aten.unsqueeze.default, ar, 0), b(aten.unsqueeze.default, act, 1))
-                    vals = b(aten.where.ScalarOther, lt, tk2, -1)
-                    row = b(aten.cat.default, [vals, b(aten.unsqueeze.default, act, 1)], 1)
-                    shape = list(geo.status.meta["example_value"].shape)
-                    ledger.append(b(aten.copy_.default, geo.status, b(aten.view.default, row, shape)))
-            gather_name = s.gather.name
-            s.gather.replace_all_uses_with(act)
-            g.erase_node(s.gather)
-            sr = SiteRewrite(s.layer, grp.group_id, gather_name, s.sfa.name, serve.name)
-            cursor_installs[s.layer] = sr
-            after[s.layer] = ([pl.name] if s is owner else []) + [serve.name] + [n.name for n in ledger] + [s.sfa.name]
-            sites_out.append(sr)
-
-        last = grp.last
-        for s in grp.sites:
-            geo = p.geometry[s.layer]
-            cursor = s.sfa
-            placed: list[fx.Node] = []
-
-            def install(site_layer: int, md: int) -> fx.Node:
-                gg = p.geometry[site_layer]
-                kv, rp = pools[site_layer]
-                args = (rec, gg.sel_kv, gg.sel_rope, gg.sel_table, kv, rp,
-                        meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"])
-                kw = dict(raw_seq=S, topk=K, selection_block_size=SBS, metadata_update=md)
-                with g.inserting_after(cursor):
-                    if replacement_policy == "second_chance":
-                        return b(torch.ops.offload_ref.dsa_install_sc.default, plan_n, *args, **kw)
-                    return b(custom.dsa_install.default, *args, **kw)
-
-            if s is not owner:
-                cursor = install(s.layer, 0)
-                placed.append(cursor)
-                cursor_installs[s.layer].install_nodes.append(cursor.name)
-            if s is last:
-                # the owner's metadata install goes last: after every metadata_update=0 install
-                cursor = install(owner.layer, 1)
-                placed.append(cursor)
-                cursor_installs[owner.layer].install_nodes.append(cursor.name)
-            after[s.layer] += [n.name for n in placed]
-            if install_hook is not None and placed:
-                install_hook(g, placed, s.layer)
-
+            _emit_installs(ctx, grp, gn, s)
     g.lint()
     gm.recompile()
-    sites_out.sort(key=lambda r: r.layer)
-    return RewriteReport(sites_out, plan_nodes, buffers, before, after, guards)
+    ctx.sites.sort(key=lambda r: r.layer)
+    return RewriteReport(ctx.sites, ctx.buffers, before, ctx.after, ctx.guards)
+
+
+def _group_nodes(ctx: _Ctx, grp: Any, p: Any, gs: Any) -> _GroupNodes:
+    """The group's metadata and its layers' pools as graph attributes."""
+    meta = {n: ctx.attr(f"{n}_g{grp.group_id}", t) for n, t in
+            (("pool_ids", gs.pool_ids), ("id_to_slot", gs.id_to_slot), ("lru_counter", gs.lru_counter),
+             ("stats", gs.stats), ("seen_len", gs.seen_len))}
+    pools = {}
+    for s in grp.sites:
+        kv, rope = ctx.state.pools[s.layer]
+        pools[s.layer] = (ctx.attr(f"pool_kv_l{s.layer}", kv), ctx.attr(f"pool_rope_l{s.layer}", rope))
+    return _GroupNodes(p, meta, pools, gs.stats.device)
+
+
+def _emit_plan(ctx: _Ctx, grp: Any, gn: _GroupNodes) -> None:
+    """Before the owner's gather: the new-request invalidation, ``dsa_plan`` and its statistics."""
+    b, p, meta, owner = ctx.b, gn.p, gn.meta, grp.owner
+    B, S, K = p.B, p.S, p.K
+    if ctx.detect_new_requests:
+        with ctx.g.inserting_before(owner.gather):
+            _invalidate_new_rows(b, p, grp, meta, ctx.update_ledger)
+    with ctx.g.inserting_before(owner.gather):
+        tk = b(aten.view.default, p.topk, [B, S, 1, K])
+        gn.plan = b(custom.dsa_plan.default, tk, p.lengths, meta["pool_ids"], meta["id_to_slot"],
+                    meta["lru_counter"], raw_seq=S, group_id=grp.group_id, owner_layer=owner.layer)
+        gn.plan_n, gn.rec, gn.act = b.item(gn.plan, 0), b.item(gn.plan, 1), b.item(gn.plan, 2)
+        emit_plan_stats(b, gn.plan_n, meta["stats"], gn.dev)
+        gn.tk2 = b(aten.view.default, tk, [B * S, K])
+
+
+def _emit_serve(ctx: _Ctx, grp: Any, gn: _GroupNodes, s: Any) -> None:
+    """Layer ``s``: ``dsa_serve`` (and the ledger write) replaces its gather."""
+    b, p = ctx.b, gn.p
+    B, S, K, SBS = p.B, p.S, p.K, p.BS
+    geo = p.geometry[s.layer]
+    pkv, prope = gn.pools[s.layer]
+    with ctx.g.inserting_before(s.gather):
+        fkv = b(aten.view.default, geo.full_kv, [B, geo.F, geo.Dkv])
+        frp = b(aten.view.default, geo.full_rope, [B, geo.F, geo.Dr])
+        serve = b(custom.dsa_serve.default, gn.plan_n, fkv, frp, pkv, prope, geo.sel_kv, geo.sel_rope,
+                  raw_seq=S, topk=K, selection_block_size=SBS, compact_layout=1)
+        ledger = [_emit_ledger(b, geo, gn, K)] if ctx.update_ledger else []
+    gather_name = s.gather.name
+    s.gather.replace_all_uses_with(gn.act)
+    ctx.g.erase_node(s.gather)
+    sr = SiteRewrite(s.layer, grp.group_id, gather_name, s.sfa.name, serve.name)
+    gn.by_layer[s.layer] = sr
+    ctx.after[s.layer] = (([gn.plan.name] if s is grp.owner else []) + [serve.name] + [n.name for n in ledger]
+                          + [s.sfa.name])
+    ctx.sites.append(sr)
+
+
+def _emit_ledger(b: _Builder, geo: Any, gn: _GroupNodes, K: int) -> fx.Node:
+    """Keep the model's gather ledger valid for what serve placed (position k <- topk[k], then the count)."""
+    ar = b(aten.arange.default, K, dtype=torch.int32, device=gn.dev)
+    lt = b(aten.lt.Tensor, b(aten.unsqueeze.default, ar, 0), b(aten.unsqueeze.default, gn.act, 1))
+    vals = b(aten.where.ScalarOther, lt, gn.tk2, -1)
+    row = b(aten.cat.default, [vals, b(aten.unsqueeze.default, gn.act, 1)], 1)
+    shape = list(geo.status.meta["example_value"].shape)
+    return b(aten.copy_.default, geo.status, b(aten.view.default, row, shape))
+
+
+def _emit_installs(ctx: _Ctx, grp: Any, gn: _GroupNodes, s: Any) -> None:
+    """After layer ``s``'s attention: its ``metadata_update=0`` install (not the owner), and on the
+    group's last layer the owner's ``metadata_update=1`` install; then the install hook."""
+    cursor = s.sfa
+    placed: list[fx.Node] = []
+    todo = ([(s.layer, 0)] if s is not grp.owner else []) + ([(grp.owner.layer, 1)] if s is grp.last else [])
+    for layer, md in todo:  # the owner's metadata install goes last: after every metadata_update=0 install
+        cursor = _emit_install(ctx, gn, layer, md, cursor)
+        placed.append(cursor)
+        gn.by_layer[layer].install_nodes.append(cursor.name)
+    ctx.after[s.layer] += [n.name for n in placed]
+    if ctx.install_hook is not None and placed:
+        ctx.install_hook(ctx.g, placed, s.layer)
+
+
+def _emit_install(ctx: _Ctx, gn: _GroupNodes, layer: int, md: int, cursor: fx.Node) -> fx.Node:
+    p, meta = gn.p, gn.meta
+    gg = p.geometry[layer]
+    kv, rp = gn.pools[layer]
+    args = (gn.rec, gg.sel_kv, gg.sel_rope, gg.sel_table, kv, rp,
+            meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"])
+    kw = dict(raw_seq=p.S, topk=p.K, selection_block_size=p.BS, metadata_update=md)
+    with ctx.g.inserting_after(cursor):
+        if ctx.replacement_policy == "second_chance":
+            return ctx.b(torch.ops.offload_ref.dsa_install_sc.default, gn.plan_n, *args, **kw)
+        return ctx.b(custom.dsa_install.default, *args, **kw)
 
 
 def _invalidate_new_rows(b: "_Builder", p: Any, grp: Any, meta: dict, ledger: bool) -> None:

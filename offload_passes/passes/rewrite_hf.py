@@ -35,13 +35,15 @@ from torch import fx
 
 from ..options import OffloadOptions
 from .. import _compat
-from ..state import OffloadState
+from ..state import OffloadState, build_state
 from . import _fx
 from .detect import Refusal
 from .detect_hf import HfDetectReport, HfSite, detect_hf
 from .group import GroupReport, group
-from .preconditions import MAX_DKV, MAX_DR, MAX_RAW_SEQ, MAX_TOPK, GroupPlan, SiteGeometry, _pow2
-from .rewrite import emit_plan_stats, state_attr
+from ..custom_ops._library import is_pow2
+from .preconditions import GroupPlan, SiteGeometry
+from .preconditions import MAX_DKV, MAX_DR, MAX_POOL, MAX_RAW_SEQ, MAX_TOPK, TOPK_ALIGN, WAYS  # the ops' specs
+from .rewrite import OffloadRefused, _Builder, emit_plan_stats, state_attr
 
 log = logging.getLogger("offload_passes.passes.rewrite_hf")
 aten = torch.ops.aten
@@ -186,7 +188,6 @@ class HfSiteRewrite:
 class HfRewriteReport:
     sites: list[HfSiteRewrite]
     offload: bool
-    plan_nodes: dict[int, str]
     buffers: dict[str, str]
     erased: int
     layer_nodes_before: dict[int, list[str]]
@@ -233,14 +234,14 @@ def offload_plan(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOptions) -> 
                 f"Dkv={d['C']} must be in (0, {MAX_DKV}], Dr={d['R']} in (0, {MAX_DR}]", s.layer)
             chk(_cache_length(s) is not None, "cache_layout",
                 f"{s.latent.name}: no index_copy_ write into the latent cache (cache length unknown)", s.layer)
-        chk(K % 64 == 0 and 0 < K <= MAX_TOPK, "topk_alignment",
-            f"top-k width K={K} must be a multiple of 64 and <= {MAX_TOPK}")
+        chk(K % TOPK_ALIGN == 0 and 0 < K <= MAX_TOPK, "topk_alignment",
+            f"top-k width K={K} must be a multiple of {TOPK_ALIGN} and <= {MAX_TOPK}")
         chk(1 <= S <= MAX_RAW_SEQ, "raw_seq", f"raw_seq S={S} must be in [1, {MAX_RAW_SEQ}]")
         if opts.next_n is not None:
             chk(S == opts.next_n + 1, "next_n", f"graph has raw_seq S={S}, config next_n={opts.next_n}")
         SBS = _selection_block(K)
-        chk(PS % SBS == 0 and PS % 16 == 0 and _pow2(PS // 16) and PS <= 16384, "pool_size",
-            f"pool_size={PS}: needs PS % {SBS} == 0, PS % 16 == 0, PS/16 a power of two, PS <= 16384")
+        chk(PS % SBS == 0 and PS % WAYS == 0 and is_pow2(PS // WAYS) and PS <= MAX_POOL, "pool_size",
+            f"pool_size={PS}: needs PS % {SBS} == 0, PS % {WAYS} == 0, PS/{WAYS} a power of two, PS <= {MAX_POOL}")
         if refusals:
             continue
         T = max(s.dims["T"] for s in g.sites)
@@ -254,116 +255,144 @@ def offload_plan(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOptions) -> 
 
 
 # -- the rewrite --------------------------------------------------------------------------------------
+@dataclass
+class _HfCtx:
+    """One HF rewrite's graph, builder and accumulating results."""
+
+    gm: fx.GraphModule
+    b: _Builder
+    first: fx.Node
+    buffers: dict[str, str] = field(default_factory=dict)
+    after: dict[int, list[str]] = field(default_factory=dict)
+    sites: list[HfSiteRewrite] = field(default_factory=list)
+    seeds: list[fx.Node] = field(default_factory=list)  # replaced dense attentions (dead-code roots)
+
+    def attr(self, name: str, t: torch.Tensor) -> fx.Node:
+        return state_attr(self.gm, name, t, self.buffers, self.first, self.b.fake_mode)
+
+
+@dataclass
+class _HfGroup:
+    """One offloaded group's state nodes and plan outputs."""
+
+    p: GroupPlan
+    meta: dict[str, fx.Node]
+    table: fx.Node  # the identity selection block table
+    sel: dict[int, tuple[fx.Node, fx.Node]]  # layer -> selection buffers (kv, rope)
+    pools: dict[int, tuple[fx.Node, fx.Node]]  # layer -> pools (kv, rope)
+    plan: Optional[fx.Node] = None
+    plan_n: Optional[fx.Node] = None
+    rec: Optional[fx.Node] = None
+
+
 def rewrite_sparse(gm: fx.GraphModule, grp: GroupReport, plans: Optional[list[GroupPlan]] = None,
                    state: Optional[OffloadState] = None) -> HfRewriteReport:
     """Replace every site's dense attention; with ``plans`` + ``state`` through plan/serve/install."""
     g = gm.graph
-    b = lambda target, *a, **kw: g.call_function(target, a, kw)  # noqa: E731
     _fx.hoist_attrs(g)  # caches as get_attr (torch 2.8, no nn-module inlining) become usable at every site
-    first = next(n for n in g.nodes if n.op != "placeholder")
-    buffers: dict[str, str] = {}
+    ctx = _HfCtx(gm, _Builder(g, [s.query for gr in grp.groups for s in gr.sites][:1]),
+                 next(n for n in g.nodes if n.op != "placeholder"))
     offload = plans is not None and state is not None
-
-    def attr(name: str, t: torch.Tensor) -> fx.Node:
-        return state_attr(gm, name, t, buffers, first)
-
     before = {s.layer: [s.scatter.name, s.combine.name, s.attn.name] for gr in grp.groups for s in gr.sites}
-    after: dict[int, list[str]] = {}
-    out: list[HfSiteRewrite] = []
-    plan_nodes: dict[int, str] = {}
-    seeds: list[fx.Node] = []
     pplans = {p.group_id: p for p in plans or []}
     gstates = {gs.group_id: gs for gs in state.groups} if offload else {}
     for gr in grp.groups:
-        p = pplans.get(gr.group_id)
-        if offload:
-            gs = gstates[gr.group_id]
-            B, S, K, SBS = p.B, p.S, p.K, p.BS
-            dev = gs.stats.device
-            meta = {n: attr(f"{n}_g{gr.group_id}", t) for n, t in
-                    (("pool_ids", gs.pool_ids), ("id_to_slot", gs.id_to_slot), ("lru_counter", gs.lru_counter),
-                     ("stats", gs.stats))}
-            table = attr(f"sel_table_g{gr.group_id}",
-                         torch.arange(B * S * K // SBS, dtype=torch.int32, device=dev).view(B * S, K // SBS))
-            sel: dict[int, tuple[fx.Node, fx.Node]] = {}
-            pools: dict[int, tuple[fx.Node, fx.Node]] = {}
+        hg = _hf_group(ctx, gr, pplans[gr.group_id], gstates[gr.group_id], state) if offload else None
+        done = {s.layer: _hf_site(ctx, gr, s, hg) for s in gr.sites}
+        recs = {layer: rw for layer, (rw, _) in done.items()}
+        if hg is not None:
             for s in gr.sites:
-                geo = p.geometry[s.layer]
-                nb = B * S * K // SBS
-                sel[s.layer] = (attr(f"sel_kv_l{s.layer}", torch.zeros(nb, SBS, geo.Dkv, dtype=geo.dtype, device=dev)),
-                                attr(f"sel_rope_l{s.layer}", torch.zeros(nb, SBS, geo.Dr, dtype=geo.dtype, device=dev)))
-                kv, rope = state.pools[s.layer]
-                pools[s.layer] = (attr(f"pool_kv_l{s.layer}", kv), attr(f"pool_rope_l{s.layer}", rope))
-            with g.inserting_before(gr.owner.attn):
-                pos = p.lengths  # this step's cache positions [S]; L = last position + 1, one per batch row
-                L = b(aten.add.Tensor, b(aten.amax.default, pos, [0]), 1)
-                L = b(aten.repeat.default, b(aten.view.default, b(aten._to_copy.default, L, dtype=torch.int32), [1]), [B])
-                tk = p.topk
-                if _fx.example(tk) is None or _fx.example(tk).dtype != torch.int32:
-                    tk = b(aten._to_copy.default, tk, dtype=torch.int32)
-                tk = b(aten.view.default, tk, [B, S, 1, K])
-                pl = b(custom.dsa_plan.default, tk, L, meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"],
-                       raw_seq=S, group_id=gr.group_id, owner_layer=gr.owner.layer)
-                plan_n, rec = g.call_function(operator.getitem, (pl, 0)), g.call_function(operator.getitem, (pl, 1))
-                emit_plan_stats(b, plan_n, meta["stats"], dev)
-            plan_nodes[gr.group_id] = pl.name
-        recs: dict[int, HfSiteRewrite] = {}
-        sparse_nodes: dict[int, fx.Node] = {}
-        for s in gr.sites:
-            d = s.dims
-            fill = float(s.combine.args[2]) if s.kind == "eager" else 0.0
-            serve = None
-            with g.inserting_before(s.attn):
-                if offload:
-                    geo = p.geometry[s.layer]
-                    fkv = b(aten.view.default, s.latent, [B, geo.F, geo.Dkv])
-                    frp = b(aten.view.default, s.rope, [B, geo.F, geo.Dr])
-                    skv, srp = sel[s.layer]
-                    serve = b(custom.dsa_serve.default, plan_n, fkv, frp, pools[s.layer][0], pools[s.layer][1], skv, srp,
-                              raw_seq=S, topk=K, selection_block_size=SBS, compact_layout=1)
-                    new_attn = g.call_function(hf_sparse_attention_rows, (
-                        s.query, skv, srp, s.weight, s.topk, s.base_mask, d["T"], s.scaling, d["n"], d["v"], s.kind, fill))
-                else:
-                    new_attn = g.call_function(hf_sparse_attention, (
-                        s.query, s.latent, s.rope, s.weight, s.topk, s.base_mask, s.scaling, d["n"], d["v"], s.kind, fill))
-            new_attn.meta.update({k: v for k, v in s.attn.meta.items() if k in ("example_value", "val")})
-            dense_name = s.attn.name
-            s.attn.replace_all_uses_with(new_attn)
-            seeds.append(s.attn)
-            rw = HfSiteRewrite(s.layer, gr.group_id, s.kind, dense_name, new_attn.name,
-                               serve.name if serve is not None else None)
-            recs[s.layer] = rw
-            out.append(rw)
-            after[s.layer] = ([pl.name] if offload and s is gr.owner else []) + \
-                ([serve.name] if serve is not None else []) + [new_attn.name]
-            sparse_nodes[s.layer] = new_attn
-        if offload:
-            for s in gr.sites:
-                cursor = sparse_nodes[s.layer]
-                placed = []
-
-                def install(layer: int, md: int, cur: fx.Node) -> fx.Node:
-                    skv, srp = sel[layer]
-                    kv, rp = pools[layer]
-                    with g.inserting_after(cur):
-                        return b(custom.dsa_install.default, rec, skv, srp, table, kv, rp, meta["pool_ids"],
-                                 meta["id_to_slot"], meta["lru_counter"], raw_seq=S, topk=K,
-                                 selection_block_size=SBS, metadata_update=md)
-
-                if s is not gr.owner:
-                    cursor = install(s.layer, 0, cursor)
-                    placed.append(cursor)
-                    recs[s.layer].install_nodes.append(cursor.name)
-                if s is gr.last:
-                    cursor = install(gr.owner.layer, 1, cursor)
-                    placed.append(cursor)
-                    recs[gr.owner.layer].install_nodes.append(cursor.name)
-                after[s.layer] += [n.name for n in placed]
-    erased = _dce(g, seeds)
+                _hf_installs(ctx, gr, s, hg, recs, done[s.layer][1])
+    erased = _dce(g, ctx.seeds)
     g.lint()
     gm.recompile()
-    out.sort(key=lambda r: r.layer)
-    return HfRewriteReport(out, offload, plan_nodes, buffers, erased, before, after)
+    ctx.sites.sort(key=lambda r: r.layer)
+    return HfRewriteReport(ctx.sites, offload, ctx.buffers, erased, before, ctx.after)
+
+
+def _hf_group(ctx: _HfCtx, gr: Any, p: GroupPlan, gs: Any, state: OffloadState) -> _HfGroup:
+    """The group's metadata, selection buffers and pools as attributes; its plan before the owner."""
+    B, S, K, SBS = p.B, p.S, p.K, p.BS
+    dev = gs.stats.device
+    meta = {n: ctx.attr(f"{n}_g{gr.group_id}", t) for n, t in
+            (("pool_ids", gs.pool_ids), ("id_to_slot", gs.id_to_slot), ("lru_counter", gs.lru_counter),
+             ("stats", gs.stats))}
+    table = ctx.attr(f"sel_table_g{gr.group_id}",
+                     torch.arange(B * S * K // SBS, dtype=torch.int32, device=dev).view(B * S, K // SBS))
+    hg = _HfGroup(p, meta, table, {}, {})
+    nb = B * S * K // SBS
+    for s in gr.sites:
+        geo = p.geometry[s.layer]
+        hg.sel[s.layer] = (ctx.attr(f"sel_kv_l{s.layer}", torch.zeros(nb, SBS, geo.Dkv, dtype=geo.dtype, device=dev)),
+                           ctx.attr(f"sel_rope_l{s.layer}", torch.zeros(nb, SBS, geo.Dr, dtype=geo.dtype, device=dev)))
+        kv, rope = state.pools[s.layer]
+        hg.pools[s.layer] = (ctx.attr(f"pool_kv_l{s.layer}", kv), ctx.attr(f"pool_rope_l{s.layer}", rope))
+    b = ctx.b
+    with ctx.gm.graph.inserting_before(gr.owner.attn):
+        pos = p.lengths  # this step's cache positions [S]; L = last position + 1, one per batch row
+        L = b(aten.add.Tensor, b(aten.amax.default, pos, [0]), 1)
+        L = b(aten.repeat.default, b(aten.view.default, b(aten._to_copy.default, L, dtype=torch.int32), [1]), [B])
+        tk = p.topk
+        if _fx.example(tk) is None or _fx.example(tk).dtype != torch.int32:
+            tk = b(aten._to_copy.default, tk, dtype=torch.int32)
+        tk = b(aten.view.default, tk, [B, S, 1, K])
+        hg.plan = b(custom.dsa_plan.default, tk, L, meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"],
+                    raw_seq=S, group_id=gr.group_id, owner_layer=gr.owner.layer)
+        hg.plan_n, hg.rec = b.item(hg.plan, 0), b.item(hg.plan, 1)
+        emit_plan_stats(b, hg.plan_n, meta["stats"], dev)
+    return hg
+
+
+def _hf_site(ctx: _HfCtx, gr: Any, s: HfSite, hg: Optional[_HfGroup]) -> tuple[HfSiteRewrite, fx.Node]:
+    """Layer ``s``: the sparse attention (reading what ``dsa_serve`` placed when offloaded) replaces the
+    dense one."""
+    b, d = ctx.b, s.dims
+    fill = float(s.combine.args[2]) if s.kind == "eager" else 0.0
+    serve = None
+    with ctx.gm.graph.inserting_before(s.attn):
+        if hg is not None:
+            p = hg.p
+            geo = p.geometry[s.layer]
+            fkv = b(aten.view.default, s.latent, [p.B, geo.F, geo.Dkv])
+            frp = b(aten.view.default, s.rope, [p.B, geo.F, geo.Dr])
+            skv, srp = hg.sel[s.layer]
+            serve = b(custom.dsa_serve.default, hg.plan_n, fkv, frp, hg.pools[s.layer][0], hg.pools[s.layer][1],
+                      skv, srp, raw_seq=p.S, topk=p.K, selection_block_size=p.BS, compact_layout=1)
+            new_attn = b(hf_sparse_attention_rows, s.query, skv, srp, s.weight, s.topk, s.base_mask, d["T"],
+                         s.scaling, d["n"], d["v"], s.kind, fill)
+        else:
+            new_attn = b(hf_sparse_attention, s.query, s.latent, s.rope, s.weight, s.topk, s.base_mask, s.scaling,
+                         d["n"], d["v"], s.kind, fill)
+    if "example_value" in s.attn.meta:  # Dynamo's key, as on the node it replaces
+        new_attn.meta["example_value"] = s.attn.meta["example_value"]
+    dense_name = s.attn.name
+    s.attn.replace_all_uses_with(new_attn)
+    ctx.seeds.append(s.attn)
+    rw = HfSiteRewrite(s.layer, gr.group_id, s.kind, dense_name, new_attn.name,
+                       serve.name if serve is not None else None)
+    ctx.sites.append(rw)
+    ctx.after[s.layer] = ([hg.plan.name] if hg is not None and s is gr.owner else []) + \
+        ([serve.name] if serve is not None else []) + [new_attn.name]
+    return rw, new_attn
+
+
+def _hf_installs(ctx: _HfCtx, gr: Any, s: HfSite, hg: _HfGroup, recs: dict[int, HfSiteRewrite],
+                 cursor: fx.Node) -> None:
+    """After layer ``s``'s sparse attention: its ``metadata_update=0`` install (not the owner), and on the
+    group's last layer the owner's ``metadata_update=1`` install."""
+    p = hg.p
+    placed = []
+    todo = ([(s.layer, 0)] if s is not gr.owner else []) + ([(gr.owner.layer, 1)] if s is gr.last else [])
+    for layer, md in todo:
+        skv, srp = hg.sel[layer]
+        kv, rp = hg.pools[layer]
+        with ctx.gm.graph.inserting_after(cursor):
+            cursor = ctx.b(custom.dsa_install.default, hg.rec, skv, srp, hg.table, kv, rp, hg.meta["pool_ids"],
+                           hg.meta["id_to_slot"], hg.meta["lru_counter"], raw_seq=p.S, topk=p.K,
+                           selection_block_size=p.BS, metadata_update=md)
+        placed.append(cursor)
+        recs[layer].install_nodes.append(cursor.name)
+    ctx.after[s.layer] += [n.name for n in placed]
 
 
 def dense_masks_left(graph: fx.Graph) -> int:
@@ -378,26 +407,6 @@ def dense_masks_left(graph: fx.Graph) -> int:
 
 
 # -- pipeline entry (called by the backend when the graph has no recipe-form DSA site) ----------------
-def _make_state(gm: fx.GraphModule, plans: list[GroupPlan], example_inputs: Sequence[Any], graph_id: str,
-                shared_state: bool) -> OffloadState:
-    """The group state, built exactly as the backend builds it for the recipe graph: shared per set of
-    full caches (``state.REGISTRY``) when the caches are graph inputs, else private buffers."""
-    from ..backend import _cache_refs  # lazy: the backend imports this module
-    from ..state import REGISTRY, GroupLayout
-
-    layouts = [GroupLayout.from_plan(p) for p in plans]
-    found = _cache_refs(gm, plans, example_inputs)
-    if shared_state and found is not None:
-        state = REGISTRY.bind(graph_id, layouts, found[1])
-    else:
-        dev = _fx.example(plans[0].geometry[plans[0].owner_layer].full_kv)
-        state = OffloadState.allocate(graph_id, layouts, device=dev.device if dev is not None else None)
-    state.layouts = layouts
-    state.cache_refs = found[0] if found is not None else None
-    state.shared = bool(shared_state and found is not None)
-    return state
-
-
 def rewrite_hf(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions, graph_id: str,
                timings: dict, ops_before: dict, shared_state: bool = False,
                ) -> Optional[tuple[fx.GraphModule, Optional[OffloadState], dict]]:
@@ -411,7 +420,29 @@ def rewrite_hf(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadO
     t1 = time.perf_counter()
     grp = group(det)  # same grouping as the recipe graph: by the shared top-k node
     timings["group_s"] = time.perf_counter() - t1
-    report: dict = {
+    report = _hf_report(graph_id, opts, det, ops_before, timings)
+    timings["rewrite_s"] = 0.0
+    if _left_as_is(det, opts, graph_id, report):
+        return gm, None, report
+    t1 = time.perf_counter()
+    plans, state, off_ref = None, None, []
+    if opts.enable_offload and opts.shared_indexer_offload:
+        plans, off_ref = _offload_plans(gm, grp, opts, graph_id)
+    timings["plan_s"] = time.perf_counter() - t1
+    if plans:
+        t1 = time.perf_counter()
+        state = build_state(gm, plans, example_inputs, graph_id, shared_state)
+        timings["alloc_s"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    rr = rewrite_sparse(gm, grp, plans, state)
+    timings["rewrite_s"] = time.perf_counter() - t1
+    _record(report, gm, grp, plans, state, rr, off_ref)
+    return gm, state, report
+
+
+def _hf_report(graph_id: str, opts: OffloadOptions, det: HfDetectReport, ops_before: dict, timings: dict) -> dict:
+    """The GraphReport of an HF graph before (or without) its rewrite."""
+    return {
         "graph_id": graph_id, "rewritten": False, "mode": opts.exe_mode, "options": opts.to_dict(),
         "groups": [], "sites": [], "layer_nodes": {"before": {}, "after": {}},
         "ops": {"before": ops_before, "after": ops_before}, "state": [],
@@ -422,16 +453,18 @@ def rewrite_hf(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadO
         "hf": {"form": "transformers", "sites": [s.to_dict() for s in det.sites], "offload": False,
                "offload_refusals": []},
     }
-    timings["rewrite_s"] = 0.0
+
+
+def _left_as_is(det: HfDetectReport, opts: OffloadOptions, graph_id: str, report: dict) -> bool:
+    """True (reported, logged; ``OffloadRefused`` under strict) when a site is not verified or the dense
+    attention is cheaper."""
     if det.refusals:
         msg = (f"{graph_id}: HF DSA rewrite not applied (hf_site_not_verified): "
                + "; ".join(r.detail for r in det.refusals[:4]) + (" ..." if len(det.refusals) > 4 else ""))
         if opts.strict:
-            from ..backend import OffloadRefused
-
             raise OffloadRefused(msg)
         log.warning("%s; compiling the graph unmodified", msg)
-        return gm, None, report
+        return True
     dense = [s for s in det.sites if s.dims["S"] * s.dims["K"] >= s.dims["T"]]
     if dense:
         # e.g. a prefill graph (S = prompt length): S*K selected rows cost more than the T dense ones
@@ -440,28 +473,26 @@ def rewrite_hf(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadO
                     "attention reads fewer rows; graph left as it is", dense[0].layer)
         report["refusals"].append(r.to_dict())
         log.info("%s: %s", graph_id, r.detail)
-        return gm, None, report
-    t1 = time.perf_counter()
-    plans, state, off_ref = None, None, []
-    if opts.enable_offload and opts.shared_indexer_offload:
-        plans, _, off_ref = offload_plan(gm, grp, opts)
-        if off_ref:
-            msg = (f"{graph_id}: shared-indexer offload not applied to the HF graph "
-                   f"({', '.join(sorted({r.reason for r in off_ref}))}): " + "; ".join(r.detail for r in off_ref[:3]))
-            if opts.strict:
-                from ..backend import OffloadRefused
+        return True
+    return False
 
-                raise OffloadRefused(msg)
-            log.warning("%s; sparse attention only", msg)
-            plans = None
-    timings["plan_s"] = time.perf_counter() - t1
-    if plans:
-        t1 = time.perf_counter()
-        state = _make_state(gm, plans, example_inputs, graph_id, shared_state)
-        timings["alloc_s"] = time.perf_counter() - t1
-    t1 = time.perf_counter()
-    rr = rewrite_sparse(gm, grp, plans, state)
-    timings["rewrite_s"] = time.perf_counter() - t1
+
+def _offload_plans(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOptions, graph_id: str
+                   ) -> tuple[Optional[list[GroupPlan]], list[Refusal]]:
+    """The offload's group plans, or None with the refusals (the sparse rewrite stays: it is exact)."""
+    plans, _, off_ref = offload_plan(gm, grp, opts)
+    if not off_ref:
+        return plans, off_ref
+    msg = (f"{graph_id}: shared-indexer offload not applied to the HF graph "
+           f"({', '.join(sorted({r.reason for r in off_ref}))}): " + "; ".join(r.detail for r in off_ref[:3]))
+    if opts.strict:
+        raise OffloadRefused(msg)
+    log.warning("%s; sparse attention only", msg)
+    return None, off_ref
+
+
+def _record(report: dict, gm: fx.GraphModule, grp: GroupReport, plans: Optional[list[GroupPlan]],
+            state: Optional[OffloadState], rr: HfRewriteReport, off_ref: list[Refusal]) -> None:
     report.update({
         "rewritten": True,
         "groups": [p.to_dict() for p in plans] if plans else
@@ -469,13 +500,12 @@ def rewrite_hf(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadO
           "K": g.owner.dims["K"], "S": g.owner.dims["S"], "B": g.owner.dims["B"]} for g in grp.groups],
         "sites": [s.to_dict() for s in rr.sites],
         "layer_nodes": {"before": rr.layer_nodes_before, "after": rr.layer_nodes_after},
-        "ops": {"before": ops_before, "after": _fx.count_ops(gm.graph)},
+        "ops": {"before": report["ops"]["before"], "after": _fx.count_ops(gm.graph)},
         "state": state.describe() if state is not None else [],
         "state_bytes": state.total_bytes if state is not None else 0,
         "buffers": rr.buffers,
     })
     report["hf"].update({"offload": rr.offload, "offload_refusals": [r.to_dict() for r in off_ref],
                          "erased_nodes": rr.erased, "dense_masks_left": dense_masks_left(gm.graph)})
-    log.info("%s: HF DSA: %d layers in %d groups %s -> sparse attention%s", graph_id, len(rr.sites),
-             len(grp.groups), grp.layer_lists(), " + shared-indexer offload" if rr.offload else "")
-    return gm, state, report
+    log.info("%s: HF DSA: %d layers in %d groups %s -> sparse attention%s", report["graph_id"], len(rr.sites),
+             len(grp.groups), [g.layers for g in grp.groups], " + shared-indexer offload" if rr.offload else "")

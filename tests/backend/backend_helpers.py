@@ -1,13 +1,24 @@
 """Shared test helpers: run baseline vs compiled, pool invariants (spec §8.4-8.5), graph checks."""
 from __future__ import annotations
 
+import importlib.util
 import operator
+import types
+from pathlib import Path
 
 import torch
 from torch import fx
 
 import dsa_synth as synth
 from offload_passes.backend import make_offload_backend
+
+
+def load_file(name: str, path: Path) -> types.ModuleType:
+    """Import the Python file ``path`` as module ``name`` (scripts and other folders' helpers)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def full_row(buf: torch.Tensor, B: int) -> torch.Tensor:

@@ -51,6 +51,17 @@ class SynthConfig:
     topk_view: str = "BS1K"  # "B1SK": the ids reach the gather as [B, 1, S, K]
     full_dtype: torch.dtype | None = None  # full caches of another dtype than the selection buffers
     lengths_dtype: torch.dtype = torch.int32  # dtype of the cache lengths L
+    # True: KV writes as the GLM model does them, ``cache.view(-1, ...).index_put_((slot,), rows)`` (one flat
+    # index, what the ge_graph cache-write pass lowers); False: ``index_put_((block, offset), rows)``
+    flat_cache_writes: bool = False
+
+
+def _write(cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, rows: torch.Tensor, c: SynthConfig) -> None:
+    """This step's rows into a paged cache ``[blocks, BS, ...]`` (see ``SynthConfig.flat_cache_writes``)."""
+    if c.flat_cache_writes:
+        cache.view(-1, *cache.shape[2:]).index_put_((blk * c.BS + off,), rows)
+    else:
+        cache.index_put_((blk, off), rows)
 
 
 class SynthDSA(nn.Module):
@@ -162,12 +173,12 @@ class SynthDSA(nn.Module):
             sel_table = getattr(self, f"sel_table_{l}")
             status = getattr(self, f"sel_status_{l}")
             if full_kv.dtype != torch.int8:
-                full_kv.index_put_((blk, off), (h @ self.Wkv[l]).to(full_kv.dtype))
+                _write(full_kv, blk, off, (h @ self.Wkv[l]).to(full_kv.dtype), c)
                 if c.rope:
-                    full_rope.index_put_((blk, off), (h @ self.Wkr[l]).to(full_rope.dtype))
+                    _write(full_rope, blk, off, (h @ self.Wkr[l]).to(full_rope.dtype), c)
             if kind == "F":
                 kidx = getattr(self, f"kidx_{l}")
-                kidx.index_put_((blk, off), (h @ self.Wki[l]).view(T, 1, c.Di))
+                _write(kidx, blk, off, (h @ self.Wki[l]).view(T, 1, c.Di), c)
                 q_idx = (h @ self.Wqi[l]).view(T, c.Hi, c.Di)
                 wts = h @ self.Ww[l]
                 topk, _ = ref.npu_lightning_indexer(

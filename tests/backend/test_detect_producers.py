@@ -147,8 +147,8 @@ def test_npu_and_custom_namespaces_in_a_subprocess():
         # TEST DOUBLES: schema-only stand-ins of torch_npu's npu:: and CANN's custom:: indexer ops.
         libs = [torch.library.Library(ns, "FRAGMENT") for ns in ("npu", "custom")]
         for lib in libs:
-            lib.define(li.SCHEMA)
-            lib.define(qli.SCHEMA)
+            lib.define(li.SPEC.schema)
+            lib.define(qli.SPEC.schema)
         from test_detect_producers import build_graph
         from offload_passes.passes.detect import detect
         from offload_passes.passes.group import group

@@ -6,12 +6,21 @@ walk, ``Node.prev`` / ``Node.next`` steps, ``lint`` / ``recompile`` / ``python_c
 Python function call (cProfile's call count, exact). A pass that rescans the graph per site
 (``list(graph.nodes).index(n)``, a per-site users walk over the whole graph ...) makes these counts
 grow with the square of the layer count, ~x4 for x2 layers; a linear pass stays at ~x2.
+
+The converter-side passes of the NPU lowerings are measured the same way on the graphs those lowerings
+hand them for the same unit (its KV writes in the GLM model's flat form, which ge_graph lowers): the
+npugraph_ex post-grad FX passes (``inplace_masked_input_updates``, ``cache_writes_in_place``,
+``split_install_chains``), ge_graph's ``cache_writes_to_scatter_nd`` and ``drop_dsa_copies`` on the GE
+graph (node visits = ops yielded by ``graph.op`` walks). The graphs come from TorchAir's / npugraph_ex's
+real pipelines (the test copies of tests/converters, CANN-linked modules replaced by TEST DOUBLES).
 """
 from __future__ import annotations
 
+import copy
 import cProfile
 import gc
 import pstats
+from pathlib import Path
 from collections import Counter
 from typing import Any, Callable
 
@@ -21,8 +30,10 @@ from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 import dsa_synth as synth
+from backend_helpers import load_file
 import offload_passes.backend as backend_mod
 from offload_passes.backend import make_offload_backend
+from offload_passes.custom_ops import spec_for
 
 PS = 64
 UNIT = "FFSS"
@@ -99,6 +110,10 @@ class PassCounter:
             return orig(*a, **k)
         mp.setattr(cls, attr, w)
 
+    def measure(self, name: str, fn: Callable, *args: Any) -> Any:
+        """Run ``fn(*args)`` as pass ``name`` (counted like the wrapped backend passes)."""
+        return self._wrap(name, fn)(*args)
+
     def _wrap(self, name: str, fn: Callable) -> Callable:
         def run(*a, **k):
             self.gc_enabled_in_pass.append(gc.isenabled())
@@ -162,11 +177,10 @@ def test_both_sizes_rewritten(scaling):
         assert set(r["counts"]) == set(PASSES)
 
 
-def test_graph_walks_are_linear(scaling):
-    small, big = scaling[SIZES[0]], scaling[SIZES[1]]
-    for p in PASSES:
-        key = "aot" if p == "reinplace" else "dynamo"
-        n_small, n_big = small["nodes"][key], big["nodes"][key]
+def assert_walks_linear(small: dict, big: dict, passes: tuple, graph_key: Callable[[str], str]) -> None:
+    """Node visits of each pass at the two sizes (``graph_key(pass)``: which graph's size it is held to)."""
+    for p in passes:
+        n_small, n_big = small["nodes"][graph_key(p)], big["nodes"][graph_key(p)]
         v_small, v_big = small["counts"][p]["node_visits"], big["counts"][p]["node_visits"]
         # a bounded number of whole-graph walks per pass (no walk per site) ...
         assert v_big <= 6 * n_big, f"{p}: {v_big} node visits on a {n_big}-node graph"
@@ -175,14 +189,22 @@ def test_graph_walks_are_linear(scaling):
         assert big["counts"][p]["prev_next"] <= 4, f"{p}: walks the graph through Node.prev/next"
 
 
-def test_python_work_is_linear(scaling):
-    small, big = scaling[SIZES[0]], scaling[SIZES[1]]
+def assert_calls_linear(small: dict, big: dict, passes: tuple) -> None:
     grow = SIZES[1] / SIZES[0]
-    for p in PASSES:
+    for p in passes:
         c_small, c_big = small["counts"][p]["calls"], big["counts"][p]["calls"]
         assert c_small > 0
         # every per-site walk (users, views, ancestors) makes Python calls: quadratic work shows here
         assert c_big <= 1.15 * grow * c_small, (p, c_small, c_big)
+
+
+def test_graph_walks_are_linear(scaling):
+    assert_walks_linear(scaling[SIZES[0]], scaling[SIZES[1]], PASSES,
+                        lambda p: "aot" if p == "reinplace" else "dynamo")
+
+
+def test_python_work_is_linear(scaling):
+    assert_calls_linear(scaling[SIZES[0]], scaling[SIZES[1]], PASSES)
 
 
 def test_codegen_and_lint_once(scaling):
@@ -199,3 +221,197 @@ def test_gc_paused_in_passes_and_restored(scaling):
     for units in SIZES:
         assert scaling[units]["gc"] and not any(scaling[units]["gc"])
     assert scaling["gc_after"]
+
+
+# ------------------------------------------------------------------ converter passes (NPU lowerings)
+
+NPUGRAPH_EX_PASSES = ("inplace_masked_input_updates", "cache_writes_in_place", "split_install_chains")
+GE_FX_PASSES = ("cache_writes_to_scatter_nd",)
+GE_GRAPH_PASSES = ("drop_dsa_copies",)
+CONVERTER_PASSES = NPUGRAPH_EX_PASSES + GE_FX_PASSES + GE_GRAPH_PASSES
+
+
+class _GeOps:
+    """A GE graph's ``op`` field that counts the ops its walks yield."""
+
+    def __init__(self, inner: Any, counter: PassCounter):
+        self.inner, self.counter = inner, counter
+
+    def __iter__(self):
+        for o in self.inner:
+            self.counter.hit("node_visits")
+            yield o
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.inner[i]
+
+    def __delitem__(self, i: int) -> None:
+        del self.inner[i]
+
+    def remove(self, op: Any) -> None:
+        self.counter.hit("node_visits", len(self.inner))  # a search over the field
+        self.inner.remove(op)
+
+
+class _GeGraphView:
+    def __init__(self, proto: Any, counter: PassCounter):
+        self.op = _GeOps(proto.op, counter)
+
+
+def _npu_toolchain():
+    """TorchAir and npugraph_ex test copies with the CANN test doubles, our converters registered (the
+    helpers of tests/converters/conftest.py, loaded by path: it is not a conftest of this folder)."""
+    cf = load_file("offload_passes_test_converter_fixtures",
+                   Path(__file__).resolve().parents[1] / "converters" / "conftest.py")
+    site = cf.torchair_env.site_dir()
+    if site is None:
+        pytest.skip(cf.SKIP_REASON)
+    cf.torchair_env.activate(site)
+    cf._install_torchair_standins()
+    stub = cf._load_standin("torch_npu_stub")
+    with stub.installed(), cf._keep_signal_handlers():
+        import npugraph_ex
+        import npugraph_ex._acl_concrete_graph.graph_pass  # noqa: F401
+        import npugraph_ex._acl_concrete_graph.static_kernel  # noqa: F401
+        import npugraph_ex.ops._tagged_event  # noqa: F401
+        import npugraph_ex.scope  # noqa: F401
+    from offload_passes import converters
+
+    converters.register_all()
+    return npugraph_ex, stub
+
+
+def _capture_npu_graphs(units: int, npugraph_ex: Any, stub: Any, mode: str) -> dict:
+    """The graphs the lowering of ``mode`` hands our passes, copied before the first of them runs."""
+    from google.protobuf import message as pb
+
+    from offload_passes import _compat
+    from offload_passes.converters import ge_ref_patch
+    from offload_passes.passes import cache_writes, npu_install_chains
+
+    cfg = synth.SynthConfig(pattern=UNIT * units, S=1, router=False, flat_cache_writes=True)
+    _, m = synth.make_pair(cfg, [300, 280])
+    got: dict = {}
+
+    def keep(key: str, fn: Callable) -> Callable:
+        def spy(graph):
+            if isinstance(getattr(graph, "_proto", graph), pb.Message):
+                proto = type(graph._proto)()
+                proto.CopyFrom(graph._proto)
+                got[key] = proto
+            else:
+                got[key] = copy.deepcopy(graph)
+            return fn(graph)
+        return spy
+
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        L = torch.tensor([301, 281])
+        if mode == "ge_graph":
+            mp.setattr(cache_writes, "cache_writes_to_scatter_nd",
+                       keep("ge_fx", cache_writes.cache_writes_to_scatter_nd))
+            mp.setattr(ge_ref_patch, "drop_dsa_copies", keep("ge", ge_ref_patch.drop_dsa_copies))
+            be = make_offload_backend(exe_mode="ge_graph", pool_size=PS)
+            with pytest.raises(RuntimeError, match="GE graphs cannot be compiled without CANN"):
+                torch.compile(m, backend=be)(*m.inputs(L, 0))
+        else:
+            mp.setattr(npu_install_chains, "inplace_masked_input_updates",
+                       keep("ngx_fx", npu_install_chains.inplace_masked_input_updates))
+            ncfg = npugraph_ex.CompilerConfig()
+            _compat.set_npugraph_ex_option(ncfg, "pattern_fusion_pass", False)  # traces torch.ops.npu kernels
+            be = make_offload_backend(exe_mode="npugraph_ex", pool_size=PS, compiler_config=ncfg)
+            with stub.installed(), pytest.raises(RuntimeError, match=stub.CAPTURE_UNAVAILABLE):
+                torch.compile(m, backend=be)(*m.inputs(L, 0))
+    assert be.reports[-1]["rewritten"], be.reports[-1]["refusals"]
+    got["layers"] = len(cfg.pattern)
+    return got
+
+
+def _measure_converter_passes(graphs: dict) -> dict:
+    """Each pass on (a copy of) the graph its lowering gave it, in the lowering's order."""
+    from offload_passes.converters import ge_ref_patch
+    from offload_passes.passes import cache_writes, npu_install_chains
+
+    counter = PassCounter()
+    out: dict = {"nodes": {}, "results": {}}
+    with pytest.MonkeyPatch.context() as mp:
+        counter.install(mp)
+        gm = copy.deepcopy(graphs["ngx_fx"])
+        out["nodes"]["ngx_fx"] = len(gm.graph.nodes)
+        for name in NPUGRAPH_EX_PASSES:
+            out["results"][name] = counter.measure(name, getattr(npu_install_chains if name != "cache_writes_in_place"
+                                                                  else cache_writes, name), gm)
+        out["ngx_after"] = gm
+        gm = copy.deepcopy(graphs["ge_fx"])
+        out["nodes"]["ge_fx"] = len(gm.graph.nodes)
+        out["results"]["cache_writes_to_scatter_nd"] = counter.measure(
+            "cache_writes_to_scatter_nd", cache_writes.cache_writes_to_scatter_nd, gm)
+        proto = type(graphs["ge"])()
+        proto.CopyFrom(graphs["ge"])
+        out["nodes"]["ge"] = len(proto.op)
+        out["ge_before"] = graphs["ge"]
+        out["results"]["drop_dsa_copies"] = counter.measure("drop_dsa_copies", ge_ref_patch.drop_dsa_copies,
+                                                            _GeGraphView(proto, counter))
+        out["ge_after"] = proto
+    out["counts"] = counter.counts
+    out["layers"] = graphs["layers"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def converter_scaling():
+    npugraph_ex, stub = _npu_toolchain()
+    graphs = {units: {} for units in SIZES}
+    for mode in ("ge_graph", "npugraph_ex"):  # all GE compiles first: TorchAir and npugraph_ex patch ATen alike
+        for units in SIZES:
+            graphs[units].update(_capture_npu_graphs(units, npugraph_ex, stub, mode))
+    return {units: _measure_converter_passes(graphs[units]) for units in SIZES}
+
+
+def _graph_key(p: str) -> str:
+    return "ngx_fx" if p in NPUGRAPH_EX_PASSES else "ge_fx" if p in GE_FX_PASSES else "ge"
+
+
+def test_converter_passes_rewrite_every_site_at_both_sizes(converter_scaling):
+    install = torch.ops.custom.dsa_install_functional.default
+    meta = [spec_for("dsa_install").arg_names.index(m) for m in ("pool_ids", "id_to_slot", "lru_counter")]
+    for units in SIZES:
+        r = converter_scaling[units]
+        n_layers, res = r["layers"], r["results"]
+        # the new-request invalidation of each group's three metadata tensors (two groups per FFSS unit)
+        assert res["inplace_masked_input_updates"] == 3 * 2 * units
+        # FFSS: every shared layer's metadata_update=0 install starts a chain, split once
+        assert res["split_install_chains"] == 2 * units
+        # every layer's two full-cache writes, plus the indexer key cache of each owner layer
+        assert len(res["cache_writes_in_place"].in_place) == 2 * n_layers + 2 * units and not \
+            res["cache_writes_in_place"].left
+        assert len(res["cache_writes_to_scatter_nd"].in_place) == 2 * n_layers + 2 * units
+        # TorchAir's own pass leaves the installs' five copies; ours removes all of them
+        moves = [o for o in r["ge_before"].op if o.type == "TensorMove"]
+        assert res["drop_dsa_copies"] == len(moves) == 5 * n_layers
+        assert not [o for o in r["ge_after"].op if o.type == "TensorMove"]
+        # after the split every install reads the group metadata from the graph inputs themselves
+        installs = [n for n in r["ngx_after"].graph.nodes if n.target is install]
+        assert len(installs) == n_layers
+        for n in installs:
+            assert all(n.args[i].op == "placeholder" for i in meta), n.format_node()
+        assert set(r["counts"]) == set(CONVERTER_PASSES)
+
+
+def test_converter_graph_walks_are_linear(converter_scaling):
+    assert_walks_linear(converter_scaling[SIZES[0]], converter_scaling[SIZES[1]], CONVERTER_PASSES, _graph_key)
+
+
+def test_converter_python_work_is_linear(converter_scaling):
+    assert_calls_linear(converter_scaling[SIZES[0]], converter_scaling[SIZES[1]], CONVERTER_PASSES)
+
+
+def test_converter_fx_passes_lint_and_recompile_once(converter_scaling):
+    for units in SIZES:
+        c = converter_scaling[units]["counts"]
+        for p in NPUGRAPH_EX_PASSES + GE_FX_PASSES:  # each rewrote something (checked above)
+            assert c[p]["recompile"] == 1 and c[p]["lint"] == 1, (p, c[p])
+        assert c["drop_dsa_copies"]["recompile"] == 0 and c["drop_dsa_copies"]["lint"] == 0

@@ -2,19 +2,17 @@
 new requests, announced and unannounced, every step compared with the unmodified model."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import torch
+
+from backend_helpers import load_file
 
 SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
 def _soak():
-    spec = importlib.util.spec_from_file_location("offload_soak", SOAK)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file("offload_soak", SOAK)
 
 
 def test_short_soak_is_exact_and_keeps_invariants():

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from offload_passes.converters.cache_write import cache_writes_in_place, cache_writes_to_scatter_nd
-from offload_passes.converters.fx_passes import inplace_masked_input_updates
+from offload_passes.passes.cache_writes import cache_writes_in_place, cache_writes_to_scatter_nd
+from offload_passes.passes.npu_install_chains import inplace_masked_input_updates
 
 aten = torch.ops.aten
 SHAPE = (4, 3, 1, 5)  # [blocks, block size, 1, D]: the model's paged cache layout

@@ -10,7 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_passes.converters import CUSTOM_SPECS, REF_IDX, REF_SPECS, spec_for
+from offload_passes.converters.ge_ref_patch import REF_IDX
+from offload_passes.custom_ops import OP_SPECS, spec_for
+
+CUSTOM_SPECS = tuple(s for s in OP_SPECS if s.namespace == "custom")
+REF_SPECS = tuple(s for s in OP_SPECS if s.namespace == "offload_ref" and s.ge_type)  # torch_npu ops' references
 
 pytestmark = pytest.mark.usefixtures("torchair")
 
@@ -91,20 +95,20 @@ def _check_node(node, ir, kwargs, spec):
     assert {k for k in node.attr if not k.startswith("_")} <= set(ir_attrs)
 
 
-@pytest.mark.parametrize("spec", CUSTOM_SPECS, ids=lambda s: s.op)
+@pytest.mark.parametrize("spec", CUSTOM_SPECS, ids=lambda s: s.name)
 def test_inplace_converter_node(spec, torchair_core_double):
-    dtypes, kwargs = CASES[spec.op]
-    proto, result = _build(spec.namespace, spec.op, dtypes, kwargs)
+    dtypes, kwargs = CASES[spec.name]
+    proto, result = _build(spec.namespace, spec.name, dtypes, kwargs)
     (node,) = _nodes(proto, spec.ge_type)
     assert not _nodes(proto, "TensorMove"), "the in-place op must work on the original inputs"
     _check_node(node, torchair_core_double.IR_TABLE[spec.ge_type], kwargs, spec)
     # inputs wired straight to the Data nodes, in schema order
-    data_names = [a.name for a in _tensor_args(getattr(torch.ops.custom, spec.op).default)]
+    data_names = [a.name for a in _tensor_args(getattr(torch.ops.custom, spec.name).default)]
     assert list(node.input) == [f"{n}:0" for n in data_names]
     # returns exactly what the torch schema returns
-    if spec.op in ("dsa_serve", "dsa_install"):
+    if spec.name in ("dsa_serve", "dsa_install"):
         assert result is None
-    elif spec.op == "npu_gather_selection_kv_cache":
+    elif spec.name == "npu_gather_selection_kv_cache":
         assert result.tensor == f"{node.name}:{spec.ge_outputs.index('selection_kv_actual_seq')}"
     else:  # dsa_plan
         assert [t.tensor for t in result] == [f"{node.name}:{i}" for i in range(3)]
@@ -112,7 +116,7 @@ def test_inplace_converter_node(spec, torchair_core_double):
 
 @pytest.mark.parametrize("spec", [s for s in CUSTOM_SPECS if s.functional], ids=lambda s: s.functional)
 def test_functional_converter_tensormoves_exactly_the_mutated_inputs(spec, torchair_core_double):
-    dtypes, kwargs = CASES[spec.op]
+    dtypes, kwargs = CASES[spec.name]
     proto, result = _build(spec.namespace, spec.functional, dtypes, kwargs)
     (node,) = _nodes(proto, spec.ge_type)
     _check_node(node, torchair_core_double.IR_TABLE[spec.ge_type], kwargs, spec)
@@ -130,11 +134,11 @@ def test_functional_converter_tensormoves_exactly_the_mutated_inputs(spec, torch
     assert len(result) == len(getattr(torch.ops.custom, spec.functional).default._schema.returns)
 
 
-@pytest.mark.parametrize("spec", [s for s in CUSTOM_SPECS if s.functional], ids=lambda s: s.op)
+@pytest.mark.parametrize("spec", [s for s in CUSTOM_SPECS if s.functional], ids=lambda s: s.name)
 def test_ref_outputs_name_their_inputs(spec, torchair_core_double):
     """GE pairs a ref output with the input of the same name; check the index pairs GE will see."""
-    dtypes, kwargs = CASES[spec.op]
-    proto, _ = _build(spec.namespace, spec.op, dtypes, kwargs)
+    dtypes, kwargs = CASES[spec.name]
+    proto, _ = _build(spec.namespace, spec.name, dtypes, kwargs)
     (node,) = _nodes(proto, spec.ge_type)
     ins = [d.name for d in node.input_desc]
     pairs = {o: ins.index(d.name) for o, d in enumerate(node.output_desc) if d.name in ins}
@@ -147,11 +151,11 @@ def test_ref_outputs_name_their_inputs(spec, torchair_core_double):
         assert graph_pass._get_output_to_input_ref_idx(node) == pairs == {0: 0, 1: 1, 2: 2, 3: 3}
 
 
-@pytest.mark.parametrize("spec", REF_SPECS, ids=lambda s: s.op)
+@pytest.mark.parametrize("spec", REF_SPECS, ids=lambda s: s.name)
 def test_reference_attention_ops_map_to_cann_ops(spec, torchair_core_double):
-    dtypes, kwargs = REF_CASES[spec.op]
-    extra = (0.125,) if spec.op == "npu_sparse_flash_attention" else ()
-    proto, result = _build(spec.namespace, spec.op, dtypes, kwargs, extra_positional=extra)
+    dtypes, kwargs = REF_CASES[spec.name]
+    extra = (0.125,) if spec.name == "npu_sparse_flash_attention" else ()
+    proto, result = _build(spec.namespace, spec.name, dtypes, kwargs, extra_positional=extra)
     (node,) = _nodes(proto, spec.ge_type)
     inputs, outputs, attrs = torchair_core_double.IR_TABLE[spec.ge_type]
     got = [d.name for d in node.input_desc]
@@ -167,7 +171,7 @@ def test_reference_attention_ops_map_to_cann_ops(spec, torchair_core_double):
 
 def test_unset_optional_tensor_is_an_empty_input():
     spec = spec_for("npu_lightning_indexer")
-    dtypes, kwargs = REF_CASES[spec.op]
+    dtypes, kwargs = REF_CASES[spec.name]
     ge, DataType, GeGraph = _ge()
     op = torch.ops.offload_ref.npu_lightning_indexer.default
     with GeGraph() as g:
@@ -196,8 +200,8 @@ def test_converters_only_emit_registered_cann_ops(torchair_core_double):
     """Every GE op type our converters emit is one the IR table (CANN definitions) knows."""
     del torchair_core_double.QUERIED[:]
     for spec in CUSTOM_SPECS:
-        dtypes, kwargs = CASES[spec.op]
-        for name in filter(None, (spec.op, spec.functional)):
+        dtypes, kwargs = CASES[spec.name]
+        for name in filter(None, (spec.name, spec.functional)):
             _build(spec.namespace, name, dtypes, kwargs)
     assert set(torchair_core_double.QUERIED) == {s.ge_type for s in CUSTOM_SPECS}
     assert torchair_core_double.get_registered_ir_def("DsaServ")[0] == "ERROR"

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from offload_passes import _compat, models
-from offload_passes.npu_modes import SIDE_STREAM_LABEL, NpuOffloadBackend
+from offload_passes.backend import NpuOffloadBackend
+from offload_passes.npu_modes import SIDE_STREAM_LABEL
 
 GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]
 PS = 64
@@ -291,8 +292,7 @@ def test_npu_exe_modes_route_to_the_npu_backend_without_importing_torchair():
     code = (
         "import sys\n"
         "from offload_passes import make_offload_backend\n"
-        "from offload_passes.backend import backend_for_options, OffloadBackend\n"
-        "from offload_passes.npu_modes import NpuOffloadBackend\n"
+        "from offload_passes.backend import backend_for_options, OffloadBackend, NpuOffloadBackend\n"
         "for mode in ('ge_graph', 'npugraph_ex'):\n"
         "    b = make_offload_backend(exe_mode=mode, pool_size=64)\n"
         "    assert type(b) is NpuOffloadBackend and b.options.exe_mode == mode, b\n"

@@ -13,7 +13,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from offload_passes import _compat
-from offload_passes.converters.fx_passes import split_install_chains
+from offload_passes.passes.npu_install_chains import split_install_chains
 
 pytestmark = pytest.mark.usefixtures("reinplace_registered")
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from offload_passes import _compat, models
-from offload_passes.npu_modes import SIDE_STREAM_LABEL, NpuOffloadBackend
+from offload_passes.backend import NpuOffloadBackend
+from offload_passes.npu_modes import SIDE_STREAM_LABEL
 
 PS = {"tiny": 64, "glm-5.2-78l": 256}  # a multiple of the selection block size (16 / 128)
 #: 10 layers in the suite; ``benchmarks/bench_npu_schedule.py`` sets 78 (the whole preset) through this env var

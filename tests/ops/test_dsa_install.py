@@ -139,7 +139,7 @@ def _bits(t):
 
 
 def _assert_same_state(a, b, what=""):
-    for name, x, y in zip(M.MUTATED, a[4:], b[4:]):
+    for name, x, y in zip(M.SPEC.mutated, a[4:], b[4:]):
         assert torch.equal(_bits(x), _bits(y)), f"{what}: {name} differs"
 
 
@@ -407,8 +407,8 @@ def test_functionalize_maps_to_functional_twin():
 
 
 def test_schema_strings():
-    assert str(install_op.default._schema) == "custom::" + M.SCHEMA
-    assert str(functional_op.default._schema) == "custom::" + M.FUNCTIONAL_SCHEMA
+    assert str(install_op.default._schema) == "custom::" + M.SPEC.schema
+    assert str(functional_op.default._schema) == "custom::" + M.SPEC.functional_schema
 
 
 def test_fake_functional_shapes():

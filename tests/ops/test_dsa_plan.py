@@ -340,7 +340,7 @@ def test_records_layout_examples():
 
 
 def test_schema_string():
-    assert str(plan_op.default._schema) == "custom::" + M.SCHEMA
+    assert str(plan_op.default._schema) == "custom::" + M.SPEC.schema
 
 
 OPCHECK_CASES = [  # (B, S, K, PS, IR, seed, 3-D)

@@ -115,7 +115,7 @@ _CANN_FIRST = textwrap.dedent(
 def test_existing_cann_schema_is_not_redefined():
     from offload_passes.custom_ops import dsa_serve
 
-    code = _CANN_FIRST.format(serve=dsa_serve.SCHEMA, serve_f=dsa_serve.FUNCTIONAL_SCHEMA)
+    code = _CANN_FIRST.format(serve=dsa_serve.SPEC.schema, serve_f=dsa_serve.SPEC.functional_schema)
     res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
     assert res.stdout.strip().splitlines()[-1] == "OK"

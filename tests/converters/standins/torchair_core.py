@@ -19,42 +19,35 @@ import types
 from typing import Dict, List, Tuple
 
 # IR definitions as GE registers them: (inputs, outputs, attrs), each a list of (name, kind/type) in
-# definition order. Transcribed from the CANN op definitions (ops/ascendc/src/<op>/op_host/<op>_def.cpp
-# of cann-recipes-infer for the DSA ops; torch_npu's converters for the two attention ops).
+# definition order.
 _I = "required"
 _O = "optional"
+_ATTR_KINDS = {"IntType": "VT_INT", "FloatType": "VT_FLOAT", "BoolType": "VT_BOOL", "StringType": "VT_STRING"}
+
+
+def ir_from_spec(spec) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]], List[Tuple[str, str]]]:
+    """The CANN definition of one of OUR ops, derived from its ``OpSpec`` (the CANN op definitions,
+    ops/ascendc/src/<op>/op_host/<op>_def.cpp of cann-recipes-infer, follow the same rule: tensor
+    arguments as inputs in schema order, the others as attrs, the spec's output names)."""
+    from offload_passes.custom_ops.opspec import is_tensor_arg
+
+    args = spec.parsed.arguments
+    inputs = [(a.name, _O if a.type.kind() == "OptionalType" else _I) for a in args if is_tensor_arg(a)]
+    attrs = [(spec.ge_attr(a.name), _ATTR_KINDS[a.type.kind()]) for a in args if not is_tensor_arg(a)]
+    return inputs, [(o, _I) for o in spec.ge_outputs], attrs
+
+
+def _our_ops() -> dict:
+    from offload_passes.custom_ops import OP_SPECS
+
+    return {s.ge_type: ir_from_spec(s) for s in OP_SPECS if s.namespace == "custom" and s.ge_type}
+
+
 IR_TABLE: Dict[str, Tuple[List[Tuple[str, str]], List[Tuple[str, str]], List[Tuple[str, str]]]] = {
-    "DsaPlan": (
-        [("selection_topk_indices", _I), ("full_kv_actual_seq", _I), ("pool_ids", _I),
-         ("id_to_slot", _I), ("lru_counter", _I)],
-        [("plan", _I), ("install_records", _I), ("selection_kv_actual_seq", _I)],
-        [("raw_seq", "VT_INT"), ("group_id", "VT_INT"), ("owner_layer", "VT_INT"), ("group_kind", "VT_INT")],
-    ),
-    "DsaServe": (
-        [("plan", _I), ("full_kv_cache", _I), ("full_k_rope", _I), ("pool_kv_cache", _I),
-         ("pool_k_rope", _I), ("selection_kv_cache", _I), ("selection_k_rope", _I)],
-        [("selection_kv_cache", _I), ("selection_k_rope", _I)],
-        [("raw_seq", "VT_INT"), ("topk", "VT_INT"), ("selection_block_size", "VT_INT"),
-         ("compact_layout", "VT_INT")],
-    ),
-    "DsaInstall": (
-        [("install_records", _I), ("selection_kv_cache", _I), ("selection_k_rope", _I),
-         ("selection_kv_block_table", _I), ("pool_kv_cache", _I), ("pool_k_rope", _I),
-         ("pool_ids", _I), ("id_to_slot", _I), ("lru_counter", _I)],
-        [("pool_kv_cache", _I), ("pool_k_rope", _I), ("pool_ids", _I), ("id_to_slot", _I),
-         ("lru_counter", _I)],
-        [("raw_seq", "VT_INT"), ("topk", "VT_INT"), ("selection_block_size", "VT_INT"),
-         ("metadata_update", "VT_INT")],
-    ),
-    "GatherSelectionKvCache": (
-        [("selection_k_rope", _I), ("selection_kv_cache", _I), ("selection_kv_block_table", _I),
-         ("selection_kv_block_status", _I), ("selection_topk_indices", _I), ("full_k_rope", _I),
-         ("full_kv_cache", _I), ("full_kv_block_table", _I), ("full_kv_actual_seq", _I),
-         ("full_q_actual_seq", _I)],
-        [("selection_k_rope", _I), ("selection_kv_cache", _I), ("selection_kv_block_table", _I),
-         ("selection_kv_block_status", _I), ("selection_kv_actual_seq", _I)],
-        [("selection_topk_block_size", "VT_INT")],
-    ),
+    # DsaPlan, DsaServe, DsaInstall, GatherSelectionKvCache
+    **_our_ops(),
+    # torch_npu's attention ops, transcribed from torch_npu's converters (facts about GE, not ours;
+    # tests/ops/test_opspec.py checks they agree with our references' specs)
     "LightningIndexer": (
         [("query", _I), ("key", _I), ("weights", _I), ("actual_seq_lengths_query", _O),
          ("actual_seq_lengths_key", _O), ("block_table", _O)],

@@ -1,36 +1,64 @@
 """FX passes that prepare the functional graph for the registry-driven reinplace (npugraph_ex / ACL).
 
+Both run as npugraph_ex's ``post_grad_custom_post_pass`` (``offload_passes.npu_modes.npugraph_ex_config``),
+after AOT and before npugraph_ex's reinplace, which only reinplaces a functional twin whose mutated
+arguments are all graph inputs with their own ``copy_`` epilogues.
+
 ``split_install_chains``: within a group, every ``metadata_update=0`` install is followed by the group's
 ``metadata_update=1`` install, and all of them name the shared metadata (``pool_ids``, ``id_to_slot``,
 ``lru_counter``) as mutated. Functionalization therefore chains them: the last install reads the
-metadata *outputs* of the previous one, and only the last one gets ``copy_`` epilogues. The reinplace
-registry needs every mutated argument to be a graph input with its own epilogue, so neither install
-is reinplaced and every step copies each pool of the group (verified on CPU with npugraph_ex).
-
+metadata *outputs* of the previous one, and only the last one gets ``copy_`` epilogues, so neither
+install is reinplaced and every step copies each pool of the group (verified on CPU with npugraph_ex).
 A ``metadata_update=0`` install leaves the metadata bit-identical (spec/ops.md §4.2), so its metadata
 outputs equal its metadata inputs. The pass routes the next install to the graph inputs themselves and
 gives the ``metadata_update=0`` install its own (value-preserving) epilogue right after it. The rewrite
 is applied only when no other node reads the metadata inputs after the first install of the chain
 (other than the chain's installs and epilogues), so the graph's meaning is unchanged either way.
+
+``inplace_masked_input_updates``: the new-request invalidation of the metadata, made in place on the
+graph input so the plan and the installs read graph inputs.
+
+Argument and output positions come from the ops' schemas (never hard-coded). Both passes are linear
+in the graph: one walk over the nodes, then only each site's own users.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
 
 import torch
 from torch import fx
 
-log = logging.getLogger("offload_passes.converters")
+from ..custom_ops import spec_for
 
-_META_OUT = (2, 3, 4)   # dsa_install_functional outputs: pool_kv, pool_rope, pool_ids, id_to_slot, lru
-_META_ARG = (6, 7, 8)   # matching positional arguments
+log = logging.getLogger("offload_passes.passes.npu_install_chains")
+
+#: the group metadata every install names as mutated; a ``metadata_update=0`` install leaves it unchanged
+_METADATA = ("pool_ids", "id_to_slot", "lru_counter")
 
 
-def _metadata_update(node: fx.Node) -> int:
-    if len(node.args) > 12:
-        return int(node.args[12])
+@dataclass(frozen=True)
+class _InstallSchema:
+    """Positions in ``dsa_install_functional`` calls, looked up by name in the op's spec (its schema)."""
+    meta: Tuple[Tuple[int, int], ...]  # per metadata tensor: (argument position, output index)
+    metadata_update: int               # position of ``metadata_update`` if passed positionally
+
+
+@functools.lru_cache(maxsize=None)
+def _install_schema() -> _InstallSchema:
+    spec = spec_for("dsa_install")
+    args = spec.arg_names  # the functional twin takes the same arguments
+    # the twin returns the in-place op's own returns, then the mutated arguments in schema order
+    return _InstallSchema(tuple((args.index(m), spec.num_leading_outputs + spec.mutated.index(m)) for m in _METADATA),
+                          args.index("metadata_update"))
+
+
+def _metadata_update(node: fx.Node, pos: int) -> int:
+    if len(node.args) > pos:
+        return int(node.args[pos])
     return int(node.kwargs.get("metadata_update", 1))
 
 
@@ -38,28 +66,43 @@ def _getitems(node: fx.Node) -> Dict[int, fx.Node]:
     return {u.args[1]: u for u in node.users if u.target is operator.getitem}
 
 
+def _finish(gm: fx.GraphModule, done: int, what: str) -> int:
+    """Check and regenerate the module once, after all of a pass's rewrites (none: untouched)."""
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+        log.debug(what, done)
+    return done
+
+
 def split_install_chains(gm: fx.GraphModule) -> int:
     """Rewrite metadata chains of ``dsa_install_functional`` nodes (see module doc). Returns rewrites."""
     install = torch.ops.custom.dsa_install_functional.default
     copy_ = torch.ops.aten.copy_.default
+    spec = _install_schema()
+    arg_pos = [a for a, _ in spec.meta]
     graph = gm.graph
+    # one walk: the positions of the nodes present now (new nodes are only ``copy_``s, never looked up)
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
     done = 0
-    for node in list(graph.nodes):
-        if node.target is not install or _metadata_update(node) != 0 or len(node.args) < 9:
+    for node in nodes:
+        if node.target is not install or _metadata_update(node, spec.metadata_update) != 0 \
+                or len(node.args) <= max(arg_pos):
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        meta = [node.args[i] for i in _META_ARG]
+        meta = [node.args[i] for i in arg_pos]
         if not all(isinstance(m, fx.Node) and m.op in ("placeholder", "get_attr") for m in meta):
             continue
         gets = _getitems(node)
         plan: List[tuple] = []  # (next install user, getitem, graph input)
         ok = True
-        for k, m in zip(_META_OUT, meta):
+        for (a, k), m in zip(spec.meta, meta):
             g = gets.get(k)
             if g is None:
                 continue
             for u in g.users:
-                if u.target is install and u.args[4 + k] is g and _metadata_update(u) in (0, 1):
+                if u.target is install and len(u.args) > a and u.args[a] is g \
+                        and _metadata_update(u, spec.metadata_update) in (0, 1):
                     plan.append((u, g, m))
                 elif u.target is copy_ and u.args[0] is m:
                     continue  # already its own epilogue
@@ -67,15 +110,14 @@ def split_install_chains(gm: fx.GraphModule) -> int:
                     ok = False
             # nobody but the chain and epilogues may read the graph input after this install
             for r in m.users:
-                if order[r] > order[node] and r.target not in (install, copy_):
+                if r.target not in (install, copy_) and order[r] > order[node]:
                     ok = False
         if not ok or not plan:
             continue
         for u, g, m in plan:
             u.replace_input_with(g, m)
-        last = max(gets.values(), key=lambda n: order[n])
-        anchor = last
-        for k, m in zip(_META_OUT, meta):
+        anchor = max(gets.values(), key=lambda n: order[n])
+        for (_, k), m in zip(spec.meta, meta):
             g = gets.get(k)
             if g is None or any(u.target is copy_ and u.args[0] is m for u in g.users):
                 continue
@@ -84,11 +126,7 @@ def split_install_chains(gm: fx.GraphModule) -> int:
             c.meta["val"] = m.meta.get("val")
             anchor = c
         done += 1
-    if done:
-        graph.lint()
-        gm.recompile()
-        log.debug("split %d dsa_install metadata chains", done)
-    return done
+    return _finish(gm, done, "split %d dsa_install metadata chains")
 
 
 def inplace_masked_input_updates(gm: fx.GraphModule) -> int:
@@ -134,8 +172,4 @@ def inplace_masked_input_updates(gm: fx.GraphModule) -> int:
             if u.target is copy_ and u.args[0] is x and u.args[1] is x:
                 graph.erase_node(u)
         done += 1
-    if done:
-        graph.lint()
-        gm.recompile()
-        log.debug("made %d masked input updates in place", done)
-    return done
+    return _finish(gm, done, "made %d masked input updates in place")

@@ -1,4 +1,4 @@
-"""KV-cache writes that GE can run in place (``ge_graph`` mode).
+"""FX passes: the model's KV-cache writes made in place (``ge_graph`` and ``npugraph_ex`` modes).
 
 A model writes this step's KV rows into its full caches with ``cache.view(-1, D).index_put_((slots,), kv)``
 (or ``index_copy_`` on dim 0). After AOT functionalization that is
@@ -15,10 +15,15 @@ place only for ref ops it knows (``_ge_concrete_graph/graph_pass.py::_get_output
 :func:`cache_writes_to_scatter_nd` (a ``post_grad_custom_pre_pass``) therefore rewrites each such write
 into ``offload_ge.scatter_nd_update(cache, nd_index, rows)`` *on the graph input itself* (the flat row
 index unravelled over the cache's leading dims, so no reshape sits between the ``Data`` and the op); the
-op's GE converter emits ``TensorMove`` + ``ScatterNdUpdate``, and TorchAir's own pass then removes the
+op's GE converter (:mod:`offload_passes.converters.ge_cache_write`) emits ``TensorMove`` + ``ScatterNdUpdate``,
+and TorchAir's own pass then removes the
 ``TensorMove`` and the ``Assign``: only the ``n`` written rows move. Other single-index
 ``index_put`` / dim-0 ``index_copy`` nodes become the same op on their (intermediate) input, which is
 correct but keeps its ``TensorMove`` (a real copy: the old value is still needed).
+
+:func:`cache_writes_in_place` (npugraph_ex) turns the same pattern into ``index_put_`` on the cache's view.
+The op ``offload_ge::scatter_nd_update`` is defined here because this pass emits it; it is functional and
+has CPU and fake kernels, so the graph stays runnable without TorchAir.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from torch import fx
 
 from .. import _compat
 
-log = logging.getLogger("offload_passes.converters")
+log = logging.getLogger("offload_passes.passes.cache_writes")
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
@@ -69,22 +74,10 @@ def _define() -> None:
 _define()
 
 
-def register_ge_converter() -> None:
-    """GE converter: ``TensorMove(self)`` + ``ScatterNdUpdate`` (TorchAir drops the copy for graph inputs)."""
-    from torchair import register_fx_node_ge_converter  # public API
-
-    ge = _compat.torchair_ge_apis()  # ScatterNdUpdate has no public builder
-
-    def convert(self, indices, updates, meta_outputs: Any = None):
-        copy = ge.TensorMove(self)
-        return ge.ScatterNdUpdate(copy, indices, updates)
-
-    convert.__name__ = "convert_offload_ge_scatter_nd_update"
-    register_fx_node_ge_converter(torch.ops.offload_ge.scatter_nd_update.default)(convert)
-
-
 @dataclass
 class CacheWriteReport:
+    """What a cache-write pass did, by node / graph-input name."""
+
     in_place: List[str] = field(default_factory=list)     # graph inputs now written in place
     copied: List[str] = field(default_factory=list)       # index writes on intermediates (functional)
     left: List[str] = field(default_factory=list)         # index writes this pass cannot express

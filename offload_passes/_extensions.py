@@ -1,0 +1,60 @@
+"""The two C++ extensions: names, sources and compiler flags, shared by ``setup.py`` (build at install)
+and the run-time loaders (``custom_ops/_library.py``, ``trace/_native.py``) with their JIT fallback.
+
+Standard library only: ``setup.py`` loads this file by path, before the package is importable.
+
+* ``custom_ops`` CPU kernels: every ``custom_ops/csrc/*.cpp`` in one shared library that registers
+  ``offload_cpu::<op>`` with ``TORCH_LIBRARY_FRAGMENT`` (no Python module init; loaded with
+  ``torch.ops.load_library``).
+* ``trace`` simulator core: ``trace/csrc/trace_sim.cpp``, a pybind11 module (``simulate``).
+
+The file names carry the torch version (``_C_torch2_13_0_cpu.cpython-311-x86_64-linux-gnu.so``): an
+editable install builds into the source folders, which one checkout shares between venvs of different
+torch versions (``scripts/test_matrix.sh``); a library built for another torch ABI is never picked up,
+and each venv's build leaves the others' in place.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import re
+from pathlib import Path
+from typing import Mapping
+
+#: Same flags as the former per-op JIT builds: -O3, OpenMP for at::parallel_for, C++17.
+CPU_KERNELS_CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+CPU_KERNELS_LDFLAGS = ["-fopenmp"]
+TRACE_SIM_CFLAGS = ["-O3"]
+
+#: Environment variable forcing the JIT build (``torch.utils.cpp_extension.load``) even when a prebuilt
+#: extension is installed (developers editing ``csrc/`` without reinstalling).
+FORCE_JIT_ENV = "OFFLOAD_PASSES_JIT_KERNELS"
+
+
+def jit_forced(environ: Mapping[str, str]) -> bool:
+    """True if ``OFFLOAD_PASSES_JIT_KERNELS`` is set to anything but ``""`` / ``"0"``."""
+    return environ.get(FORCE_JIT_ENV, "0") not in ("", "0")
+
+
+def torch_tag(torch_version: str) -> str:
+    """``"2.13.0+cpu"`` -> ``"torch2_13_0_cpu"``."""
+    return "torch" + re.sub(r"[^0-9A-Za-z]+", "_", torch_version).strip("_")
+
+
+def cpu_kernels_name(torch_version: str) -> str:
+    """Last component of the CPU-kernel extension's module name (``offload_passes.custom_ops.<this>``)."""
+    return f"_C_{torch_tag(torch_version)}"
+
+
+def trace_sim_name(torch_version: str) -> str:
+    """Last component of the simulator extension's module name (``offload_passes.trace.<this>``)."""
+    return f"_trace_sim_{torch_tag(torch_version)}"
+
+
+def ext_filename(module_name: str) -> str:
+    """File name of a compiled extension for this interpreter (``<name>.cpython-311-x86_64-linux-gnu.so``)."""
+    return module_name + importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def cpu_kernel_sources(csrc: Path) -> list[Path]:
+    """All CPU-kernel translation units, sorted (one per op)."""
+    return sorted(csrc.glob("*.cpp"))
