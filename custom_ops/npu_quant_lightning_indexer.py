@@ -28,21 +28,10 @@ from typing import Optional
 
 import torch
 
-from ._attention_common import (
-    REF_NAMESPACE,
-    check_indexer_key,
-    check_indexer_query_lengths,
-    check_kv_layout,
-    check_layouts,
-    check_query_shape,
-    check_sparse_count,
-    indexer_out_shape,
-    indexer_reference,
-    ref_check,
-    ref_define,
-    ref_impl,
-    ref_register_fake,
-)
+# the layout / length / block-table checks and the top-k core are npu_lightning_indexer's (shared module)
+from ._attention_common import (REF_NAMESPACE, check_indexer_key, check_indexer_query_lengths, check_kv_layout,
+                                check_layouts, check_query_shape, check_sparse_count, indexer_out_shape,
+                                indexer_reference, ref_check, ref_define, ref_impl, ref_register_fake)
 from .opspec import OpSpec, shared_limits
 
 log = logging.getLogger("offload_passes.custom_ops.npu_quant_lightning_indexer")
@@ -169,18 +158,12 @@ def reference_npu_quant_lightning_indexer(
     key_dequant_scale: torch.Tensor,
     query_quant_mode: int,
     key_quant_mode: int,
-    *,
-    actual_seq_lengths_query: Optional[torch.Tensor] = None,
-    actual_seq_lengths_key: Optional[torch.Tensor] = None,
-    block_table: Optional[torch.Tensor] = None,
-    layout_query: str = "BSND",
-    layout_key: str = "BSND",
-    sparse_count: int = 2048,
-    sparse_mode: int = 3,
-    pre_tokens: int = 9223372036854775807,
-    next_tokens: int = 9223372036854775807,
-    query_dtype: Optional[int] = None,
-    key_dtype: Optional[int] = None,
+    *,  # keyword arguments: torch_npu's schema (SPEC.schema), those of npu_lightning_indexer plus the dtypes
+    actual_seq_lengths_query: Optional[torch.Tensor] = None, actual_seq_lengths_key: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None, layout_query: str = "BSND", layout_key: str = "BSND",
+    sparse_count: int = 2048, sparse_mode: int = 3,
+    pre_tokens: int = 9223372036854775807, next_tokens: int = 9223372036854775807,
+    query_dtype: Optional[int] = None, key_dtype: Optional[int] = None,
 ) -> torch.Tensor:
     """Pure-torch reference (vectorised over tokens and heads; exact int8 dots, fp32 scaling)."""
     info = validate_npu_quant_lightning_indexer(
