@@ -44,6 +44,7 @@ import torch
 from torch import fx
 
 from . import _compat
+from .custom_ops import spec_for
 from .options import OffloadOptions
 from .state import OffloadState
 
@@ -87,9 +88,14 @@ def _chain_once(cfg: Any, option: str, flag: str, fn: Callable) -> None:
 
 # ------------------------------------------------------------------------------------ install hooks
 
-#: Install arguments (positional, schema order) the install writes / only reads.
-_INSTALL_WRITES = (4, 5, 6, 7, 8)   # pool_kv, pool_rope, pool_ids, id_to_slot, lru_counter
-_INSTALL_READS = (0, 1, 2, 3)       # install_records, selection_kv, selection_rope, selection_block_table
+_INSTALL, _SERVE = spec_for("dsa_install"), spec_for("dsa_serve")
+#: Install arguments (positional, schema order) the install writes (pools and group metadata) / only
+#: reads (records, selection buffers and table): from the op's schema.
+_INSTALL_WRITES = _INSTALL.mutated_positions
+_INSTALL_READS = tuple(_INSTALL.arg_names.index(a) for a in (
+    "install_records", "selection_kv_cache", "selection_k_rope", "selection_kv_block_table"))
+_INSTALL_SELECTION = _INSTALL.arg_names.index("selection_kv_cache")
+_SERVE_SELECTION = _SERVE.arg_names.index("selection_kv_cache")
 
 
 def _base(n: Any) -> Any:
@@ -100,9 +106,9 @@ def _base(n: Any) -> Any:
 
 def _serve_of(install: fx.Node) -> Optional[fx.Node]:
     """The serve that filled the selection buffer this install reads (its layer's serve)."""
-    sel = _base(install.args[1])
+    sel = _base(install.args[_INSTALL_SELECTION])
     for u in sel.users:
-        if "dsa_serve" in str(u.target) and len(u.args) > 5 and _base(u.args[5]) is sel:
+        if "dsa_serve" in str(u.target) and len(u.args) > _SERVE_SELECTION and _base(u.args[_SERVE_SELECTION]) is sel:
             return u
     return None
 
@@ -361,7 +367,7 @@ def npugraph_ex_config(compiler_config: Any = None) -> Any:
     import npugraph_ex
 
     from .passes.cache_writes import cache_writes_in_place
-    from .passes.npu_install_chains import inplace_masked_input_updates, split_install_chains
+    from .passes.npu_install_chains import clone_input_copy_sources, inplace_masked_input_updates, split_install_chains
 
     cfg = compiler_config if compiler_config is not None else npugraph_ex.CompilerConfig()
     cfg.mode = "npugraph_ex"
@@ -370,6 +376,7 @@ def npugraph_ex_config(compiler_config: Any = None) -> Any:
         inplace_masked_input_updates(gm)  # the new-request invalidation, so installs read inputs
         cache_writes_in_place(gm)  # the model's KV-cache writes: no full-cache copy per step
         split_install_chains(gm)
+        clone_input_copy_sources(gm)  # npugraph_ex 2.8's reinplace cannot take a graph input as a copy_ source
 
     _chain_once(cfg, "post_grad_custom_post_pass", "_offload_passes_split", split)
     return cfg

@@ -18,6 +18,12 @@ is applied only when no other node reads the metadata inputs after the first ins
 ``inplace_masked_input_updates``: the new-request invalidation of the metadata, made in place on the
 graph input so the plan and the installs read graph inputs.
 
+``clone_input_copy_sources``: ``copy_(P, Q)`` where ``Q`` is itself a graph input (the rewrite's
+``seen_len.copy_(L)`` when the lengths are a graph input) gets ``copy_(P, clone(Q))``. npugraph_ex in
+torch-npu 2.8.0.post5 takes every epilogue source as a reinplace candidate and reads its first argument,
+which a graph input does not have (``IndexError`` inside its reinplace pass); 2.13 skips graph inputs.
+The clone is one small tensor per group.
+
 Argument and output positions come from the ops' schemas (never hard-coded). Both passes are linear
 in the graph: one walk over the nodes, then only each site's own users.
 """
@@ -33,6 +39,7 @@ import torch
 from torch import fx
 
 from ..custom_ops import spec_for
+from ._fx import set_fake_val
 
 log = logging.getLogger("offload_passes.passes.npu_install_chains")
 
@@ -173,3 +180,26 @@ def inplace_masked_input_updates(gm: fx.GraphModule) -> int:
                 graph.erase_node(u)
         done += 1
     return _finish(gm, done, "made %d masked input updates in place")
+
+
+def clone_input_copy_sources(gm: fx.GraphModule) -> int:
+    """``copy_(P, Q)`` with ``Q`` a graph input -> ``copy_(P, clone(Q))`` (module doc). Returns rewrites."""
+    aten = torch.ops.aten
+    graph = gm.graph
+    clones: Dict[fx.Node, fx.Node] = {}
+    done = 0
+    for c in list(graph.nodes):
+        if c.target is not aten.copy_.default or len(c.args) != 2:
+            continue
+        dst, src = c.args
+        if not (isinstance(src, fx.Node) and src.op in ("placeholder", "get_attr")) or src is dst:
+            continue
+        cl = clones.get(src)
+        if cl is None:
+            with graph.inserting_before(c):
+                cl = graph.call_function(aten.clone.default, (src,))
+            set_fake_val(cl)  # its own storage: the reinplace's aliasing analysis must not see the input's
+            clones[src] = cl
+        c.args = (dst, cl)
+        done += 1
+    return _finish(gm, done, "cloned %d graph-input copy_ sources")

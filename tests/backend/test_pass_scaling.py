@@ -10,7 +10,7 @@ grow with the square of the layer count, ~x4 for x2 layers; a linear pass stays 
 The converter-side passes of the NPU lowerings are measured the same way on the graphs those lowerings
 hand them for the same unit (its KV writes in the GLM model's flat form, which ge_graph lowers): the
 npugraph_ex post-grad FX passes (``inplace_masked_input_updates``, ``cache_writes_in_place``,
-``split_install_chains``), ge_graph's ``cache_writes_to_scatter_nd`` and ``drop_dsa_copies`` on the GE
+``split_install_chains``, ``clone_input_copy_sources``), ge_graph's ``cache_writes_to_scatter_nd`` and ``drop_dsa_copies`` on the GE
 graph (node visits = ops yielded by ``graph.op`` walks). The graphs come from TorchAir's / npugraph_ex's
 real pipelines (the test copies of tests/converters, CANN-linked modules replaced by TEST DOUBLES).
 """
@@ -225,7 +225,8 @@ def test_gc_paused_in_passes_and_restored(scaling):
 
 # ------------------------------------------------------------------ converter passes (NPU lowerings)
 
-NPUGRAPH_EX_PASSES = ("inplace_masked_input_updates", "cache_writes_in_place", "split_install_chains")
+NPUGRAPH_EX_PASSES = ("inplace_masked_input_updates", "cache_writes_in_place", "split_install_chains",
+                      "clone_input_copy_sources")
 GE_FX_PASSES = ("cache_writes_to_scatter_nd",)
 GE_GRAPH_PASSES = ("drop_dsa_copies",)
 CONVERTER_PASSES = NPUGRAPH_EX_PASSES + GE_FX_PASSES + GE_GRAPH_PASSES
@@ -385,6 +386,10 @@ def test_converter_passes_rewrite_every_site_at_both_sizes(converter_scaling):
         assert res["inplace_masked_input_updates"] == 3 * 2 * units
         # FFSS: every shared layer's metadata_update=0 install starts a chain, split once
         assert res["split_install_chains"] == 2 * units
+        # each group's seen_len.copy_(L), L being a graph input here (npugraph_ex 2.8 cannot take that)
+        assert res["clone_input_copy_sources"] == 2 * units
+        assert not [n for n in r["ngx_after"].graph.nodes if n.target is torch.ops.aten.copy_.default
+                    and n.args[1].op in ("placeholder", "get_attr")]
         # every layer's two full-cache writes, plus the indexer key cache of each owner layer
         assert len(res["cache_writes_in_place"].in_place) == 2 * n_layers + 2 * units and not \
             res["cache_writes_in_place"].left
