@@ -141,14 +141,14 @@ def register_reinplace(modules: Optional[List[object]] = None) -> Dict[str, List
     done: Dict[str, List[str]] = {}
     for mod in mods:
         table, cls, stream_check = _validate(mod)
+        # the package's own check where it is event-aware, else ours over its user lists (once per module)
+        users_of = None if _compat.reinplace_event_protection(mod) else _compat.reinplace_mutated_input_users(mod)
         for spec in [s for s in OP_SPECS if s.functional]:
             ns = getattr(torch.ops, spec.namespace)
             functional = getattr(ns, spec.functional).default
             inplace = getattr(ns, spec.name).default
             idx = list(spec.mutated_positions)  # the twin takes the in-place op's arguments
-            check = stream_check
-            if _compat.reinplace_event_protection(mod) is None:
-                check = fenced_stream_check(_compat.reinplace_mutated_input_users(mod), idx)
+            check = stream_check if users_of is None else fenced_stream_check(users_of, idx)
             table[functional] = cls(inplace_op=inplace, mutated_arg=idx,
                                     extra_check=make_extra_check(spec, idx, check))
             done.setdefault(mod.__name__, []).append(spec.functional)

@@ -92,11 +92,16 @@ def event_fenced(node: fx.Node, users: Iterable[fx.Node]) -> bool:
     """True when every user of ``node``'s mutated inputs either shares its stream or is ordered
     after (or before) it through tagged record/wait events. Unlabelled nodes are never accepted
     across streams."""
-    users = list(users)
+    return _fenced(node, [list(users)])
+
+
+def _fenced(node: fx.Node, user_lists: List[List[fx.Node]]) -> bool:
+    """:func:`event_fenced` for several user lists (one per mutated input), walking the graph once."""
     stream = _stream(node)
     if stream is _UNLABELLED:  # the package did not label this graph: same rule as its own check
-        return len(users) < 2 or (len({_stream(u) for u in users}) == 1 and _stream(users[0]) is not _UNLABELLED)
-    cross = [u for u in users if _stream(u) != stream]
+        return all(len(us) < 2 or (len({_stream(u) for u in us}) == 1 and _stream(us[0]) is not _UNLABELLED)
+                   for us in user_lists)
+    cross = [u for us in user_lists for u in us if _stream(u) != stream]
     if not cross:
         return True
     pos, records, waits = _events(node.graph)
@@ -116,6 +121,6 @@ def fenced_stream_check(users_of: Callable[[fx.Node, List[int]], List[List[fx.No
     users of each mutated input, found by the package's own ``get_inplace_op_mutated_input_users``."""
 
     def check(node: fx.Node) -> bool:
-        return all(event_fenced(node, users) for users in users_of(node, indices))
+        return _fenced(node, [list(us) for us in users_of(node, indices)])
 
     return check
