@@ -34,6 +34,7 @@ from ._cann import CannLibraryStatus, cann_library_status, find_cann_library, lo
 from . import npu_quant_lightning_indexer  # noqa: F401
 from . import dsa_install_sc  # noqa: F401,E402  (opt-in second-chance pool policy, offload_ref::)
 from . import cache_write  # noqa: F401,E402  (in-place cache writes of the reference graph, offload_ref:: test doubles)
+from . import moe_distribute  # noqa: F401,E402  (MC2 MoE dispatch / combine references, offload_ref::)
 
 from .opspec import OpSpec, find_spec  # noqa: E402
 
@@ -48,7 +49,12 @@ OP_SPECS: tuple[OpSpec, ...] = (
     npu_sparse_flash_attention.SPEC,
     dsa_install_sc.SPEC,
     *cache_write.SPECS,
+    *moe_distribute.SPECS,
 )
+
+from .cuda import autoregister as _cuda_autoregister  # noqa: E402  (Triton kernels; CUDA + triton only)
+
+_cuda_autoregister(OP_SPECS)
 
 #: The seven ``custom::`` ops whose schemas must match CANN's strings exactly.
 CUSTOM_OPS: tuple[str, ...] = tuple(n for s in OP_SPECS if s.namespace == _library.NAMESPACE for n in s.op_names)

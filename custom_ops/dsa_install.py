@@ -24,7 +24,7 @@ import torch
 from . import _library as L
 from ._pool import MAX_POOL, WAYS, check_pool_metadata, check_pool_size  # noqa: F401
 from ._records import decode_records, records_layout
-from .opspec import GeOp, OpSpec, shared_limits
+from .opspec import GeOp, Limit, OpSpec, shared_limits
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_install")
 
@@ -41,8 +41,12 @@ SPEC = OpSpec(
     summary="install the step's missed selection rows into the pool (16-way FIFO) and its metadata",
     functional="dsa_install_functional",
     limits=shared_limits("MAX_RAW_SEQ", "MAX_TOPK", "MAX_DKV", "MAX_DR", "MAX_POOL", "WAYS", "TOPK_GRANULARITY",
-                         "MIN_SELECTION_BLOCK_SIZE", "MAX_SELECTION_BLOCK_SIZE"),
+                         "MIN_SELECTION_BLOCK_SIZE", "MAX_SELECTION_BLOCK_SIZE")
+    + (Limit("MAX_ID_RANGE", (192 - 12 - 8) * 1024 * 8,
+             "id_to_slot width IR: the NPU kernel keeps a ceil(IR/32)*4-byte bitset in its 192 KiB UB beside "
+             "~12 KiB of buffers and an 8 KiB pad (the CPU kernels do not need it; options.py enforces it)"),),
     ge=GeOp("DsaInstall", outputs=("pool_kv_cache", "pool_k_rope", "pool_ids", "id_to_slot", "lru_counter")),
+    cuda_kernel="dsa_install",
 )
 OP, FUNCTIONAL_OP = SPEC.op_names
 L.define(SPEC.schema)

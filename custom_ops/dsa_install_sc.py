@@ -49,6 +49,7 @@ SPEC = OpSpec(
     summary="opt-in second-chance variant of dsa_install (CPU modes only; no CANN kernel, no GE type)",
     # dsa_install's limits (it runs dsa_install's validation) plus where the reference bits live
     limits=INSTALL_SPEC.limits + (Limit("REF_SHIFT", 4, "lru_counter bits 4..19 hold one reference bit per way"),),
+    cuda_kernel="dsa_install_sc",
 )
 OP = SPEC.name
 REF_SHIFT = SPEC.limit("REF_SHIFT")

@@ -45,6 +45,7 @@ SPEC = OpSpec(
         Limit("TOPK_ALIGN", 64, "K must be a multiple of this (8 microtasks of K/8 entries, 8-aligned)"),
     ),
     ge=GeOp("DsaPlan", outputs=("plan", "install_records", "selection_kv_actual_seq")),
+    cuda_kernel="dsa_plan",
 )
 OP = SPEC.name
 L.define(SPEC.schema)

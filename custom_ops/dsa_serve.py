@@ -39,6 +39,7 @@ SPEC = OpSpec(
         Limit("LEGACY_MAX_FULL_SEQ", 512, "full-cache tokens per batch row of compact_layout=0"),
     ),
     ge=GeOp("DsaServe", outputs=("selection_kv_cache", "selection_k_rope")),
+    cuda_kernel="dsa_serve",
 )
 OP, FUNCTIONAL_OP = SPEC.op_names
 L.define(SPEC.schema)

@@ -59,6 +59,7 @@ SPEC = OpSpec(
     ge=GeOp("GatherSelectionKvCache", ref_known=True,
             outputs=("selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
                      "selection_kv_block_status", "selection_kv_actual_seq")),
+    cuda_kernel="npu_gather_selection_kv_cache",
 )
 OP, FUNCTIONAL_OP = SPEC.op_names
 L.define(SPEC.schema)

@@ -67,7 +67,7 @@ def shared_limits(*names: str) -> Tuple[Limit, ...]:
 
 
 #: What an op is for; ``count_ops`` reports the ``offload`` and ``decode`` ones.
-ROLES = ("offload", "decode", "cache_write")
+ROLES = ("offload", "decode", "cache_write", "comm")
 
 _ALIAS = re.compile(r"Tensor\([a-z]+!\)")
 
@@ -119,6 +119,8 @@ class OpSpec:
     #: The CANN op our GE converter emits, or None where no converter of ours lowers the op
     #: (TorchAir's own converter, a CPU-only op, or a test double).
     ge: Optional[GeOp] = None
+    #: Module of ``offload_passes.custom_ops.cuda`` holding the op's Triton (CUDA) kernels, or None.
+    cuda_kernel: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -27,6 +27,11 @@ One-call API::
     b.model.reset_rows([b]) # a batch row starts a new request: caches + gather ledger cleared
     b.model.memory_footprint()  # bytes of parameters / caches / selection buffers
 
+``build(..., parallel=ParallelLayout.current())`` builds this rank's share of the recipe's multi-rank
+layout (``models/glm/parallel.py``: the runner's ``batch_size`` is the global batch, split across ranks;
+expert-parallel MoE, vocab-parallel embedding / lm_head, all through functional collectives); every rank
+must build, prefill and step together. World size 1 builds exactly the single-process model.
+
 ``build(..., weights="<dir>")`` loads a safetensors directory with HF ``glm_moe_dsa`` names instead of the
 seeded random initialisation; ``device="meta"`` builds without allocating (shape inspection).
 
@@ -56,6 +61,7 @@ from .glm import (
     model_config_from_hf,
     save_safetensors,
 )
+from .glm.parallel import ParallelLayout
 
 log = logging.getLogger("offload_passes.models")
 
@@ -77,25 +83,40 @@ def build(
     *,
     weights: Optional[Union[str, Path]] = None,
     device: Optional[Union[str, torch.device]] = None,
+    parallel: Optional[ParallelLayout] = None,
     **overrides: Any,
 ) -> Built:
     """Build model + configs + driver for a preset / yaml file / mapping, with key overrides.
 
     Weights: seeded random (``runner_config.seed``) unless ``weights`` names a safetensors directory.
+    ``parallel``: this rank's place in a multi-rank layout (None or world size 1: single process);
+    ``Built.runner`` is then this rank's runner (``batch_size`` = its rows of the global batch).
     """
     cfg: GlmConfig = load_config(preset_or_yaml, **overrides)
+    global_batch, row_offset = cfg.runner.batch_size, 0
+    if parallel is not None and parallel.world_size > 1:
+        import dataclasses
+
+        parallel.check(global_batch, cfg.model.vocab_size, cfg.model.n_routed_experts)
+        if weights is not None:
+            raise ValueError("build: weights=<dir> with a parallel layout is not supported (the safetensors "
+                             "loader expects unsharded tensors); use the seeded weights")
+        row_offset, hi = parallel.shard(global_batch, "batch_size")
+        cfg.runner = dataclasses.replace(cfg.runner, batch_size=hi - row_offset)
     model = GlmMoeDsaForCausalLM(cfg.model, cfg.runner, device=device,
-                                 seed=None if weights is not None else cfg.runner.seed)
+                                 seed=None if weights is not None else cfg.runner.seed, parallel=parallel)
     model.eval()
     model.requires_grad_(False)  # inference model: no autograd state in eager or in traced graphs
     if str(device) == "meta":
         return Built(model=model, config=cfg.model, runner=cfg.runner, driver=None)
     if weights is not None:
         load_safetensors(model, weights)
-    return Built(model=model, config=cfg.model, runner=cfg.runner, driver=Driver(model, cfg.runner))
+    driver = (Driver(model, cfg.runner) if row_offset == 0 and global_batch == cfg.runner.batch_size
+              else Driver(model, cfg.runner, global_batch=global_batch, row_offset=row_offset))
+    return Built(model=model, config=cfg.model, runner=cfg.runner, driver=driver)
 
 
 __all__ = [
-    "build", "Built", "Driver", "GlmConfig", "GlmMoeDsaForCausalLM", "ModelConfig", "RunnerConfig",
+    "build", "Built", "Driver", "ParallelLayout", "GlmConfig", "GlmMoeDsaForCausalLM", "ModelConfig", "RunnerConfig",
     "init_weights", "list_presets", "load_config", "load_safetensors", "model_config_from_hf", "save_safetensors",
 ]

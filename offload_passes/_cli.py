@@ -6,11 +6,12 @@ Exit codes: 0 success, 1 a correctness check failed (``offload-demo`` outside to
 """
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -61,8 +62,11 @@ def writable_dir(path: str | os.PathLike, what: str) -> Path:
 
 
 def writable_file(path: str | os.PathLike, what: str) -> Path:
-    """Check that ``path``'s folder exists and is writable (the file itself is written later)."""
+    """Check that ``path`` is not a directory and that its folder exists and is writable (the file itself
+    is written later: checking first means a long run never ends in an unwritable path)."""
     p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{what} {str(p)!r} is a directory; give a file path")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{what} {str(p)!r}: folder {str(parent)!r} does not exist")
@@ -76,3 +80,11 @@ def finite(value: float, what: str, *, positive: bool = False) -> float:
     if not math.isfinite(value) or (positive and value <= 0):
         raise UsageError(f"{what} must be a finite{' positive' if positive else ''} number, got {value}")
     return value
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line on stderr (``<prog>: error: <message>``) and
+    exit code 2, like every other user mistake (argparse's own error prints the usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())}\n")

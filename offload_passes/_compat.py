@@ -167,6 +167,15 @@ def detect_fake_mode(inputs: Any) -> Any:
     return f(inputs)
 
 
+def functional_collectives() -> Any:
+    """``torch.distributed._functional_collectives``: the collectives Dynamo traces as ``_c10d_functional``
+    ops (all_gather_tensor / reduce_scatter_tensor / all_to_all_single / wait_tensor); torch has no
+    public module for them (2.8/2.13/2.14). Used by the multi-rank model (models/glm/parallel.py)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
 def torch_logs_registry() -> Any:
     """``torch._logging._internal``: registers ``TORCH_LOGS="offload_passes"``; torch has no public
     API to add a log alias (2.8/2.13). None when absent."""

@@ -8,6 +8,13 @@
 Both expose ``offload_state`` (one ``OffloadState`` over every graph serving the module's caches, graph
 breaks included; empty before the first call), ``offload_backend`` (the ``OffloadBackend``) and
 ``offload_reports``.
+
+``copy.deepcopy``, ``torch.save`` / ``torch.load(..., weights_only=False)`` and ``pickle`` keep the
+module's parameters and buffers and its offload options; the copy (or loaded module) is compiled again
+by a *new* backend with the same options, on its first call: its ``offload_reports`` start empty and list
+only its own graphs, its ``offload_state`` covers only its own caches (a cold pool: the first steps
+miss, never wrong). The original's graphs and pool are not shared with it (a compiled graph and its
+backend are process state, not module state). ``state_dict()`` holds the wrapped module's tensors only.
 """
 from __future__ import annotations
 
@@ -18,6 +25,15 @@ from torch import nn
 
 from .backend import OffloadBackend, make_offload_backend
 from .state import OffloadState, module_state
+
+#: Options ``make_offload_backend`` takes beside ``OffloadOptions`` (the NPU lowerings').
+_NPU_KW = ("compiler_config", "npu_options", "side_stream")
+
+
+def _rebuild_options(backend: OffloadBackend, options: dict) -> dict:
+    """What a copy's backend is built from: the resolved options (a recipe yaml path may be gone by the
+    time a saved module is loaded) plus the NPU keywords given."""
+    return {"config": backend.options, **{k: v for k, v in options.items() if k in _NPU_KW}}
 
 
 class _ExposesOffload:
@@ -41,11 +57,25 @@ class _ExposesOffload:
 class OffloadedModule(_ExposesOffload, nn.Module):
     """A module compiled with the offload backend (the original stays reachable as ``.module``)."""
 
-    def __init__(self, module: nn.Module, backend: OffloadBackend):
+    def __init__(self, module: nn.Module, backend: OffloadBackend, options: dict | None = None):
         super().__init__()
         self.module = module
         self.offload_backend = backend
+        self._offload_rebuild = _rebuild_options(backend, options or {})
         self._compiled = torch.compile(module, backend=backend)
+
+    def __getstate__(self) -> dict:
+        # the backend (weak references, compiled graphs) and the compiled wrapper are process state: a copy
+        # gets its own in __setstate__ (pickling them fails deep inside a WeakValueDictionary)
+        state = dict(self.__dict__)
+        state.pop("offload_backend", None)
+        state["_modules"] = {k: v for k, v in self._modules.items() if k != "_compiled"}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.offload_backend = make_offload_backend(**self._offload_rebuild)
+        self._compiled = torch.compile(self.module, backend=self.offload_backend)
 
     def _offload_target(self) -> nn.Module:
         return self.module
@@ -62,6 +92,19 @@ def _wrap_class(cls: type, opts: dict) -> type:
             object.__setattr__(self, "offload_backend", make_offload_backend(**opts))
             self.compile(backend=self.offload_backend)
 
+        def __getstate__(self) -> dict:
+            # nn.Module.compile's wrapper calls *this* instance's _call_impl: a deep copy keeping it would
+            # run the original model; the backend is process state. Both are made anew in __setstate__.
+            state = dict(self.__dict__)
+            for k in ("offload_backend", "_compiled_call_impl"):
+                state.pop(k, None)
+            return state
+
+        def __setstate__(self, state: dict) -> None:
+            super().__setstate__(state)
+            object.__setattr__(self, "offload_backend", make_offload_backend(**opts))
+            self.compile(backend=self.offload_backend)
+
     Offloaded.__name__ = cls.__name__
     Offloaded.__qualname__ = cls.__qualname__
     Offloaded.__module__ = cls.__module__
@@ -75,7 +118,7 @@ def offload(target: Any = None, /, **options: Any) -> Any:
         if isinstance(t, type) and issubclass(t, nn.Module):
             return _wrap_class(t, options)
         if isinstance(t, nn.Module):
-            return OffloadedModule(t, make_offload_backend(**options))
+            return OffloadedModule(t, make_offload_backend(**options), options)
         raise TypeError(f"offload: expected an nn.Module class or instance, got {type(t).__name__}")
 
     if target is None:

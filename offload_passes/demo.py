@@ -1,10 +1,14 @@
 """``offload-demo`` / ``python -m offload_passes.demo``: the unmodified GLM-5.2 decode model vs the
 same model compiled with the ``dsa_offload`` backend, prefill + N decode steps, side by side.
 
-Prints a readable summary, or with ``--json`` one JSON object: ``groups``, ``ops`` (dsa_plan /
-dsa_serve / dsa_install in the final graph), ``hits``, ``misses``, ``window``, ``host_rows_read``,
-``baseline_host_rows_read`` (rows the unmodified gather path read from the host cache, replayed from
-its own ledger rule), ``max_abs_diff`` (logits, attention), ``refusals``, ``compile_s``, ``pass_s``.
+Prints a readable summary, or with ``--json`` one JSON object, the same keys for ``--model glm`` and
+``--model hf`` (``RESULT_KEYS``; ``null`` where a field does not apply to the front-end): ``groups``,
+``ops`` (dsa_plan / dsa_serve / dsa_install in the final graph), ``hits``, ``misses``, ``window``,
+``host_rows_read``, ``baseline_host_rows_read`` (rows the unmodified gather path read from the host
+cache, replayed from its own ledger rule; recipe model only), ``max_abs_diff`` and ``max_rel_diff``
+(each ``{"logits": x, "attn": y}``; relative = to the reference's largest magnitude; ``attn`` is null for
+the HF model, whose attention outputs are not exposed), ``tolerance`` (the limits ``within_tolerance``
+checks, under the measure they apply to), ``refusals``, ``compile_s``, ``pass_s``.
 """
 from __future__ import annotations
 
@@ -12,16 +16,80 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any, Optional, Sequence
 
 import torch
 
-from ._cli import EXIT_CHECK_FAILED, EXIT_OK, UsageError, run_cli, writable_dir, writable_file
+from ._cli import EXIT_CHECK_FAILED, EXIT_OK, ArgumentParser, UsageError, run_cli, writable_dir, writable_file
 
 ATTN_TOL = 2e-2
 LOGITS_TOL = 5e-2
+#: ``--threads`` above the machine's CPUs only oversubscribes, and torch's thread pool segfaults on huge
+#: counts (100000 did): the limit is ``os.cpu_count()``.
+MAX_THREADS = os.cpu_count() or 1
+
+#: The one ``--json`` schema of both front-ends (``run`` and ``demo_hf.run_hf`` build it with ``result``).
+RESULT_KEYS = (
+    "model", "config", "mode", "steps", "B", "S", "K", "T", "prefill", "attn_implementation", "dtype",
+    "pool_size", "rewritten", "sparse_layers", "groups", "offload", "ops", "replacement_policy",
+    "hits", "misses", "window", "hit_rate", "host_rows_read", "baseline_host_rows_read", "host_rows_saved",
+    "reference", "max_abs_diff", "max_rel_diff", "tolerance", "within_tolerance",
+    "refusals", "offload_refusals", "dense_masks_left",
+    "compile_s", "pass_s", "timings", "state_bytes", "run_s", "trace",
+)
+#: The outputs each difference measure is reported for (``None`` where the front-end has no such output).
+DIFF_OUTPUTS = ("logits", "attn")
+#: The difference measures; ``tolerance`` is keyed the same way.
+DIFF_MEASURES = ("max_abs_diff", "max_rel_diff")
+
+
+def result(**fields: Any) -> dict:
+    """A ``--json`` object: every key of ``RESULT_KEYS`` in that order, ``None`` where not given."""
+    unknown = sorted(set(fields) - set(RESULT_KEYS))
+    if unknown:  # a front-end adding a key of its own would split the schema again
+        raise TypeError(f"demo result: keys {unknown} are not in RESULT_KEYS")
+    return {k: fields.get(k) for k in RESULT_KEYS}
+
+
+def per_output(**values: Optional[float]) -> dict:
+    """``{"logits": ..., "attn": ...}`` (the outputs not given are ``None``)."""
+    return {k: values.get(k) for k in DIFF_OUTPUTS}
+
+
+def max_diffs(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """``(max |out - ref|, max over pairs of |out - ref| / max |ref|)``; a zero reference counts the
+    absolute difference (0 when both are 0)."""
+    d_abs = d_rel = 0.0
+    for r, o in zip(refs, outs, strict=True):
+        d = float((o.float() - r.float()).abs().max())
+        scale = float(r.float().abs().max())
+        d_abs = max(d_abs, d)
+        d_rel = max(d_rel, d / scale if scale > 0 else d)
+    return d_abs, d_rel
+
+
+def op_counts(rep: dict, replacement_policy: str) -> dict:
+    """dsa_plan / dsa_serve / dsa_install (+ dsa_install_sc under second chance) in the final graph."""
+    ops_after = rep.get("ops", {}).get("after", {})
+    return {k: ops_after.get(k, 0) for k in ("dsa_plan", "dsa_serve", "dsa_install")
+            + (("dsa_install_sc",) if replacement_policy != "fifo" else ())}
+
+
+def check_threads(threads: int) -> int:
+    """``threads`` if in ``[0, MAX_THREADS]``; ``UsageError`` naming the limit otherwise."""
+    if not 0 <= threads <= MAX_THREADS:
+        raise UsageError(f"--threads must be in [0, {MAX_THREADS}] (0 = torch default; at most os.cpu_count() "
+                         f"= {MAX_THREADS}), got {threads}")
+    return threads
+
+
+def set_threads(threads: int) -> None:
+    """``torch.set_num_threads`` for ``threads`` in ``[1, MAX_THREADS]``; 0 keeps torch's default."""
+    if check_threads(threads) > 0:
+        torch.set_num_threads(threads)
 
 
 def baseline_host_rows(topk_steps: list, lengths: list, groups: list, S: int) -> int:
@@ -57,8 +125,7 @@ def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: O
     from . import models
     from .backend import make_offload_backend
 
-    if threads > 0:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     over: dict[str, Any] = {"enable_offload": True, "decode_steps": steps}
     if next_n is not None:
         over["next_n"] = next_n
@@ -92,42 +159,40 @@ def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: O
     rep = backend.reports[-1] if backend.reports else {}
     state = backend.state
 
-    d_logits = max(float((a.float() - b.float()).abs().max()) for a, b in zip(res0.logits, res1.logits))
-    d_attn = max(float((x.float() - y.float()).abs().max())
-                 for s0, s1 in zip(res0.steps, res1.steps) for x, y in zip(s0.attn, s1.attn))
+    d_logits, r_logits = max_diffs(res0.logits, res1.logits)
+    d_attn, r_attn = max_diffs([x for s in res0.steps for x in s.attn], [y for s in res1.steps for y in s.attn])
     groups = [g["layers"] for g in rep.get("groups", [])] or base.model.index_groups()
     S = base.driver.S
     lengths = [(s.positions[:, -1] + 1).tolist() for s in res0.steps]
     base_rows = baseline_host_rows([s.topk for s in res0.steps], lengths, base.model.index_groups(), S)
     tot = state.totals() if state is not None else {"hits": 0, "misses": 0, "window": 0, "host_rows_read": 0}
-    ops_after = rep.get("ops", {}).get("after", {})
+    ops = op_counts(rep, replacement_policy)
     hits, misses = tot["hits"], tot["misses"]
-    out = {
-        "config": config, "mode": mode, "steps": steps, "B": base.driver.B, "S": S, "K": base.driver.K,
-        "pool_size": backend.options.resolved_pool_size,
-        "rewritten": bool(rep.get("rewritten")),
-        "groups": groups,
-        "ops": {k: ops_after.get(k, 0) for k in ("dsa_plan", "dsa_serve", "dsa_install")
-                + (("dsa_install_sc",) if replacement_policy != "fifo" else ())},
-        "replacement_policy": replacement_policy,
-        "hits": hits, "misses": misses, "window": tot["window"],
-        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-        "host_rows_read": tot["host_rows_read"],
-        "baseline_host_rows_read": base_rows,
-        "host_rows_saved": 1.0 - tot["host_rows_read"] / base_rows if base_rows else 0.0,
-        "reference": "unmodified model, " + ("inductor" if mode == "inductor" else "eager"),
-        "max_abs_diff": {"logits": d_logits, "attn": d_attn},
-        "tolerance": {"logits": LOGITS_TOL, "attn": ATTN_TOL},
-        "within_tolerance": d_logits <= LOGITS_TOL and d_attn <= ATTN_TOL,
-        "refusals": rep.get("refusals", []),
-        "compile_s": rep.get("timings", {}).get("total_s", 0.0),
-        "pass_s": rep.get("timings", {}).get("pass_s", 0.0),
-        "timings": rep.get("timings", {}),
-        "state_bytes": state.total_bytes if state is not None else 0,
-        "run_s": {"unmodified": t_base, "compiled": t_comp},
-        "trace": _save_trace(recorder, backend.state, config, record_trace) if record_trace else None,
-    }
-    return out
+    return result(
+        model="glm", config=config, mode=mode, steps=steps, B=base.driver.B, S=S, K=base.driver.K,
+        T=r.pa_max_length, prefill=r.prefill_len, dtype=comp.config.torch_dtype,
+        pool_size=backend.options.resolved_pool_size,
+        rewritten=bool(rep.get("rewritten")), sparse_layers=len(rep.get("sites", [])),
+        groups=groups, offload=ops["dsa_plan"] > 0, ops=ops,
+        replacement_policy=replacement_policy,
+        hits=hits, misses=misses, window=tot["window"],
+        hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+        host_rows_read=tot["host_rows_read"],
+        baseline_host_rows_read=base_rows,
+        host_rows_saved=1.0 - tot["host_rows_read"] / base_rows if base_rows else 0.0,
+        reference="unmodified model, " + ("inductor" if mode == "inductor" else "eager"),
+        max_abs_diff=per_output(logits=d_logits, attn=d_attn),
+        max_rel_diff=per_output(logits=r_logits, attn=r_attn),
+        tolerance={"max_abs_diff": per_output(logits=LOGITS_TOL, attn=ATTN_TOL), "max_rel_diff": None},
+        within_tolerance=d_logits <= LOGITS_TOL and d_attn <= ATTN_TOL,
+        refusals=rep.get("refusals", []),
+        compile_s=rep.get("timings", {}).get("total_s", 0.0),
+        pass_s=rep.get("timings", {}).get("pass_s", 0.0),
+        timings=rep.get("timings", {}),
+        state_bytes=state.total_bytes if state is not None else 0,
+        run_s={"unmodified": t_base, "compiled": t_comp},
+        trace=_save_trace(recorder, backend.state, config, record_trace) if record_trace else None,
+    )
 
 
 def _save_trace(recorder, state, config: str, path: str) -> str:
@@ -162,7 +227,7 @@ def _summary(o: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="offload-demo", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="offload-demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=("glm", "hf"), default="glm",
                    help="glm: the recipe-form GLM-5.2 model; hf: the unmodified transformers GlmMoeDsaForCausalLM")
     p.add_argument("--config", default=None,
@@ -180,7 +245,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="write the compiled run's top-k trace (replay with offload-sim)")
     p.add_argument("--replacement-policy", choices=("fifo", "second_chance"), default="fifo",
                    help="pool replacement (second_chance: the opt-in CPU kernel, not on the NPU)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--threads", type=int, default=1,
+                   help=f"torch CPU threads, at most os.cpu_count() = {MAX_THREADS} (0 = torch default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
@@ -194,8 +260,7 @@ def _main(a: argparse.Namespace) -> int:
     # bad input is found before anything is built or compiled (exit 2, one line)
     if a.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {a.steps}")
-    if a.threads < 0:
-        raise UsageError(f"--threads must be >= 0, got {a.threads}")
+    check_threads(a.threads)
     if a.next_n is not None and not 0 <= a.next_n <= 3:
         raise UsageError(f"--next-n must be in [0, 3] (S = 1 + next_n <= 4), got {a.next_n}")
     if a.pool_size is not None:
@@ -204,12 +269,14 @@ def _main(a: argparse.Namespace) -> int:
         writable_dir(a.dump_dir, "--dump-dir")
     if a.record_trace:
         writable_file(a.record_trace, "--record-trace")
+    _check_config_fits_model(a.model, a.config)
     if a.model == "hf":  # the Hugging Face front-end (demo_hf.py)
         from .demo_hf import run_hf, summary_hf
 
         if a.next_n is not None or a.record_trace:
             raise UsageError("--next-n / --record-trace apply to --model glm only")
-        out = run_hf(a.config or "hf-tiny", a.steps, a.mode, a.pool_size, a.dump_dir, a.threads, a.attn, a.dtype)
+        out = run_hf(a.config or "hf-tiny", a.steps, a.mode, a.pool_size, a.dump_dir, a.threads, a.attn, a.dtype,
+                     replacement_policy=a.replacement_policy)
         print(json.dumps(out, indent=1) if a.json else summary_hf(out))
         return EXIT_OK if out["within_tolerance"] else EXIT_CHECK_FAILED
     if a.attn or a.dtype:
@@ -218,6 +285,34 @@ def _main(a: argparse.Namespace) -> int:
               a.replacement_policy)
     print(json.dumps(out, indent=1) if a.json else _summary(out))
     return EXIT_OK if out["within_tolerance"] else EXIT_CHECK_FAILED
+
+
+def _check_config_fits_model(model: str, config: Optional[str]) -> None:
+    """A recipe-form preset / yaml given to ``--model hf`` (or an HF one to ``--model glm``) is a user
+    mistake: name the presets that fit, before anything is built."""
+    from .models import hf, list_presets
+
+    if config is None:
+        return
+    hf_presets = hf.list_presets()
+    glm_presets = [c for c in list_presets() if c not in hf_presets]  # one config folder holds both
+    if model == "glm" and config in hf_presets:
+        raise UsageError(f"--config {config!r} is a Hugging Face preset: use it with --model hf "
+                         f"(--model glm takes {glm_presets} or a recipe yaml)")
+    if model != "hf":
+        return
+    if config in glm_presets:
+        raise UsageError(f"--config {config!r} is a recipe-form preset (--model glm); --model hf takes "
+                         f"{hf_presets} or an HF yaml (model_config + runner_config)")
+    if os.path.splitext(config)[1] and os.path.isfile(config):
+        import yaml
+
+        data = yaml.safe_load(open(config)) or {}
+        rc = data.get("runner_config", {}) if isinstance(data, dict) else {}
+        bad = sorted(set(rc) - set(hf.RUNNER_KEYS)) if isinstance(rc, dict) else []
+        if bad:
+            raise UsageError(f"--config {config!r} is not an HF config: runner_config keys {bad} are unknown to "
+                             f"--model hf (known: {list(hf.RUNNER_KEYS)}); the HF presets are {hf_presets}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,7 +5,9 @@ with the backend: prefill, then N teacher-forced decode steps on a ``StaticCache
 fp32 presets get the sparse rewrite only (the offload ops take f16/bf16 KV; reported, not an error);
 ``--dtype bfloat16`` adds the shared-indexer offload. Tolerances: fp32 1e-4 relative to the largest
 logit (the rewrite only reorders the softmax sum); bf16 2e-2 (one bf16 ulp of the attention output is
-0.4 %, and the sparse reduction runs over K rows instead of T).
+0.4 %, and the sparse reduction runs over K rows instead of T). The JSON object has the recipe demo's
+schema (``demo.RESULT_KEYS``): the check is ``max_rel_diff["logits"]``; ``max_abs_diff["logits"]`` is
+reported beside it; ``attn`` is null in both (the HF model does not expose its attention outputs).
 """
 from __future__ import annotations
 
@@ -14,24 +16,26 @@ from typing import Any, Optional
 
 import torch
 
+from .demo import max_diffs, op_counts, per_output, result, set_threads
+
 FP32_REL_TOL = 1e-4
 BF16_REL_TOL = 2e-2
 
 
 def run_hf(config: str = "hf-tiny", steps: int = 64, mode: str = "eager", pool_size: Optional[int] = None,
            dump_dir: Optional[str] = None, threads: int = 1, attn: Optional[str] = None,
-           dtype: Optional[str] = None) -> dict:
+           dtype: Optional[str] = None, replacement_policy: str = "fifo") -> dict:
     from .backend import make_offload_backend
     from .models import hf
 
-    if threads > 0:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     over: dict[str, Any] = {"decode_steps": steps}
     if dtype is not None:
         over["dtype"] = dtype
     base = hf.build(config, attn=attn, **over)
     comp = hf.build(config, attn=attn, **over)
-    opts: dict[str, Any] = {"exe_mode": mode}
+    # every backend option reaches the backend, as in the recipe demo (second chance included)
+    opts: dict[str, Any] = {"exe_mode": mode, "replacement_policy": replacement_policy}
     if pool_size is not None:
         opts["pool_size"] = pool_size
     if dump_dir:
@@ -48,37 +52,45 @@ def run_hf(config: str = "hf-tiny", steps: int = 64, mode: str = "eager", pool_s
     out = comp.run(step_fn, steps=steps)
     t_comp = time.perf_counter() - t0
     rep = backend.reports[-1] if backend.reports else {}
-    rel = max(float((o.float() - r.float()).abs().max() / r.float().abs().max()) for r, o in zip(ref, out))
+    d_abs, rel = max_diffs(ref, out)
     tol = FP32_REL_TOL if comp.runner.torch_dtype == torch.float32 else BF16_REL_TOL
     state = backend.state
     tot = state.totals() if state is not None else {"hits": 0, "misses": 0, "window": 0, "host_rows_read": 0}
-    ops = rep.get("ops", {}).get("after", {})
+    ops = op_counts(rep, replacement_policy)
     hfr = rep.get("hf", {})
     sites = hfr.get("sites", [])
-    return {
-        "model": "hf", "config": config, "mode": mode, "steps": steps,
-        "attn": comp.runner.attn_implementation, "dtype": comp.runner.dtype,
-        "B": comp.runner.batch_size, "K": sites[0]["K"] if sites else None,
-        "T": sites[0]["T"] if sites else None, "prefill": comp.runner.prefill_len,
-        "rewritten": bool(rep.get("rewritten")), "sparse_layers": len(rep.get("sites", [])),
-        "groups": [g["layers"] for g in rep.get("groups", [])],
-        "offload": bool(hfr.get("offload")), "offload_refusals": hfr.get("offload_refusals", []),
-        "dense_masks_left": hfr.get("dense_masks_left"),
-        "ops": {k: ops.get(k, 0) for k in ("dsa_plan", "dsa_serve", "dsa_install")},
-        "hits": tot["hits"], "misses": tot["misses"], "window": tot["window"],
-        "hit_rate": tot["hits"] / (tot["hits"] + tot["misses"]) if tot["hits"] + tot["misses"] else 0.0,
-        "max_rel_diff_logits": rel, "tolerance": tol, "within_tolerance": rel <= tol,
-        "reference": "unmodified model, " + ("inductor" if mode == "inductor" else "eager"),
-        "refusals": rep.get("refusals", []),
-        "compile_s": rep.get("timings", {}).get("total_s", 0.0),
-        "pass_s": rep.get("timings", {}).get("pass_s", 0.0),
-        "run_s": {"unmodified": t_base, "compiled": t_comp},
-    }
+    hits, misses = tot["hits"], tot["misses"]
+    return result(
+        model="hf", config=config, mode=mode, steps=steps,
+        B=comp.runner.batch_size, S=sites[0].get("S") if sites else None, K=sites[0]["K"] if sites else None,
+        T=sites[0]["T"] if sites else None, prefill=comp.runner.prefill_len,
+        attn_implementation=comp.runner.attn_implementation, dtype=comp.runner.dtype,
+        pool_size=backend.options.resolved_pool_size,
+        rewritten=bool(rep.get("rewritten")), sparse_layers=len(rep.get("sites", [])),
+        groups=[g["layers"] for g in rep.get("groups", [])],
+        offload=bool(hfr.get("offload")), ops=ops, replacement_policy=replacement_policy,
+        hits=hits, misses=misses, window=tot["window"],
+        hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+        host_rows_read=tot["host_rows_read"],
+        # baseline_host_rows_read / host_rows_saved: the HF model has no gather path to compare with (null)
+        reference="unmodified model, " + ("inductor" if mode == "inductor" else "eager"),
+        max_abs_diff=per_output(logits=d_abs), max_rel_diff=per_output(logits=rel),
+        tolerance={"max_abs_diff": None, "max_rel_diff": per_output(logits=tol)},
+        within_tolerance=rel <= tol,
+        refusals=rep.get("refusals", []), offload_refusals=hfr.get("offload_refusals", []),
+        dense_masks_left=hfr.get("dense_masks_left"),
+        compile_s=rep.get("timings", {}).get("total_s", 0.0),
+        pass_s=rep.get("timings", {}).get("pass_s", 0.0),
+        timings=rep.get("timings", {}),
+        state_bytes=state.total_bytes if state is not None else 0,
+        run_s={"unmodified": t_base, "compiled": t_comp},
+    )
 
 
 def summary_hf(o: dict) -> str:
     lines = [
-        f"offload demo: model=hf (transformers GlmMoeDsaForCausalLM) config={o['config']} attn={o['attn']} "
+        f"offload demo: model=hf (transformers GlmMoeDsaForCausalLM) config={o['config']} "
+        f"attn={o['attn_implementation']} "
         f"dtype={o['dtype']} mode={o['mode']} steps={o['steps']} B={o['B']} K={o['K']} T={o['T']}",
         f"  rewritten: {o['rewritten']}   sparse layers: {o['sparse_layers']}   groups: {o['groups']}   "
         f"dense masks left: {o['dense_masks_left']}",
@@ -93,8 +105,9 @@ def summary_hf(o: dict) -> str:
         seen.setdefault((r["reason"], r["detail"]), []).append(r.get("layer"))
     for (reason, detail), layers in seen.items():
         lines.append(f"  offload not applied ({reason}, layers {layers}): {detail}")
-    lines.append(f"  max relative |diff| of the logits vs {o['reference']}: {o['max_rel_diff_logits']:.3g}  "
-                 f"({'within' if o['within_tolerance'] else 'OUTSIDE'} tolerance {o['tolerance']:g})")
+    lines.append(f"  max relative |diff| of the logits vs {o['reference']}: {o['max_rel_diff']['logits']:.3g}  "
+                 f"({'within' if o['within_tolerance'] else 'OUTSIDE'} tolerance "
+                 f"{o['tolerance']['max_rel_diff']['logits']:g})")
     lines.append(f"  compile {o['compile_s']:.2f} s, of which passes {o['pass_s'] * 1e3:.1f} ms")
     for r in o["refusals"]:
         lines.append(f"  refused: {r['reason']}: {r['detail']}")

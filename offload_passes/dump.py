@@ -2,6 +2,8 @@
 
 ``DUMP_DIR/report.json`` = ``{"format": "offload_passes.report", "version": 1, "graphs": [...]}``
 rewritten after every graph; ``DUMP_DIR/<graph_id>/NN_<stage>.py`` hold the graph code per stage.
+In a multi-rank run (``torch.distributed`` initialised with world size > 1) each rank writes under its
+own ``DUMP_DIR/rank<r>/`` (same names inside), so ranks never overwrite each other's report.
 """
 from __future__ import annotations
 
@@ -22,9 +24,19 @@ STAGES = {"dynamo": "00_dynamo", "rewrite": "01_rewrite", "functional": "02_func
 _lock = threading.Lock()
 
 
+def rank_dir_name() -> str | None:
+    """``rank<r>`` when this process is one rank of an initialised world of size > 1, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return f"rank{dist.get_rank()}"
+    return None
+
+
 class Dumper:
     def __init__(self, root: str | Path):
-        self.root = Path(root)
+        sub = rank_dir_name()
+        self.root = Path(root) / sub if sub else Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
     def graph(self, graph_id: str, stage: str, gm_or_graph: Any) -> str:

@@ -45,12 +45,13 @@ from torch import fx
 
 from . import _compat
 from .custom_ops import spec_for
+from .modes import NPU_EXE_MODES
 from .options import OffloadOptions
 from .state import OffloadState
 
 log = logging.getLogger("offload_passes.npu_modes")
 
-NPU_MODES = ("ge_graph", "npugraph_ex")
+NPU_MODES = NPU_EXE_MODES  # modes.py holds the one list
 #: Stream label of the install side stream (``_user_stream_label``).
 SIDE_STREAM_LABEL = "dsa_offload_install"
 
@@ -148,11 +149,41 @@ def _read_bases(n: fx.Node) -> set:
     return {_base(a) for a in n.all_input_nodes}
 
 
+#: MC2's MoE dispatch / combine (any namespace): collectives too.
+MC2_OPS = ("npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2")
+
+
+def op_name(n: fx.Node) -> tuple:
+    """``(namespace, op)`` of a call to a torch op (overload or packet), else ``("", "")``."""
+    t = n.target
+    if isinstance(t, _compat.OpOverload):
+        qual = t.name()
+    elif isinstance(t, _compat.OpOverloadPacket):
+        qual = t._qualified_op_name
+    else:
+        return "", ""
+    ns, _, op = qual.partition("::")
+    return ns, op.split(".")[0]
+
+
+def is_collective(n: fx.Node) -> bool:
+    """A ``_c10d_functional`` collective (``wait_tensor`` excluded) or an MC2 dispatch / combine.
+
+    Every rank must issue its collectives in the same order, so no side-stream scope may contain one
+    and every join is placed before the first collective after its scope (multi-rank decode graphs).
+    """
+    if n.op != "call_function":
+        return False
+    ns, op = op_name(n)
+    return (ns == "_c10d_functional" and op != "wait_tensor") or op in MC2_OPS
+
+
 def _join_points(graph: fx.Graph, pending: List[tuple]) -> dict:
     """For each ``(installs, scope_exit, tag)``: the node before which the main stream must wait for the
     installs — the first later main-stream node that reads or writes what they write (pools, metadata)
-    or writes what they read (records, selection buffers), else the graph output (the next step's plan
-    and serves are the next call). One walk over the graph."""
+    or writes what they read (records, selection buffers), or is a collective (:func:`is_collective`:
+    the side stream never runs across one), else the graph output (the next step's plan and serves are
+    the next call). One walk over the graph."""
     hazards = []  # (exit node, writes, reads, tag)
     for installs, ex, tag in pending:
         writes = {_base(i.args[k]) for i in installs for k in _INSTALL_WRITES if k < len(i.args)}
@@ -178,6 +209,10 @@ def _join_points(graph: fx.Graph, pending: List[tuple]) -> dict:
             depth += 1
         elif name.endswith("scope_exit.default"):
             depth -= 1
+        elif depth == 0 and open_ and is_collective(n):
+            for h in open_:
+                out[h[3]] = n
+            open_, all_w, all_r = [], set(), set()
         elif depth == 0 and open_ and n.op in ("call_function", "call_method"):
             w, r = _written_bases(n), _read_bases(n)
             if (w & (all_w | all_r)) or (r & all_w):
@@ -258,13 +293,17 @@ class GeInstallHook:
     """GE side-stream hook (see module doc): ``air.record()`` right after the layer's serve (a control
     edge from its last GE op), the installs moved right after it inside ``air.scope_enter`` with
     ``air.wait([record])`` first. GE completes every stream of a graph before a run returns, and the
-    install ref outputs feed the graph outputs, so the join is the end of the run."""
+    install ref outputs feed the graph outputs, so the join is the end of the run — unless a collective
+    follows (multi-rank graphs): then an ``air.record()`` closes the scope and ``air.wait`` on it right
+    before the first later collective gives that collective a control edge from the last install, so
+    the side stream never runs across a collective."""
 
     def __init__(self, label: str = SIDE_STREAM_LABEL, priority: int = 0):
         import torchair  # noqa: F401  (registers air.scope_enter / scope_exit / record / wait)
 
         self.label = label
         self.priority = priority
+        self.pending: List[tuple] = []  # (scope_exit node, done record node)
 
     def __call__(self, graph: fx.Graph, installs: list, layer: int) -> None:
         air = torch.ops.air
@@ -282,10 +321,36 @@ class GeInstallHook:
                 [self.label, str(self.priority), "True"]))
             graph.call_function(air.wait.default, ([rec],))
         with graph.inserting_after(last):
-            graph.call_function(air.scope_exit.default, ())
+            ex = graph.call_function(air.scope_exit.default, ())
+        with graph.inserting_before(ex):  # on the side stream: its last op is the last install
+            done = graph.call_function(air.record.default, ())
+        self.pending.append((ex, done))
 
     def finish(self, graph: fx.Graph) -> List[str]:
-        return []
+        """A main-stream ``air.wait`` before the first collective after each scope (none: the end of the
+        run joins). Returns the node names joined before; unused done records are removed."""
+        air = torch.ops.air
+        exits = {ex: done for ex, done in self.pending}
+        open_: List[fx.Node] = []
+        where: List[str] = []
+        depth = 0
+        for n in list(graph.nodes):
+            if n in exits:
+                open_.append(exits[n])
+            name = str(n.target)
+            if name.endswith("scope_enter.default"):
+                depth += 1
+            elif name.endswith("scope_exit.default"):
+                depth -= 1
+            elif depth == 0 and open_ and is_collective(n):
+                with graph.inserting_before(n):
+                    graph.call_function(air.wait.default, (list(open_),))
+                where.append(n.name)
+                open_ = []
+        for done in open_:  # no collective after it: GE's end of run is the join
+            graph.erase_node(done)
+        self.pending.clear()
+        return where
 
 
 def ge_install_hook(label: str = SIDE_STREAM_LABEL, priority: int = 0) -> GeInstallHook:
@@ -482,16 +547,16 @@ class NpuLowering:
                       options: OffloadOptions, install_hook: Any) -> None:
         """Place the side stream's joins; strip the bookkeeping unless ``npu_bookkeeping``."""
         keep = options.npu_bookkeeping
-        report["side_stream"] = bool(install_hook) and state is not None
-        report["bookkeeping"] = bool(keep) and state is not None
+        report.side_stream = bool(install_hook) and state is not None
+        report.bookkeeping = bool(keep) and state is not None
         if state is None:
             return
         if install_hook is not None:
-            report["joins_before"] = install_hook.finish(gm.graph)
+            report.joins_before = install_hook.finish(gm.graph)
             gm.recompile()
         if not keep:
-            stats = [v for k, v in report.get("buffers", {}).items() if k.startswith("stats_g")]
-            report["bookkeeping_nodes_removed"] = strip_bookkeeping(gm, stats)
+            stats = [v for k, v in (report.buffers or {}).items() if k.startswith("stats_g")]
+            report.bookkeeping_nodes_removed = strip_bookkeeping(gm, stats)
 
     def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Any) -> Callable:
         """TorchAir's GE backend (with its GE graph dump into ``<dump_dir>/<graph_id>`` when dumping) or

@@ -25,8 +25,9 @@ MAX_POOL_SIZE = _INSTALL.limit("MAX_POOL")
 WAYS = _INSTALL.limit("WAYS")
 MAX_NEXT_N = _INSTALL.limit("MAX_RAW_SEQ") - 1  # raw_seq = 1 + next_n
 MIN_ID_RANGE = 131072
-EXE_MODES = ("eager", "inductor", "npugraph_ex", "ge_graph")
-CPU_EXE_MODES = ("eager", "inductor")
+#: id_to_slot is [B, id_range] int32 per group: bounded by the install kernel's limit (1.4 M ids, 5.4 MiB a row)
+MAX_ID_RANGE = _INSTALL.limit("MAX_ID_RANGE")
+from .modes import CPU_EXE_MODES, EXE_MODES, MODES  # the one list of modes
 REPLACEMENT_POLICIES = ("fifo", "second_chance")
 
 RECIPE_KEYS = ("enable_offload", "shared_indexer_offload", "enlarge_pool_size", "pa_block_size", "next_n",
@@ -80,6 +81,9 @@ class OffloadOptions:
             raise ValueError(f"option exe_mode must be one of {EXE_MODES}, got {self.exe_mode!r}")
         if self.id_range is not None and self.id_range <= 0:
             raise ValueError(f"option id_range must be > 0, got {self.id_range}")
+        if self.id_range is not None and self.id_range > MAX_ID_RANGE:
+            raise ValueError(f"option id_range must be <= {MAX_ID_RANGE} (custom::dsa_install's MAX_ID_RANGE: "
+                             f"id_to_slot is [B, id_range] int32 per group), got {self.id_range}")
         if self.next_n is not None and not 0 <= self.next_n <= MAX_NEXT_N:
             raise ValueError(f"option next_n must be in [0, {MAX_NEXT_N}] (raw_seq = 1 + next_n <= "
                              f"{MAX_NEXT_N + 1}), got {self.next_n}")
@@ -143,9 +147,15 @@ class OffloadOptions:
         if not any(isinstance(v, Mapping) for v in data.values()):
             return _known(dict(data), names, "")
         out: dict = {}
-        for k, v in _walk({k: v for k, v in data.items() if k != OWN_SECTION}):
-            if k in RECIPE_KEYS and k not in out:
-                out[k] = v
+        for path, v in _walk({k: v for k, v in data.items() if k != OWN_SECTION}):
+            k = path[-1]
+            if k in RECIPE_KEYS:
+                if k not in out:
+                    out[k] = v
+            elif len(path) > 1 and (close := _near_recipe_key(k)):
+                # a section holds many settings that are not ours; one a typo away from a recipe key is a
+                # typo (it would be silently ignored and the backend would run with the default)
+                raise ValueError(f"unknown recipe key {'.'.join(map(str, path))!r} (did you mean {close!r}?)")
         for k, v in data.items():
             if isinstance(v, Mapping):
                 continue
@@ -209,12 +219,36 @@ def _check_types(opts: "OffloadOptions") -> None:
             raise ValueError(f"option {f.name} must be {want}, got {type(v).__name__} {v!r}")
 
 
-def _walk(data: Mapping):
+def _walk(data: Mapping, prefix: tuple = ()):
+    """``(path of keys, value)`` of every leaf of a nested mapping."""
     for k, v in data.items():
         if isinstance(v, Mapping):
-            yield from _walk(v)
+            yield from _walk(v, prefix + (k,))
         else:
-            yield k, v
+            yield prefix + (k,), v
+
+
+def _edits(a: str, b: str) -> int:
+    """Edit distance with adjacent transpositions (optimal string alignment)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[-1][-1]
+
+
+def _near_recipe_key(key: Any) -> str | None:
+    """The recipe key ``key`` is a typo of: at most 2 edits (1 for the short ``next_n``). Stricter than
+    ``difflib``: the recipe's own settings (``enable_kv_offload``-like names, ``block_size``, ...) are
+    3+ edits away from ours and must pass."""
+    if not isinstance(key, str):
+        return None
+    for known in RECIPE_KEYS:
+        if _edits(key, known) <= (1 if len(known) <= 6 else 2):
+            return known
+    return None
 
 
 def _load_yaml(path: str | Path) -> Mapping:

@@ -6,7 +6,9 @@ Per layer ``l``: ``pool_kv [B, PS, Dkv]``, ``pool_rope [B, PS, Dr]`` (KV dtype).
 (kinds 0..5, then 1 for the step), row 1 = the running sum. hits = kind 1, misses = kind 2,
 window = kind 3; host rows read = (misses + window) × layers of the group (every layer serves the
 same plan from its own host cache). ``seen_len [B]`` int32: each row's cache length at the previous
-step (a row whose length goes down started a new request; the graph invalidates its metadata).
+step; ``external_write [1]`` int32: set by the host when the full caches were written outside the graph
+since the last step (version counters). The graph uses both to invalidate new requests' rows
+(docs/new-requests.md).
 
 Ownership (issue 11): the tensors belong to the full caches, not to a graph. In the CPU modes they are
 extra inputs of the rewritten graph, chosen per call by :class:`StateBinder` from :data:`REGISTRY`
@@ -32,7 +34,8 @@ STATS_WIDTH = 7  # kinds 0..5 + step count
 class SharedGroup:
     """The tensors of one IndexShare group on one set of full caches (shared by every graph serving them)."""
 
-    __slots__ = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "pools", "ran", "__weakref__")
+    __slots__ = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external_write", "pools", "ran",
+                 "versions", "announced", "flagged", "__weakref__")
 
     def __init__(self, B: int, PS: int, IR: int, dims: Sequence[tuple[int, int, torch.dtype]],
                  device: torch.device) -> None:
@@ -42,9 +45,15 @@ class SharedGroup:
         self.stats = torch.zeros((2, STATS_WIDTH), dtype=torch.int64, device=device)
         # the previous step's cache length per row: a row whose length goes down starts a new request
         self.seen_len = torch.zeros((B,), dtype=torch.int32, device=device)
+        # != 0: the host saw the full caches written outside the graph since the last step (their version
+        # counters moved): the graph invalidates every row unless the ledger names the re-filled ones
+        self.external_write = torch.zeros((1,), dtype=torch.int32, device=device)
         self.pools = [(torch.zeros((B, PS, dkv), dtype=dt, device=device),
                        torch.zeros((B, PS, dr), dtype=dt, device=device)) for dkv, dr, dt in dims]
         self.ran = False  # has served a step (a fresh group holds nothing that could be stale)
+        self.versions: Optional[tuple] = None  # the full caches' version counters after the last step
+        self.announced = False  # reset(rows=...) since the last step: outside writes are announced
+        self.flagged = False  # external_write was set for the coming step
 
 
 class GroupState:
@@ -62,11 +71,13 @@ class GroupState:
     lru_counter = property(lambda self: self.shared.lru_counter)
     stats = property(lambda self: self.shared.stats)
     seen_len = property(lambda self: self.shared.seen_len)
+    external_write = property(lambda self: self.shared.external_write)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         g = self.group_id
         return {f"pool_ids_g{g}": self.pool_ids, f"id_to_slot_g{g}": self.id_to_slot,
-                f"lru_counter_g{g}": self.lru_counter, f"stats_g{g}": self.stats, f"seen_len_g{g}": self.seen_len}
+                f"lru_counter_g{g}": self.lru_counter, f"stats_g{g}": self.stats, f"seen_len_g{g}": self.seen_len,
+                f"external_write_g{g}": self.external_write}
 
 
 @dataclass
@@ -205,6 +216,7 @@ class OffloadState:
                 g.id_to_slot.fill_(-1)
                 g.lru_counter.zero_()
                 g.seen_len.zero_()
+                g.shared.versions = None  # nothing cached: no outside write can make it stale
             for kv, rope in self.pools.values():
                 kv.zero_()
                 rope.zero_()
@@ -224,6 +236,7 @@ class OffloadState:
             g.id_to_slot[t] = -1
             g.lru_counter[t] = 0
             g.seen_len[t] = 0
+            g.shared.announced = True  # the re-fill of these rows is announced: the other rows stay warm
         for kv, rope in self.pools.values():
             kv[t] = 0
             rope[t] = 0
@@ -340,6 +353,7 @@ class StateRegistry:
                         _reset_shared(sg)
                         break
             sg.ran = True
+            _check_outside_writes(sg, cs, state.graph_id)
             self._seen[sg] = tuple(id(t) for t in cs)
             ref = weakref.ref(sg)
             for t in cs:
@@ -388,8 +402,53 @@ def module_state(module: Any, registry: Optional[StateRegistry] = None) -> Offlo
     return OffloadState.from_shared("module", layouts, [sg for _, sg in entries])
 
 
+def cache_versions(caches: Sequence[torch.Tensor]) -> Optional[tuple]:
+    """The version counters of ``caches`` (an in-place write outside autograd's view of them, e.g.
+    through ``.data``, does not move them); None when one is an inference tensor (no counter)."""
+    try:
+        return tuple(t._version for t in caches)
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
+
+
+_warned_inference: set = set()
+
+
+@torch.no_grad()
+def _check_outside_writes(sg: SharedGroup, caches: Sequence[torch.Tensor], graph_id: str) -> None:
+    """Set ``external_write`` for the coming step when the full caches were written since this group's
+    last step by anything but its own graph (docs/new-requests.md): their version counters moved (an
+    eager prefill or step, ``StaticCache.reset()``, a graph compiled by any AOT-based backend) and no
+    ``reset(rows=...)`` announced it. Caches without version counters (inference tensors) are treated
+    as written before every step: cold, never stale."""
+    v = cache_versions(caches)
+    moved = v is None or (sg.versions is not None and v != sg.versions)
+    if v is None and graph_id not in _warned_inference:
+        _warned_inference.add(graph_id)
+        log.warning("%s: the full caches are inference tensors (created under torch.inference_mode), which have "
+                    "no version counter, so writes outside the compiled graph cannot be seen; the offload pools are "
+                    "invalidated before every step (correct but cold). Allocate the caches outside "
+                    "inference_mode (torch.no_grad() is fine) to keep the pools warm.", graph_id)
+    if moved and not sg.announced:
+        sg.external_write.fill_(1)
+        sg.flagged = True
+        log.debug("%s: full caches written outside the graph since its last step: invalidating every row", graph_id)
+    sg.announced = False
+
+
+@torch.no_grad()
+def after_step(sg: SharedGroup, caches: Sequence[torch.Tensor]) -> None:
+    """After the group's graph ran: remember the caches' versions (its own cache writes included) and
+    clear the flag the step consumed."""
+    sg.versions = cache_versions(caches)
+    if sg.flagged:
+        sg.external_write.zero_()
+        sg.flagged = False
+
+
 @torch.no_grad()
 def _reset_shared(sg: SharedGroup) -> None:
+    sg.versions = None  # nothing cached any more
     sg.pool_ids.fill_(-1)
     sg.id_to_slot.fill_(-1)
     sg.lru_counter.zero_()
@@ -441,6 +500,14 @@ class StateBinder:
         st = self.state_for(args)
         return st.flat(self.input_names) if self.input_names is not None else []
 
+    def after_call(self, args: Sequence[Any]) -> None:
+        """After the graph ran on ``args``: record its caches' versions (see :func:`after_step`)."""
+        st = self.last_state
+        if st is None:
+            return
+        for g, cs in zip(st.groups, self.caches(args)):
+            after_step(g.shared, cs)
+
     @property
     def last_state(self) -> Optional[OffloadState]:
         return self._last() if self._last is not None else None
@@ -449,54 +516,3 @@ class StateBinder:
         if self.input_names is None:
             return [self._initial]
         return self.registry.bindings([self.graph_id])
-
-
-# -- building a graph's state (every mode, both graph forms) ------------------------------------------
-def _cache_refs(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any]
-                ) -> Optional[tuple[list[list[tuple]], list[list[Any]]]]:
-    """Per group, per layer the full kv / rope caches as ``("arg", i)`` / ``("const", tensor)`` refs and
-    the example tensors; None when a cache is neither a graph input nor an attribute."""
-    from .passes import _fx  # lazy: keeps this module free of FX for model code
-
-    index = {p: i for i, p in enumerate(_fx.placeholders(gm.graph))}
-    refs: list[list[tuple]] = []
-    tensors: list[list[Any]] = []
-    for p in plans:
-        r, t = [], []
-        for l in p.layers:
-            for node in (p.geometry[l].full_kv, p.geometry[l].full_rope):
-                root = _fx.strip_views(node)
-                if root in index and index[root] < len(example_inputs):
-                    r.append(("arg", index[root]))
-                    t.append(example_inputs[index[root]])
-                elif _fx.is_graph_input_or_attr(root) and root.op == "get_attr":
-                    obj = _fx.attr_value(gm, root)
-                    r.append(("const", obj))
-                    t.append(obj)
-                else:
-                    return None
-        refs.append(r)
-        tensors.append(t)
-    if not all(hasattr(x, "data_ptr") for ts in tensors for x in ts):
-        return None
-    return refs, tensors
-
-
-def build_state(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any], graph_id: str,
-                shared_state: bool) -> OffloadState:
-    """The state of one rewritten graph: taken from :data:`REGISTRY` for the example inputs' full caches
-    when ``shared_state`` and the caches are graph inputs / attributes (graphs on the same caches share
-    it), else private tensors. ``layouts`` / ``cache_refs`` / ``shared`` say how to bind it per call."""
-    from .passes import _fx
-
-    layouts = [GroupLayout.from_plan(p) for p in plans]
-    found = _cache_refs(gm, plans, example_inputs)
-    if shared_state and found is not None:
-        state = REGISTRY.bind(graph_id, layouts, found[1])
-    else:
-        ex = _fx.example(plans[0].geometry[plans[0].owner_layer].full_kv)
-        state = OffloadState.allocate(graph_id, layouts, device=ex.device if ex is not None else None)
-    state.layouts = layouts
-    state.cache_refs = found[0] if found is not None else None
-    state.shared = bool(shared_state and found is not None)
-    return state

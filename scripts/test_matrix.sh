@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # Runs the README's test command on every supported torch version, one venv per version.
 #
-#   bash scripts/test_matrix.sh                 # torch 2.8.0 and 2.13.0
-#   TORCH_VERSIONS="2.13.0" bash scripts/test_matrix.sh
+#   bash scripts/test_matrix.sh                               # torch 2.8.0 2.10.0 2.13.0 2.14.1 (docs/versions.md)
+#   TORCH_VERSIONS="2.14.1" bash scripts/test_matrix.sh
+#   MATRIX_SETUP_ONLY=1 bash scripts/test_matrix.sh           # build the venvs only, run nothing
+#   MATRIX_TESTS="tests/backend/test_compat.py tests/converters" bash scripts/test_matrix.sh   # a subset
 #
 # Per version: a venv under $MATRIX_DIR (default ~/.cache/offload_passes/matrix/venv-<version>, reused
-# when its torch is already that version), torch from PyPI (2.13.0 as the CPU wheel when pip finds one,
-# as scripts/setup.sh installs it; for 2.8.0 PyPI serves the CUDA build, ~0.9 GB plus ~3 GB of nvidia
-# libraries, which runs on CPU), this project editable with its test extras (the global environment
-# is never touched; pip builds the C++ kernels for that torch), the TorchAir / npugraph_ex sources of the
-# matching torch-npu wheel (tools/torchair_env.py: 2.8.0.post5 for 2.8, 2.13.0 for 2.13), its own JIT folder,
-# then `python -m pytest -q tests` with OFFLOAD_PASSES_NO_SKIP=1 (skips are failures).
+# when its torch is already that version), torch from PyPI (PyPI serves the CUDA build for these
+# versions, ~0.9 GB plus ~3 GB of nvidia libraries, which runs on CPU), this project editable with its
+# test extras (the global environment is never touched; pip builds the C++ kernels for that torch), the
+# TorchAir / npugraph_ex sources of the matching torch-npu wheel (tools/torchair_env.py:
+# TORCH_NPU_FOR_TORCH), its own JIT folder, then `python -m pytest -q $MATRIX_TESTS` (default: tests)
+# with OFFLOAD_PASSES_NO_SKIP=1 (skips are failures).
 # Prints one summary line per version; exits 1 if any version failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 MATRIX_DIR=${MATRIX_DIR:-$HOME/.cache/offload_passes/matrix}
-TORCH_VERSIONS=${TORCH_VERSIONS:-"2.8.0 2.13.0"}
+TORCH_VERSIONS=${TORCH_VERSIONS:-"2.8.0 2.10.0 2.13.0 2.14.1"}
+MATRIX_TESTS=${MATRIX_TESTS:-tests}
+MATRIX_SETUP_ONLY=${MATRIX_SETUP_ONLY:-0}
 PYTHON=${PYTHON:-python}
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0 PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$MATRIX_DIR"
@@ -49,8 +53,12 @@ for v in $TORCH_VERSIONS; do
     || { SUMMARY+=("torch $v: FAILED (TorchAir sources)"); status=1; continue; }
   torch_full=$("$py" -c "import torch; print(torch.__version__)")
   npu=$("$py" -c "from offload_passes.tools.torchair_env import default_torch_npu_version as f; print(f())")
+  if [ "$MATRIX_SETUP_ONLY" = 1 ]; then
+    SUMMARY+=("torch $torch_full (torch-npu $npu TorchAir): prepared, nothing run"); continue
+  fi
   start=$(date +%s)
-  (cd "$ROOT" && OFFLOAD_PASSES_NO_SKIP=1 "$py" -m pytest -q tests -p no:cacheprovider) >"$log" 2>&1
+  # shellcheck disable=SC2086  # MATRIX_TESTS is a list of paths
+  (cd "$ROOT" && OFFLOAD_PASSES_NO_SKIP=1 "$py" -m pytest -q $MATRIX_TESTS -p no:cacheprovider) >"$log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))
   result=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)" "$log" | tail -1 | sed -e 's/^=* *//' -e 's/ *=*$//')
@@ -59,6 +67,6 @@ for v in $TORCH_VERSIONS; do
   echo "   log: $log"
 done
 echo
-echo "test matrix (python -m pytest -q tests, OFFLOAD_PASSES_NO_SKIP=1):"
+echo "test matrix (python -m pytest -q $MATRIX_TESTS, OFFLOAD_PASSES_NO_SKIP=1):"
 for line in "${SUMMARY[@]}"; do echo "  $line"; done
 exit $status

@@ -1,6 +1,8 @@
-"""Every Python snippet in README.md runs as written (each in a fresh interpreter, from an empty folder).
+"""Every Python snippet in README.md and docs/*.md runs as written (each in a fresh interpreter, from an
+empty folder).
 
-A snippet that needs Ascend hardware starts with the line ``# Ascend only`` and is only parsed here.
+A snippet that needs Ascend hardware starts with the line ``# Ascend only``, one that needs a CUDA GPU with
+``# GPU only``; those are only parsed here. A snippet that appears verbatim in several files runs once.
 """
 from __future__ import annotations
 
@@ -13,32 +15,52 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-ASCEND_ONLY = "# Ascend only"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+DEVICE_ONLY = ("# Ascend only", "# GPU only")
 
 
-def _snippets() -> list[tuple[int, str]]:
-    text = README.read_text()
+def snippets_of(path: Path) -> list[tuple[int, str]]:
+    """(line, code) of every fenced ```python block of ``path``."""
+    text = path.read_text()
     out = []
     for m in re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M):
-        line = text.count("\n", 0, m.start()) + 1
-        out.append((line, m.group(1)))
+        out.append((text.count("\n", 0, m.start()) + 1, m.group(1)))
     return out
 
 
-SNIPPETS = _snippets()
+def _all_snippets() -> list[tuple[str, str]]:
+    seen: set[str] = set()
+    out = []
+    for path in [README] + sorted(DOCS.glob("*.md")):
+        for line, code in snippets_of(path):
+            if code in seen:  # the same snippet in README and docs: running it twice proves nothing more
+                continue
+            seen.add(code)
+            out.append((f"{path.relative_to(ROOT)}:{line}", code))
+    return out
+
+
+SNIPPETS = _all_snippets()
 
 
 def test_readme_has_python_snippets():
-    assert len(SNIPPETS) >= 3, "README.md lost its usage snippets"
+    # the README's ways in: backend, entry point, decorator, recipe yaml, Hugging Face model
+    assert len(snippets_of(README)) >= 5, "README.md lost its usage snippets"
 
 
-@pytest.mark.parametrize("line,code", SNIPPETS, ids=[f"README.md:{ln}" for ln, _ in SNIPPETS])
-def test_snippet_runs_as_written(line, code, tmp_path):
-    ast.parse(code, filename=f"README.md:{line}")
-    if code.lstrip().startswith(ASCEND_ONLY):
-        return  # needs an NPU: parsed above, run by offload-atlas-check on Ascend
+def test_docs_snippets_are_collected():
+    where = {w.split(":")[0] for w, _ in SNIPPETS}
+    assert "docs/atlas.md" in where and "docs/usage.md" in where, sorted(where)
+
+
+@pytest.mark.parametrize("where,code", SNIPPETS, ids=[w for w, _ in SNIPPETS])
+def test_snippet_runs_as_written(where, code, tmp_path):
+    ast.parse(code, filename=where)
+    if code.lstrip().startswith(DEVICE_ONLY):
+        return  # needs an NPU / a GPU: parsed above, run by offload-atlas-check / the GPU check there
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=600)
-    assert r.returncode == 0, f"README.md:{line} failed:\n{code}\n--- stderr ---\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, f"{where} failed:\n{code}\n--- stderr ---\n{r.stderr[-4000:]}"

@@ -31,6 +31,7 @@ import argparse
 import copy
 import importlib.util
 import json
+import math
 import os
 import platform
 import statistics
@@ -85,7 +86,10 @@ def _csv(value: str, allowed: Sequence[str], flag: str, ap: argparse.ArgumentPar
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="offload-atlas-check", description=__doc__.split("\n\n")[0])
+    from offload_passes._cli import ArgumentParser, UsageError, writable_file
+
+    # one-line errors (exit 2): an Atlas owner pastes the message back, not argparse's usage block
+    ap = ArgumentParser(prog="offload-atlas-check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(PRESETS), help=f"comma-separated presets (default {','.join(PRESETS)})")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated NPU modes from {MODES}")
     ap.add_argument("--steps", type=int, default=8, help="measured decode steps per case (default 8)")
@@ -114,8 +118,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.modes = _csv(args.modes, MODES, "--modes", ap)
     if args.steps < 1 or args.warmup < 1:
         ap.error(f"--steps and --warmup must be >= 1, got steps={args.steps} warmup={args.warmup}")
+    if not math.isfinite(args.tol):  # nan passes `tol <= 0` and then fails every case after the whole run
+        ap.error(f"--tol must be a finite number > 0, got {args.tol}")
     if args.tol <= 0:
         ap.error(f"--tol must be > 0, got {args.tol}")
+    try:  # before any case runs: a long check must not end in an unwritable report path
+        writable_file(args.report, "--report")
+    except UsageError as e:
+        ap.error(str(e))
     if args.recipe is not None and not os.path.isdir(args.recipe):
         ap.error(f"--recipe: {args.recipe!r} is not a directory (a cann-recipes-infer checkout)")
     if args.cann_ops is not None and not os.path.exists(args.cann_ops):

@@ -519,6 +519,11 @@ def _check_args(args: argparse.Namespace) -> None:
             finite(v, "--" + name.replace("_", "-"), positive=name != "reserve_gib")
             if v < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    for name in ("weights_gib", "reserve_gib"):  # per rank: more than a device's HBM is a typo (1e308 overflowed)
+        v = getattr(args, name)
+        if v is not None and v > args.hbm_gib:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= --hbm-gib ({args.hbm_gib:g} GiB per device), "
+                             f"got {v:g}")
     for name in ("devices", "ranks_per_device", "context", "kv_bytes", "indexer_bytes", "prefill_mini_batch"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -17,7 +17,14 @@ Model (one rank = one 910C die; attention data-parallel, so every rank runs ``b 
 * Fitted: ``A_m`` (everything batch-independent: weights, MoE, communication, per exec mode ``m``) from the
   no-offload latency; ``O_m`` (plan / install launch + synchronisation per step, per mode) and one
   effective host-to-device rate ``BW_h2d`` shared by both modes, by least squares on the four offload
-  latencies. 5 parameters for 6 latencies; the fit residuals are printed.
+  latencies, *physically constrained*: ``O_m >= 0`` and ``BW_h2d <=`` the PCIe 5.0 x16 ceiling (bounded
+  least squares when the free optimum leaves that region); a fit whose host time would be negative, or
+  that misses a reference latency by more than ``tol_pct`` inside the region, is refused.
+* One set of hit rates for fit and prediction: each member of the trace ensemble
+  (``offload_passes.trace.study.ensemble_hits``: every trace model x seed, long warm traces) gives its
+  own SA-FIFO 8K / 16K rates to the fit and its own policy rates to the predictions; every prediction is
+  the range over members. Validation is computed per member: leave-one-out over the four offload
+  latencies and cross-mode (fit on one exec mode, predict the other's offload latencies).
 
 Every hardware constant is a :data:`CONSTANTS` entry with its public source.
 """
@@ -27,7 +34,7 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 log = logging.getLogger("offload_passes.tools.capacity_plan_whatif")
@@ -98,12 +105,18 @@ def host_rows(s: Shape, b: float, h: float) -> float:
     return b * s.S * s.K * (1 - h) * s.layers
 
 
+class NonPhysicalFit(RuntimeError):
+    """The reference latencies cannot be fitted with physical parameters for the given hit rates."""
+
+
 @dataclass
 class Fit:
     A: dict
     O: dict
     bw_h2d: float
     residuals: list
+    constrained: list = field(default_factory=list)   # bounds active in the fit ("O[ge_graph] = 0", ...)
+    free: dict = field(default_factory=dict)           # the unconstrained optimum, for the record
 
     def latency(self, mode: str, shape: Shape, batch: int, offload: bool, h: float = 0.0) -> float:
         b = batch / shape.ranks
@@ -113,100 +126,256 @@ class Fit:
         return t
 
 
-def fit(shape: Optional[Shape] = None, hits: Optional[dict] = None) -> Fit:
-    """Least-squares fit of ``A_m``, ``O_m`` (per mode) and ``BW_h2d`` (shared) to :data:`REFERENCE`."""
+def _ceiling() -> float:
+    return CONSTANTS["pcie5_x16"][0]
+
+
+def fit(shape: Optional[Shape] = None, hits: Optional[dict] = None, points: Optional[Sequence[tuple]] = None,
+        tol_pct: float = 5.0, o_modes: Optional[dict] = None) -> Fit:
+    """Physically constrained fit of ``A_m``, ``O_m`` (per mode) and ``BW_h2d`` (shared) to ``points``
+    (default :data:`REFERENCE`) with SA-FIFO hit rates ``hits`` ``{pool: h}`` (default: the reference's
+    stated 85 % / 90 %). ``o_modes`` maps a mode without offload points to the mode whose ``O`` it borrows
+    (cross-mode validation). Raises :class:`NonPhysicalFit` (module docstring)."""
     import numpy as np
+    from scipy.optimize import lsq_linear
 
     s = shape or Shape()
     hits = hits or REFERENCE_HIT
-    modes = sorted({m for m, *_ in REFERENCE})
-    A = {}
-    for m, off, _, batch, ms in REFERENCE:
-        if not off:
-            A[m] = ms * 1e-3 - batch / s.ranks * t_row(s)
-    # unknowns: O_m per mode, then x = 1 / BW_h2d
+    pts = list(points or REFERENCE)
+    A = {m: ms * 1e-3 - batch / s.ranks * t_row(s) for m, off, _, batch, ms in pts if not off}
+    off_pts = [p for p in pts if p[1]]
+    modes = sorted({m for m, *_ in off_pts})
+    for m, *_ in off_pts:
+        if m not in A:
+            raise ValueError(f"what-if fit: mode {m} has offload points but no no-offload point")
     rows, rhs = [], []
-    for m, off, ps, batch, ms in REFERENCE:
-        if not off:
-            continue
+    for m, _, ps, batch, ms in off_pts:
+        if ps not in hits:
+            raise ValueError(f"what-if fit: no hit rate for pool {ps}")
         b, h = batch / s.ranks, hits[ps]
-        row = [1.0 if m == mm else 0.0 for mm in modes] + [host_rows(s, b, h) * s.row_bytes]
-        rows.append(row)
+        rows.append([1.0 if m == mm else 0.0 for mm in modes] + [host_rows(s, b, h) * s.row_bytes])
         rhs.append(ms * 1e-3 - A[m] - b * t_row(s) - b * t_serve(s, h))
-    sol, *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    M, y = np.array(rows), np.array(rhs)
+    sol = np.linalg.lstsq(M, y, rcond=None)[0]
+    free = {"O_ms": {m: float(sol[i]) * 1e3 for i, m in enumerate(modes)},
+            "bw_h2d_GBps": float(1 / sol[-1] / 1e9) if sol[-1] > 0 else None}
     if sol[-1] <= 0:
-        raise RuntimeError("what-if fit: non-physical (negative) host transfer time")
-    f = Fit({m: A[m] for m in modes}, {m: float(sol[i]) for i, m in enumerate(modes)}, float(1 / sol[-1]), [])
-    for m, off, ps, batch, ms in REFERENCE:
+        raise NonPhysicalFit(f"what-if fit: non-physical: the host transfer time per row comes out "
+                             f"{sol[-1] * 1e9:.3g} ns <= 0 with hit rates {hits} (more hits would cost time)")
+    lb = np.array([0.0] * len(modes) + [1.0 / _ceiling()])
+    active = []
+    if (sol < lb).any():
+        sol = lsq_linear(M, y, bounds=(lb, np.full(lb.size, np.inf)), method="bvls").x
+        active = [f"O[{m}] = 0" for i, m in enumerate(modes) if sol[i] <= 1e-12] + \
+                 ([f"BW_h2d = PCIe 5.0 x16 ceiling {_ceiling() / 1e9:.0f} GB/s"] if sol[-1] <= lb[-1] * (1 + 1e-9) else [])
+    O = {m: float(sol[i]) for i, m in enumerate(modes)}
+    for m, src in (o_modes or {}).items():
+        O[m] = O[src]
+    f = Fit(dict(A), O, float(1 / sol[-1]), [], active, free)
+    for m, off, ps, batch, ms in pts:
         pred = f.latency(m, s, batch, off, hits.get(ps, 0.0)) * 1e3
         f.residuals.append({"mode": m, "offload": off, "pool": ps, "batch": batch, "reference_ms": ms,
                             "model_ms": round(pred, 2), "error_pct": round(100 * (pred - ms) / ms, 2)})
+    worst = max(abs(r["error_pct"]) for r in f.residuals)
+    if worst > tol_pct:
+        raise NonPhysicalFit(f"what-if fit: non-physical: no physical parameters (O >= 0, BW_h2d <= "
+                             f"{_ceiling() / 1e9:.0f} GB/s) fit the reference within {tol_pct:g} % with hit rates "
+                             f"{hits} (worst error {worst:.1f} %; active bounds: {', '.join(active) or 'none'})")
     return f
 
 
-def sim_hits(pools: Sequence[int], policies: Sequence[str], seeds: int = 2, warmup: int = 16,
-             contexts: Sequence[int] = (65536,)) -> dict:
-    """Hit rates ``{(context, policy, pool): h}`` on the calibrated synthetic traces
-    (``offload_passes.trace.synth.CALIBRATED`` with the context length set)."""
-    from offload_passes.trace import sim, synth
+def validate(shape: Optional[Shape] = None, hits: Optional[dict] = None) -> dict:
+    """Out-of-sample errors (%), computed: leave-one-out over the offload latencies, and cross-mode (fit
+    one mode's three latencies, predict the other mode's offload latencies with its own ``A``)."""
+    s = shape or Shape()
+    hits = hits or REFERENCE_HIT
+    loo = []
+    for i, (m, off, ps, batch, ms) in enumerate(REFERENCE):
+        if not off:
+            continue
+        rest = [p for j, p in enumerate(REFERENCE) if j != i]
+        try:
+            f = fit(s, hits, rest, tol_pct=float("inf"))
+            pred = f.latency(m, s, batch, True, hits[ps]) * 1e3
+            loo.append({"mode": m, "pool": ps, "reference_ms": ms, "model_ms": round(pred, 2),
+                        "error_pct": round(100 * (pred - ms) / ms, 2)})
+        except NonPhysicalFit as e:
+            loo.append({"mode": m, "pool": ps, "reference_ms": ms, "model_ms": None, "error_pct": None,
+                        "refused": str(e)})
+    cross = []
+    modes = sorted({m for m, *_ in REFERENCE})
+    for src in modes:
+        for dst in modes:
+            if dst == src:
+                continue
+            pts = [p for p in REFERENCE if p[0] == src or (p[0] == dst and not p[1])]
+            try:
+                f = fit(s, hits, pts, tol_pct=float("inf"), o_modes={dst: src})
+            except NonPhysicalFit as e:
+                cross.append({"fit": src, "predict": dst, "refused": str(e)})
+                continue
+            for m, off, ps, batch, ms in REFERENCE:
+                if m == dst and off:
+                    pred = f.latency(m, s, batch, True, hits[ps]) * 1e3
+                    cross.append({"fit": src, "predict": dst, "pool": ps, "reference_ms": ms,
+                                  "model_ms": round(pred, 2), "error_pct": round(100 * (pred - ms) / ms, 2)})
+    errs = [abs(r["error_pct"]) for r in loo if r["error_pct"] is not None]
+    xerrs = [abs(r["error_pct"]) for r in cross if r.get("error_pct") is not None]
+    return {"leave_one_out": loo, "cross_mode": cross,
+            "loo_max_abs_pct": max(errs) if errs else None, "cross_mode_max_abs_pct": max(xerrs) if xerrs else None}
 
-    out: dict = {}
-    for ctx in contexts:
-        trs = [synth.generate(replace(synth.CALIBRATED, seed=k, context=ctx)) for k in range(seeds)]
-        for pol in policies:
-            for ps in pools:
-                out[(ctx, pol, ps)] = sum(sim.simulate(tr, pol, ps, warmup=warmup).hit_rate for tr in trs) / len(trs)
-    return out
+
+def pool_bytes_per_rank(shape: Shape, pool: int, batch: int) -> float:
+    """HBM the KV pools take per rank: every layer keeps a pool of ``pool`` rows per batch row."""
+    return pool * batch / shape.ranks * shape.layers * shape.row_bytes
+
+
+def _spread(vals: list) -> dict:
+    import numpy as np
+
+    v = np.array(vals, dtype=float)
+    return {"median": round(float(np.median(v)), 2), "min": round(float(v.min()), 2), "max": round(float(v.max()), 2)}
 
 
 def what_if(batches: Sequence[int], pools: Sequence[int], policies: Sequence[str], contexts: Sequence[int],
-            mode: str = "ge_graph", seeds: int = 2) -> dict[str, Any]:
-    f = fit()
-    hits = sim_hits(pools, policies, seeds, contexts=contexts)
-    rows = []
+            mode: str = "ge_graph", seeds: int = 2, steps: int = 1152, warmup: int = 128,
+            models: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Fit and predict per ensemble member (module docstring); ranges over members."""
+    from offload_passes.trace import models as tmodels
+    from offload_passes.trace import study
+
+    which = list(models or tmodels.MODELS)
+    fit_pools = sorted({r[2] for r in REFERENCE if r[1]})
     base = Shape()
+    by_ctx = {}
+    for ctx in contexts:
+        pols = sorted(set(policies) | ({"sa_fifo"} if ctx == base.context else set()))
+        pls = sorted(set(pools) | (set(fit_pools) if ctx == base.context else set()))
+        by_ctx[ctx] = study.ensemble_hits(pols, pls, seeds, steps, warmup, ctx, which)
+    if base.context not in by_ctx:
+        by_ctx[base.context] = study.ensemble_hits(["sa_fifo"], fit_pools, seeds, steps, warmup, base.context, which)
+    members = []
+    for i, mem in enumerate(by_ctx[base.context]):
+        fh = {ps: mem["hits"][("sa_fifo", ps)] for ps in fit_pools}
+        entry = {"model": mem["model"], "seed": mem["seed"], "fit_hits": fh}
+        try:
+            f = fit(base, fh)
+        except NonPhysicalFit as e:
+            entry["refused"] = str(e)
+            members.append(entry)
+            continue
+        v = validate(base, fh)
+        entry.update(fit=f, validation=v, residuals=f.residuals, A_ms={k: round(x * 1e3, 3) for k, x in f.A.items()},
+                     O_ms={k: round(x * 1e3, 3) for k, x in f.O.items()}, bw_h2d_GBps=round(f.bw_h2d / 1e9, 2),
+                     constrained=f.constrained, free=f.free, idx=i)
+        members.append(entry)
+    ok = [m for m in members if "fit" in m]
+    if not ok:
+        raise NonPhysicalFit("what-if: every ensemble member's fit was refused: " + members[0]["refused"])
+    loo = max(m["validation"]["loo_max_abs_pct"] or 0.0 for m in ok)
+    rows = []
     for ctx in contexts:
         s = replace(base, context=ctx)
         for batch in batches:
-            t0 = f.latency(mode, s, batch, False)
+            t0 = [m["fit"].latency(mode, s, batch, False) * 1e3 for m in ok]
             rows.append({"context": ctx, "batch": batch, "policy": "no offload", "pool": 0, "hit": None,
-                         "ms": round(t0 * 1e3, 2), "rows_per_s": round(batch / t0, 1)})
+                         "ms": _spread(t0)})
             for pol in policies:
                 for ps in pools:
-                    h = hits[(ctx, pol, ps)]
-                    t = f.latency(mode, s, batch, True, h)
-                    rows.append({"context": ctx, "batch": batch, "policy": pol, "pool": ps, "hit": round(h, 4),
-                                 "ms": round(t * 1e3, 2), "rows_per_s": round(batch / t, 1)})
-    return {"mode": mode,
-            "fit": {"A_ms": {k: round(v * 1e3, 3) for k, v in f.A.items()},
-                    "O_ms": {k: round(v * 1e3, 3) for k, v in f.O.items()},
-                    "bw_h2d_GBps": round(f.bw_h2d / 1e9, 2),
-                    "t_row_ms": round(t_row(base) * 1e3, 4),
-                    "t_serve_ms_at_85pct": round(t_serve(base, 0.85) * 1e3, 4)},
-            "residuals": f.residuals, "constants": {k: {"value": v, "unit": u, "source": src}
-                                                    for k, (v, u, src) in CONSTANTS.items()},
-            "shape": asdict(base), "rows": rows,
-            "note": "hit rates from the calibrated synthetic traces (S=1) generated at each context (the "
-                    "locality parameters are kept; batch rows are independent); rows_per_s = batch rows advanced per second (x accepted tokens per "
-                    "step for tokens/s, which the sources do not give); a latency model only: whether a "
-                    "batch fits in HBM is offload-plan's question (the reference runs no offload at 64)"}
+                    hs, ts = [], []
+                    for m in ok:
+                        h = by_ctx[ctx][m["idx"]]["hits"].get((pol, ps))
+                        if h is None:  # a policy that needs ranks beyond K on a model without scores
+                            continue
+                        hs.append(h)
+                        ts.append(m["fit"].latency(mode, s, batch, True, h) * 1e3)
+                    if not ts:
+                        continue
+                    sp = _spread(ts)
+                    rows.append({"context": ctx, "batch": batch, "policy": pol, "pool": ps,
+                                 "hit": {k: round(v / 100, 4) for k, v in _spread([100 * h for h in hs]).items()},
+                                 "ms": sp, "ms_interval_with_loo": [round(sp["min"] * (1 - loo / 100), 2),
+                                                                    round(sp["max"] * (1 + loo / 100), 2)],
+                                 "members": len(ts)})
+    question = _question(ok, by_ctx.get(base.context), policies, pools, mode, base)
+    for m in members:
+        m.pop("fit", None)
+        m.pop("idx", None)
+        m["fit_hits"] = {str(k): round(v, 4) for k, v in m["fit_hits"].items()}
+    return {"mode": mode, "ensemble": {"models": which, "seeds": seeds, "steps": steps, "warmup": warmup},
+            "members": members, "loo_max_abs_pct": loo,
+            "cross_mode_max_abs_pct": max(m["validation"]["cross_mode_max_abs_pct"] or 0.0 for m in ok),
+            "t_row_ms": round(t_row(base) * 1e3, 4), "t_serve_ms_at_85pct": round(t_serve(base, 0.85) * 1e3, 4),
+            "constants": {k: {"value": v, "unit": u, "source": src} for k, (v, u, src) in CONSTANTS.items()},
+            "shape": asdict(base), "rows": rows, "question": question,
+            "note": "hit rates: one set per ensemble member (trace model x seed; S=1 traces, batch rows "
+                    "independent) for both the fit (SA-FIFO 8K/16K) and the predictions; ms = median (min-max) "
+                    "over members; ms_interval_with_loo widens that range by the largest leave-one-out error; "
+                    "a latency model only: whether a batch fits in HBM is offload-plan's question"}
+
+
+def _question(ok: list, hits64: Optional[list], policies: Sequence[str], pools: Sequence[int], mode: str,
+              s: Shape, batch: int = 128) -> Optional[dict]:
+    """At ``batch``, 64K: which (pool, policy) reach the 16K SA-FIFO latency, and the pool HBM each saves."""
+    if hits64 is None or s.context != 65536:
+        return None
+    out = []
+    for pol in policies:
+        for ps in pools:
+            if ps >= 16384 and pol == "sa_fifo":
+                continue
+            reach, delta = 0, []
+            for m in ok:
+                hp = hits64[m["idx"]]["hits"]
+                if (pol, ps) not in hp or ("sa_fifo", 16384) not in hp:
+                    continue
+                ref = m["fit"].latency(mode, s, batch, True, hp[("sa_fifo", 16384)])
+                t = m["fit"].latency(mode, s, batch, True, hp[(pol, ps)])
+                delta.append((t - ref) * 1e3)
+                reach += t <= ref
+            if not delta:
+                continue
+            saved = pool_bytes_per_rank(s, 16384, batch) - pool_bytes_per_rank(s, ps, batch)
+            out.append({"policy": pol, "pool": ps, "members_reaching": reach, "members": len(delta),
+                        "ms_vs_fifo16k": _spread(delta), "pool_gib_saved_per_rank": round(saved / 2**30, 3)})
+    return {"batch": batch, "context": 65536, "target": "sa_fifo 16K", "pairs": out}
 
 
 def render(o: dict) -> str:
-    lines = ["what-if: per-step latency model fitted to the reference table (ms)",
-             f"  fit: A = {o['fit']['A_ms']}  O = {o['fit']['O_ms']}  effective H2D = {o['fit']['bw_h2d_GBps']} GB/s"
-             f"  (PCIe 5.0 x16 peak {CONSTANTS['pcie5_x16'][0] / 1e9:.0f} GB/s)",
-             f"  t_row = {o['fit']['t_row_ms']} ms/row, t_serve(h=0.85) = {o['fit']['t_serve_ms_at_85pct']} ms/row",
-             "", f"  {'mode':<12}{'offload':>8}{'pool':>7}{'batch':>7}{'reference':>11}{'model':>9}{'error %':>9}"]
-    for r in o["residuals"]:
-        lines.append(f"  {r['mode']:<12}{str(r['offload']):>8}{r['pool']:>7}{r['batch']:>7}{r['reference_ms']:>11.2f}"
-                     f"{r['model_ms']:>9.2f}{r['error_pct']:>9.2f}")
-    lines += ["", f"  predictions ({o['mode']}):",
-              f"  {'context':>8}{'batch':>7}  {'policy':<12}{'pool':>7}{'hit %':>8}{'ms/step':>9}{'rows/s':>9}"]
+    e = o["ensemble"]
+    lines = [f"what-if: per-step latency model, one fit per ensemble member ({', '.join(e['models'])} x "
+             f"{e['seeds']} seeds, {e['steps']} steps after {e['warmup']} warm-up)",
+             f"  t_row = {o['t_row_ms']} ms/row, t_serve(h=0.85) = {o['t_serve_ms_at_85pct']} ms/row; PCIe 5.0 x16 "
+             f"ceiling {CONSTANTS['pcie5_x16'][0] / 1e9:.0f} GB/s",
+             f"  {'member':<14}{'h8K %':>7}{'h16K %':>8}{'O_ge ms':>9}{'O_npu ms':>9}{'H2D GB/s':>9}{'fit err %':>10}"
+             f"{'LOO err %':>10}{'x-mode %':>9}  bounds"]
+    for m in o["members"]:
+        name = f"{m['model']}/{m['seed']}"
+        h = m["fit_hits"]
+        if "refused" in m:
+            lines.append(f"  {name:<14}{100 * h['8192']:>7.2f}{100 * h['16384']:>8.2f}  refused: {m['refused']}")
+            continue
+        v = m["validation"]
+        fe = max(abs(r["error_pct"]) for r in m["residuals"])
+        lines.append(f"  {name:<14}{100 * h['8192']:>7.2f}{100 * h['16384']:>8.2f}{m['O_ms']['ge_graph']:>9.2f}"
+                     f"{m['O_ms']['npugraph_ex']:>9.2f}{m['bw_h2d_GBps']:>9.2f}{fe:>10.2f}{v['loo_max_abs_pct']:>10.2f}"
+                     f"{v['cross_mode_max_abs_pct']:>9.2f}  {', '.join(m['constrained']) or '-'}")
+    lines += ["", f"  predictions ({o['mode']}; ms = median (min-max over members); LOO-widened interval):",
+              f"  {'context':>8}{'batch':>7}  {'policy':<22}{'pool':>7}{'hit %':>18}{'ms/step':>22}{'interval':>18}"]
     for r in o["rows"]:
-        hit = "" if r["hit"] is None else f"{100 * r['hit']:.2f}"
-        lines.append(f"  {r['context']:>8}{r['batch']:>7}  {r['policy']:<12}{r['pool']:>7}{hit:>8}{r['ms']:>9.2f}"
-                     f"{r['rows_per_s']:>9.1f}")
+        hit = "" if r["hit"] is None else f"{100 * r['hit']['median']:.2f} ({100 * r['hit']['min']:.1f}-{100 * r['hit']['max']:.1f})"
+        ms = r["ms"]
+        iv = "" if "ms_interval_with_loo" not in r else f"[{r['ms_interval_with_loo'][0]:.1f}, {r['ms_interval_with_loo'][1]:.1f}]"
+        lines.append(f"  {r['context']:>8}{r['batch']:>7}  {r['policy']:<22}{r['pool']:>7}{hit:>18}"
+                     f"{ms['median']:>10.2f} ({ms['min']:.2f}-{ms['max']:.2f}){iv:>18}")
+    q = o.get("question")
+    if q:
+        lines += ["", f"  batch {q['batch']}, 64K: who reaches {q['target']}'s latency (per member, same hit-rate set):"]
+        for p in q["pairs"]:
+            d = p["ms_vs_fifo16k"]
+            lines.append(f"    {p['policy']:<22}{p['pool']:>7}: {p['members_reaching']}/{p['members']} members; "
+                         f"{d['median']:+.2f} ms ({d['min']:+.2f} to {d['max']:+.2f}); saves "
+                         f"{p['pool_gib_saved_per_rank']:.2f} GiB pool HBM per rank")
     lines.append("  constants:")
     for k, (v, u, src) in CONSTANTS.items():
         lines.append(f"    {k} = {v:g} {u}: {src}")
@@ -215,10 +384,19 @@ def render(o: dict) -> str:
 
 
 def _ints(text: str) -> list[int]:
-    vals = [int(v) for v in text.split(",") if v]
+    try:
+        vals = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not vals or min(vals) <= 0:
         raise argparse.ArgumentTypeError(f"expected positive comma-separated integers, got {text!r}")
     return vals
+
+
+#: CLI limits (the synthetic traces are generated per context: a context of 1e11 would allocate terabytes)
+MAX_CONTEXT = 1 << 20
+MAX_SEEDS = 16
+MAX_BATCH = 65536
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -226,19 +404,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--what-if", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batches", type=_ints, default=[64, 128, 192], help="global batches (32 ranks)")
     ap.add_argument("--pools", type=_ints, default=[4096, 8192, 16384])
-    ap.add_argument("--policies", default="sa_fifo,sa_clock,lru,belady")
+    ap.add_argument("--policies", default="sa_fifo,sa_clock,sa_lru,lru,min_per_set,belady")
     ap.add_argument("--contexts", type=_ints, default=[65536])
     ap.add_argument("--mode", choices=("ge_graph", "npugraph_ex"), default="ge_graph")
-    ap.add_argument("--seeds", type=int, default=2, help="synthetic traces per hit rate")
+    ap.add_argument("--seeds", type=int, default=2, help="traces per trace model")
+    ap.add_argument("--steps", type=int, default=1152, help="measured steps per trace (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=128)
+    ap.add_argument("--models", default=None, help="trace models of the ensemble (default: all)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    from offload_passes.trace import sim
+    from offload_passes.trace import models as tmodels
+    from offload_passes.trace import sim, study
 
     pols = [p for p in a.policies.split(",") if p]
-    bad = [p for p in pols if p not in sim.POLICIES]
-    if bad:
-        ap.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(sim.POLICIES)}")
-    o = what_if(a.batches, a.pools, pols, a.contexts, a.mode, a.seeds)
+    bad = [p for p in pols if not study.known_policy(p)]
+    if bad or not pols:
+        ap.error(f"--policies: unknown {', '.join(bad) or '(none)'}; choose from "
+                 f"{', '.join(sim.POLICIES + study.EXTRA)}")
+    which = [m for m in (a.models or ",".join(tmodels.MODELS)).split(",") if m]
+    badm = [m for m in which if m not in tmodels.MODELS]
+    if badm or not which:
+        ap.error(f"--models: unknown {', '.join(badm) or '(none)'}; choose from {', '.join(tmodels.MODELS)}")
+    if not 1 <= a.seeds <= MAX_SEEDS:
+        ap.error(f"--seeds must be in [1, {MAX_SEEDS}], got {a.seeds}")
+    if not 1 <= a.steps <= 100000 or not 0 <= a.warmup <= 100000:
+        ap.error(f"--steps must be in [1, 100000] and --warmup in [0, 100000], got {a.steps}, {a.warmup}")
+    shape = Shape()
+    for c in a.contexts:
+        if not shape.K < c <= MAX_CONTEXT:
+            ap.error(f"--contexts must be in ({shape.K}, {MAX_CONTEXT}], got {c}")
+    for b in a.batches:
+        if b > MAX_BATCH:
+            ap.error(f"--batches must be <= {MAX_BATCH}, got {b}")
+    for ps in a.pools:
+        # every policy runs on every pool: the set-associative ones need 16 x a power of two
+        if ps > 16384 or ps % 16 or (ps // 16) & (ps // 16 - 1):
+            ap.error(f"--pools must be 16 x a power of two, at most 16384 (dsa_plan limits), got {ps}")
+    try:
+        o = what_if(a.batches, a.pools, pols, a.contexts, a.mode, a.seeds, a.steps, a.warmup, which)
+    except NonPhysicalFit as e:
+        print(f"offload-plan: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     print(json.dumps(o, indent=1) if a.json else render(o))
     return 0
 

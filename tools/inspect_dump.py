@@ -24,7 +24,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
-from offload_passes._cli import UsageError, run_cli, writable_file
+from offload_passes._cli import ArgumentParser, UsageError, run_cli, writable_file
 from offload_passes.passes.producers import TOPK_PRODUCERS
 
 from .inspect_dump_report import Dump, DumpError, GraphDump, layer_ranges, load_dump, summarize
@@ -140,6 +140,11 @@ def render_summary(s: dict[str, Any]) -> str:
     return "\n".join(L)
 
 
+#: ``--width``: two columns of at least 30 characters around " | "; above MAX_WIDTH every line of the
+#: view is padded to a size no terminal shows (10**9 would build gigabytes of spaces).
+MIN_WIDTH, MAX_WIDTH = 2 * 30 + 3, 4096
+
+
 def render_layer(view: dict[str, Any], style: str, width: int | None = None) -> str:
     b, a = view["before"], view["after"]
     head = [f"graph {view['graph_id']} layer {view['layer']}: before = {b['file']} ({len(b['lines'])} nodes), "
@@ -202,13 +207,15 @@ def _pick_graph_for_layer(dump: Dump, graph_id: str | None, layer: int) -> Graph
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="offload-inspect",
+    ap = ArgumentParser(prog="offload-inspect",
                                  description="Inspect an offload_passes dump directory (report.json + per-pass graphs).")
     ap.add_argument("dump_dir", metavar="DUMP_DIR")
     ap.add_argument("--graph", default=None, help="graph id (default: every graph in the summary; the largest for --layer/pictures)")
     ap.add_argument("--layer", type=int, default=None, help="show layer N's subgraph before and after")
     ap.add_argument("--diff", action="store_true", help="with --layer: unified diff instead of side by side")
-    ap.add_argument("--width", type=int, default=None, help="with --layer: total width of the side-by-side view")
+    ap.add_argument("--width", type=int, default=None,
+                    help=f"with --layer: total width of the side-by-side view, in [{MIN_WIDTH}, {MAX_WIDTH}] "
+                         "(default: the terminal's)")
     ap.add_argument("--svg", type=Path, default=None, help="write the group picture as SVG (needs graphviz 'dot')")
     ap.add_argument("--png", type=Path, default=None, help="write the group picture as PNG (needs graphviz 'dot')")
     ap.add_argument("--dot", type=Path, default=None, help="write the group picture's DOT source")
@@ -258,6 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.width is not None and not MIN_WIDTH <= args.width <= MAX_WIDTH:
+        raise UsageError(f"--width must be in [{MIN_WIDTH}, {MAX_WIDTH}] (two columns of at least 30 characters), "
+                         f"got {args.width}")
     for path, flag in ((args.svg, "--svg"), (args.png, "--png"), (args.dot, "--dot")):
         if path is not None:
             writable_file(path, flag)  # before any work: a bad path is a one-line error, exit 2

@@ -54,11 +54,14 @@ _MARKER = ".offload_passes_torchair.json"
 #: Bump when the extraction layout changes, so stale caches are rebuilt (2: marker records the torch
 #: version the wheel was built for).
 _LAYOUT_VERSION = 2
-#: torch-npu release whose TorchAir / npugraph_ex the tests use, per torch ``major.minor``. torch-npu
-#: ships post releases for one torch version; the plain ``2.8.0`` has no npugraph_ex yet, so 2.8 takes
-#: its newest post release (checked here: 2.8.0.post5 and 2.13.0 both carry torchair + npugraph_ex).
-#: Other torch versions fall back to the plain ``major.minor.patch`` release.
-TORCH_NPU_FOR_TORCH = {"2.8": "2.8.0.post5", "2.13": "2.13.0"}
+#: torch-npu release whose TorchAir / npugraph_ex the tests use, per torch ``major.minor`` (each one run
+#: by ``scripts/test_matrix.sh``, results in docs/versions.md). torch-npu ships post releases for one
+#: torch version; the plain ``2.8.0`` has no npugraph_ex yet, so 2.8 takes its newest post release; 2.10
+#: takes ``2.10.0.post4``, the one vllm-ascend pins; 2.14.0 is the newest torch-npu and serves torch
+#: 2.14.1 too (its wheel requires ``torch==2.14.0.*``, only ``major.minor`` must match). Checked here:
+#: each of the four wheels carries torchair + npugraph_ex. Other torch versions fall back to the plain
+#: ``major.minor.patch`` release (untested; plain ``2.9.0`` has no npugraph_ex either).
+TORCH_NPU_FOR_TORCH = {"2.8": "2.8.0.post5", "2.10": "2.10.0.post4", "2.13": "2.13.0", "2.14": "2.14.0"}
 
 
 class TorchAirEnvError(RuntimeError):
@@ -73,8 +76,9 @@ def _major_minor(version: str) -> str:
 def matching_torch_npu_version(torch_version: Optional[str] = None) -> str:
     """The torch-npu release for ``torch_version`` (default: the installed torch).
 
-    ``2.8.x`` -> ``2.8.0.post5``, ``2.13.x`` -> ``2.13.0`` (:data:`TORCH_NPU_FOR_TORCH`); any other
-    ``X.Y.Z`` -> ``X.Y.Z`` (the plain torch-npu release of that torch).
+    ``2.8.x`` -> ``2.8.0.post5``, ``2.10.x`` -> ``2.10.0.post4``, ``2.13.x`` -> ``2.13.0``, ``2.14.x`` ->
+    ``2.14.0`` (:data:`TORCH_NPU_FOR_TORCH`); any other ``X.Y.Z`` -> ``X.Y.Z`` (the plain torch-npu
+    release of that torch).
     """
     if torch_version is None:
         import torch
@@ -303,7 +307,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Prepare TorchAir/npugraph_ex (Python only, from the torch-npu wheel) for the CPU tests.",
     )
     p.add_argument("--version", default=None,
-                   help="torch-npu version (default: matches torch, e.g. 2.8.0.post5 for torch 2.8, 2.13.0 for 2.13)")
+                   help="torch-npu version (default: matches torch, e.g. 2.8.0.post5 for torch 2.8, 2.14.0 for 2.14)")
     p.add_argument("--dir", default=None, help=f"cache folder (default: ${ENV_DIR} or ~/.cache/offload_passes/torchair)")
     p.add_argument("--wheel", default=None, help="use this local torch_npu wheel instead of downloading")
     p.add_argument("--check", action="store_true", help="do not download; exit 1 if not prepared")

@@ -61,7 +61,12 @@ class Driver:
         seed: Optional[int] = None,
         prefill_lens: Optional[Sequence[int]] = None,
         max_steps: Optional[int] = None,
+        global_batch: Optional[int] = None,
+        row_offset: int = 0,
     ) -> None:
+        """``global_batch`` / ``row_offset`` (attention data parallel): the token stream is drawn for the
+        global batch and this driver feeds rows ``[row_offset, row_offset + B)``, so every rank sees its
+        own rows of the same stream (and the same rows as a single process with the global batch)."""
         self.model = model
         self.runner = runner or model.runner
         r = self.runner
@@ -82,8 +87,12 @@ class Driver:
                              f"= {need} tokens")
         V = model.config.vocab_size
         g = torch.Generator().manual_seed(self.seed)
-        self.prompt = torch.randint(0, V, (self.B, int(self.prefill_lens.max())), generator=g)
-        self.tokens = torch.randint(0, V, (self.max_steps, self.B, self.S), generator=g)
+        GB = self.B if global_batch is None else global_batch
+        if not 0 <= row_offset <= GB - self.B:
+            raise ValueError(f"row_offset must be in [0, global_batch - B = {GB - self.B}], got {row_offset}")
+        rows = slice(row_offset, row_offset + self.B)
+        self.prompt = torch.randint(0, V, (GB, int(self.prefill_lens.max())), generator=g)[rows].contiguous()
+        self.tokens = torch.randint(0, V, (self.max_steps, GB, self.S), generator=g)[:, rows].contiguous()
         self.cur_len = self.prefill_lens.clone()
         self.step_idx = 0
         self._trace_topk: list[torch.Tensor] = []

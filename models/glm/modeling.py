@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import npu_ops
+from . import moe_comm, npu_ops
 from .config import ModelConfig, RunnerConfig
+from .parallel import ParallelLayout, embed_tp, lm_head_tp
 
 log = logging.getLogger("offload_passes.models.modeling")
 
@@ -112,6 +113,11 @@ class GlmMoeDsaTopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the dense routing matrix ``[T, E]`` (fp32; zero for unselected experts)."""
+        scores, idx, w = self.select(x)
+        return torch.zeros_like(scores).scatter(1, idx, w)
+
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(scores [T, E], expert ids [T, k], weights [T, k])`` (fp32 scores and weights)."""
         cfg = self.cfg
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
         choice = scores + self.e_score_correction_bias
@@ -128,26 +134,40 @@ class GlmMoeDsaTopkRouter(nn.Module):
         if cfg.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         w = w * cfg.routed_scaling_factor
-        return torch.zeros_like(scores).scatter(1, idx, w)
+        return scores, idx, w
 
 
 class GlmMoeDsaMoE(nn.Module):
     """Routed experts + shared expert. Every expert runs densely on all tokens and is weighted by the
-    routing matrix: no data-dependent shapes, so the decode step traces without graph breaks."""
+    routing matrix: no data-dependent shapes, so the decode step traces without graph breaks.
 
-    def __init__(self, cfg: ModelConfig, device=None) -> None:
+    With a :class:`~.parallel.ParallelLayout` (expert parallel) this rank holds only its experts (named by
+    their global index, ``experts.{e}``) and tokens reach them through ``moe_comm`` dispatch / combine."""
+
+    def __init__(self, cfg: ModelConfig, device=None, parallel: Optional[ParallelLayout] = None) -> None:
         super().__init__()
         dt = cfg.dtype
+        self.parallel = parallel
+        self.num_experts = cfg.n_routed_experts
         self.gate = GlmMoeDsaTopkRouter(cfg, device)
-        self.experts = nn.ModuleList(
-            GlmMoeDsaMLP(cfg.hidden_size, cfg.moe_intermediate_size, dt, device) for _ in range(cfg.n_routed_experts)
-        )
+        if parallel is None:
+            self.experts = nn.ModuleList(
+                GlmMoeDsaMLP(cfg.hidden_size, cfg.moe_intermediate_size, dt, device)
+                for _ in range(cfg.n_routed_experts)
+            )
+        else:
+            lo, hi = parallel.shard(cfg.n_routed_experts, "n_routed_experts")
+            self.experts = nn.ModuleDict({
+                str(e): GlmMoeDsaMLP(cfg.hidden_size, cfg.moe_intermediate_size, dt, device) for e in range(lo, hi)
+            })
         self.shared_experts = (
             GlmMoeDsaMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dt, device)
             if cfg.n_shared_experts > 0 else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel is not None:
+            return self.forward_ep(x)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         route = self.gate(x)  # [T, E]
@@ -161,6 +181,8 @@ class GlmMoeDsaMoE(nn.Module):
 
     def forward_sparse(self, x: torch.Tensor) -> torch.Tensor:
         """Same result, each expert only on its routed tokens (data-dependent shapes: prefill only)."""
+        if self.parallel is not None:  # every rank must take part in every exchange: static shapes
+            return self.forward_ep(x)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         route = self.gate(x)
@@ -170,6 +192,17 @@ class GlmMoeDsaMoE(nn.Module):
             if tok.numel():
                 acc.index_add_(0, tok, route[tok, e : e + 1] * expert(x[tok]).float())
         out = acc.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def forward_ep(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: route, dispatch to the owning ranks, local experts, combine (MC2 semantics)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        _, idx, w = self.gate.select(x)
+        recv_x, recv_e, ctx = moe_comm.dispatch(x, idx, w, self.num_experts, self.parallel)
+        out = moe_comm.combine(moe_comm.run_local_experts(self.experts.values(), recv_x, recv_e), ctx, self.parallel)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)
@@ -507,14 +540,15 @@ def _params_as(modules: Sequence[nn.Module], dtype: Optional[torch.dtype]) -> It
 
 
 class GlmMoeDsaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, runner: RunnerConfig, layer_idx: int, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, runner: RunnerConfig, layer_idx: int, device=None,
+                 parallel: Optional[ParallelLayout] = None) -> None:
         super().__init__()
         dt = cfg.dtype
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, device)
         self.self_attn = GlmMoeDsaAttention(cfg, runner, layer_idx, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, device)
         self.mlp = (
-            GlmMoeDsaMoE(cfg, device) if cfg.is_moe_layer(layer_idx)
+            GlmMoeDsaMoE(cfg, device, parallel) if cfg.is_moe_layer(layer_idx)
             else GlmMoeDsaMLP(cfg.hidden_size, cfg.intermediate_size, dt, device)
         )
 
@@ -533,13 +567,15 @@ class GlmMoeDsaDecoderLayer(nn.Module):
 
 
 class GlmMoeDsaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, runner: RunnerConfig, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, runner: RunnerConfig, device=None,
+                 parallel: Optional[ParallelLayout] = None) -> None:
         super().__init__()
+        vocab = cfg.vocab_size // (parallel.world_size if parallel is not None else 1)  # vocab-parallel rows
         self.embed_tokens = torch.nn.utils.skip_init(
-            nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, device=device or "cpu"
+            nn.Embedding, vocab, cfg.hidden_size, dtype=cfg.dtype, device=device or "cpu"
         )
         self.layers = nn.ModuleList(
-            GlmMoeDsaDecoderLayer(cfg, runner, i, device) for i in range(cfg.num_hidden_layers)
+            GlmMoeDsaDecoderLayer(cfg, runner, i, device, parallel) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
 
@@ -555,15 +591,27 @@ class GlmMoeDsaForCausalLM(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, runner: RunnerConfig, device=None, seed: Optional[int] = 0
+        self, cfg: ModelConfig, runner: RunnerConfig, device=None, seed: Optional[int] = 0,
+        parallel: Optional[ParallelLayout] = None,
     ) -> None:
         """``seed``: seeded random weights (``weights.init_weights``); ``None`` leaves the parameters
-        uninitialised for a checkpoint load (``weights.load_safetensors``)."""
+        uninitialised for a checkpoint load (``weights.load_safetensors``).
+
+        ``parallel`` (world size > 1, see ``parallel.py``): ``runner.batch_size`` is then this rank's rows
+        (``models.build`` splits the global batch), the embedding / lm_head hold this rank's vocab rows,
+        the MoE layers its experts; the seeded weights are the single-process model's, sliced."""
         super().__init__()
+        if parallel is not None and parallel.world_size == 1:
+            parallel = None
+        if parallel is not None:
+            parallel.shard(cfg.vocab_size, "vocab_size")
+            parallel.shard(cfg.n_routed_experts, "n_routed_experts")
+        self.parallel = parallel
         self.config = cfg
         self.runner = runner
-        self.model = GlmMoeDsaModel(cfg, runner, device)
-        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, cfg.dtype, device)
+        self.model = GlmMoeDsaModel(cfg, runner, device, parallel)
+        vocab = cfg.vocab_size // (parallel.world_size if parallel is not None else 1)
+        self.lm_head = _linear(cfg.hidden_size, vocab, cfg.dtype, device)
         self.return_internals = False
         B = runner.batch_size
         self.batch_size = B
@@ -578,9 +626,26 @@ class GlmMoeDsaForCausalLM(nn.Module):
                                                       device=device) / cfg.qk_rope_head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
         if seed is not None and str(device) != "meta":
-            from .weights import init_weights
+            if parallel is not None:
+                from .parallel import init_sharded_weights
 
-            init_weights(self, seed=seed)
+                init_sharded_weights(self, GlmMoeDsaForCausalLM(cfg, runner, device="meta", seed=None), seed, parallel)
+            else:
+                from .weights import init_weights
+
+                init_weights(self, seed=seed)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[n]`` -> ``[n, hidden]`` (vocab-parallel with a layout)."""
+        if self.parallel is None:
+            return self.model.embed_tokens(ids)
+        return embed_tp(self.model.embed_tokens, ids, self.parallel, self.config.vocab_size)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[n, hidden]`` -> logits ``[n, vocab]`` (vocab-parallel with a layout)."""
+        if self.parallel is None:
+            return self.lm_head(h)
+        return lm_head_tp(self.lm_head, h, self.parallel)
 
     # -------------------------------------------------------------- decode step
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
@@ -599,7 +664,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         slots = self.block_table[rows, torch.div(pos, BS, rounding_mode="floor")].to(torch.int64) * BS + pos % BS
         cos, sin = rope_cos_sin(pos, self.inv_freq)
 
-        x = self.model.embed_tokens(input_ids.reshape(T))
+        x = self._embed(input_ids.reshape(T))
         topk = None
         attn_outs, topks, acts = [], [], []
         for layer in self.model.layers:
@@ -610,7 +675,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
             attn_outs.append(attn)
             if act is not None:
                 acts.append(act)
-        logits = self.lm_head(self.model.norm(x)).view(B, S, -1)
+        logits = self._logits(self.model.norm(x)).view(B, S, -1)
         if self.return_internals:
             return logits, tuple(attn_outs), tuple(topks), tuple(acts)
         return logits
@@ -654,7 +719,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         BS = self.block_size
         slots = (self.block_table[row_ids[valid], pos[valid] // BS].to(torch.int64) * BS + pos[valid] % BS)
         cos, sin = rope_cos_sin(pos, self.inv_freq)
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids.reshape(-1)).view(R, P, -1)
         if compute_dtype is not None:
             x = x.to(compute_dtype)
         for layer in self.model.layers:
@@ -662,7 +727,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
                 x = layer.prefill(x, cos, sin, slots, valid)
         last = x[torch.arange(R), lengths - 1]
         with _params_as([self.model.norm, self.lm_head], compute_dtype):
-            return self.lm_head(self.model.norm(last)).to(self.config.dtype)
+            return self._logits(self.model.norm(last)).to(self.config.dtype)
 
     # -------------------------------------------------------------- state
     @torch.no_grad()

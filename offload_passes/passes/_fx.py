@@ -295,3 +295,42 @@ def set_fake_val(node: fx.Node, fake_mode: Any = None) -> Any:
         return None
     node.meta["val"] = val
     return val
+
+
+_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def written_inputs(node: fx.Node) -> list[Any]:
+    """The argument nodes ``node`` writes in place: ``Tensor(a!)`` schema arguments, ``x.op_()`` methods,
+    ``torch.Tensor.op_`` functions and in-place ``operator`` calls."""
+    if node.op == "call_method":
+        return [node.args[0]] if str(node.target).endswith("_") and node.args else []
+    if node.op != "call_function":
+        return []
+    t = node.target
+    if t in _INPLACE_OPERATORS:
+        return [node.args[0]] if node.args else []
+    if isinstance(t, OpOverloadPacket):
+        t = getattr(t, t.overloads()[0])
+    if isinstance(t, OpOverload):
+        out = []
+        for i, a in enumerate(t._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+                if v is not None:
+                    out.append(v)
+        return out
+    name = getattr(t, "__name__", "")
+    return [node.args[0]] if name.endswith("_") and not name.startswith("_") and node.args else []
+
+
+def mutated_placeholders(gm: fx.GraphModule) -> list[int]:
+    """Indices of the graph inputs ``gm`` writes in place (through views), in input order."""
+    index = {p: i for i, p in enumerate(placeholders(gm.graph))}
+    out: set[int] = set()
+    for n in gm.graph.nodes:
+        for a in written_inputs(n):
+            root = strip_views(a)
+            if root in index:
+                out.add(index[root])
+    return sorted(out)

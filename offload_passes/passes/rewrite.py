@@ -1,27 +1,37 @@
-"""Pass 4 — rewrite each group's gathers into plan / serve / install (spec/ops.md §5), pre-AOT.
+"""Pass 4 — the one rewrite core: each group's top-k becomes plan / serve / install, pre-AOT.
 
-Per group g (owner O, last layer Z), on the Dynamo graph:
+Every front-end (the recipe form, ``passes/frontend_recipe.py``; the Hugging Face form,
+``passes/rewrite_hf.py``) goes through :func:`rewrite`; a front-end only says where a site's attention is
+and how it is emitted (:class:`FrontEnd`). Everything else exists once, here: the run-time guards, the
+new-request invalidation, ``dsa_plan`` and its statistics, the installs (``replacement_policy``) and the
+``install_hook`` of the NPU / CUDA lowerings.
 
-* before O's gather: ``plan, rec, act = custom.dsa_plan(topk[B,S,1,K], L, pool_ids[g], id_to_slot[g],
-  lru[g], raw_seq=S, group_id=g, owner_layer=O)`` and the in-graph stats update (kind counts);
-* at every layer l's gather: ``custom.dsa_serve(plan, full_kv[l] as [B,F,Dkv], full_rope[l] as [B,F,Dr],
-  pool_kv[l], pool_rope[l], sel_kv[l], sel_rope[l], ...)``, the ledger write (``sel_status[l]`` =
-  what serve placed: ``where(arange(K) < act, topk, -1)`` then ``act``), and every use of the gather's
-  result replaced by the plan's ``act``; the gather is removed;
+Per group g (owner O, last layer Z), on the Dynamo graph (op semantics: docs/ops.md):
+
+* before O's attention: the new-request invalidation (below), then ``plan, rec, act =
+  custom.dsa_plan(topk[B,S,1,K], L, pool_ids[g], id_to_slot[g], lru[g], raw_seq=S, group_id=g,
+  owner_layer=O)`` and the in-graph statistics;
+* at every layer l: the front-end's ``dsa_serve`` (pool hits and host misses into l's selection buffers)
+  and the attention reading them;
 * right after layer l's attention: ``dsa_install(..., metadata_update=0)`` for l != O; on Z after its
   own install, the owner's ``metadata_update=1`` install.
 
-Ordering (spec §5 rules 1-3, §8.11): installs sit in program order after their layer's attention,
-Z's own install precedes the owner's, and the next step's plan / serve run in the next graph call.
-On CPU program order plus data dependencies *is* the join the recipe lacks. NPU modes that move
-installs to a side stream get each layer's install nodes through ``install_hook`` and must add the
-events (record after serve, wait before install, closure before the next use of pool / selection).
+Ordering (docs/ops.md, "ordering"): installs sit in program order after their layer's attention, Z's own
+install precedes the owner's, and the next step's plan / serves run in the next graph call. On CPU
+program order plus data dependencies *is* the join; lowerings that move installs to a side stream get
+each layer's install nodes through ``install_hook`` and add the events.
+
+New requests (docs/new-requests.md): before the plan, a batch row's pool metadata is invalidated when
+its cache length left the continuation window ``[seen, seen + S]``, when the model reset its gather
+ledger (recipe form, ledger kept), or when the host saw the full caches written outside this graph
+(``external_write``, set by ``state.StateRegistry.activate`` from the caches' version counters; then
+every row, unless the ledger announced which rows).
 """
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import fx
@@ -31,7 +41,7 @@ from ..state import OffloadState
 from . import _fx
 from ._fx import hoist_attrs, strip_views
 from .group import GroupReport
-from .preconditions import PlanReport
+from .preconditions import GroupPlan
 
 aten = torch.ops.aten
 custom = torch.ops.custom
@@ -39,23 +49,31 @@ custom = torch.ops.custom
 #: ``install_hook(graph, install_nodes, layer)`` — called once per layer with the installs placed after it.
 InstallHook = Callable[[fx.Graph, list, int], None]
 
-
-@dataclass
-class SiteRewrite:
-    layer: int
-    group_id: int
-    gather_node: str
-    sfa_node: str
-    serve_node: str
-    install_nodes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {"layer": self.layer, "group_id": self.group_id, "gather_node": self.gather_node,
-                "sfa_node": self.sfa_node, "serve_node": self.serve_node, "install_nodes": list(self.install_nodes)}
+REPLACEMENT_POLICIES = ("fifo", "second_chance")
 
 
 class OffloadRefused(RuntimeError):
     """Raised under ``strict=True`` when a graph with DSA sites cannot be rewritten."""
+
+
+@dataclass
+class SiteRewrite:
+    """What the rewrite did at one layer (report row; docs/ARCHITECTURE.md §5)."""
+
+    layer: int
+    group_id: int
+    gather_node: str  # the node the front-end replaced (recipe: the gather; HF: the dense attention)
+    sfa_node: str  # the attention that reads the selection (recipe: the SFA; HF: the sparse attention)
+    serve_node: Optional[str]
+    install_nodes: list[str] = field(default_factory=list)
+    kind: Optional[str] = None  # HF: "eager" | "sdpa"
+
+    def to_dict(self) -> dict:
+        d = {"layer": self.layer, "group_id": self.group_id, "gather_node": self.gather_node,
+             "sfa_node": self.sfa_node, "serve_node": self.serve_node, "install_nodes": list(self.install_nodes)}
+        if self.kind is not None:
+            d["kind"] = self.kind
+        return d
 
 
 @dataclass
@@ -65,6 +83,8 @@ class RewriteReport:
     layer_nodes_before: dict[int, list[str]]
     layer_nodes_after: dict[int, list[str]]
     guards: list[str] = field(default_factory=list)  # names of the in-graph run-time checks
+    offload: bool = True  # False: the front-end's rewrite without plan / serve / install (HF sparse only)
+    extra: dict = field(default_factory=dict)  # front-end specific facts (HF: erased nodes, masks left)
 
 
 class _Builder:
@@ -90,7 +110,7 @@ class _Builder:
         return n
 
 
-def _name(node: Any) -> str:
+def input_name(node: Any) -> str:
     """The user-facing name of a graph input (the placeholder / attribute a tensor comes from)."""
     root = strip_views(node, casts=True)
     if isinstance(root, fx.Node):
@@ -98,14 +118,15 @@ def _name(node: Any) -> str:
     return str(root)
 
 
-def _guard(g: fx.Graph, b: "_Builder", first: fx.Node, inp: Any, make: Callable[[], fx.Node], msg: str,
-           guards: list) -> None:
+def guard(ctx: "RewriteCtx", inp: Any, make: Callable[[], fx.Node], msg: str) -> None:
     """An in-graph check raising ``RuntimeError(msg)`` when ``make()`` (a bool scalar) is false, placed
-    right after its input ``inp`` so that it runs before anything the assumption protects."""
+    right after its input ``inp`` (before the first computing node for a graph input) so that it runs
+    before anything the assumption protects."""
+    g, b = ctx.g, ctx.b
     late = isinstance(inp, fx.Node) and inp.op not in ("placeholder", "get_attr")
     b.record = []
     try:
-        with g.inserting_after(inp) if late else g.inserting_before(first):
+        with g.inserting_after(inp) if late else g.inserting_before(ctx.first):
             ok = make()
             node = b(aten._assert_async.msg, ok, msg)
         if late:  # inserting_after puts each new node right after inp (reverse order): re-chain them
@@ -115,7 +136,7 @@ def _guard(g: fx.Graph, b: "_Builder", first: fx.Node, inp: Any, make: Callable[
                 anchor = n
     finally:
         b.record = None
-    guards.append(node.name)
+    ctx.guards.append(node.name)
 
 
 def state_attr(gm: fx.GraphModule, name: str, t: torch.Tensor, buffers: dict[str, str],
@@ -134,6 +155,91 @@ def state_attr(gm: fx.GraphModule, name: str, t: torch.Tensor, buffers: dict[str
     return node
 
 
+@dataclass
+class RewriteCtx:
+    """One rewrite's graph, options and accumulating results (what a front-end's emitters receive)."""
+
+    gm: fx.GraphModule
+    b: _Builder
+    first: fx.Node  # the first computing node: state attributes and early guards go before it
+    state: Optional[OffloadState]
+    update_ledger: bool
+    install_hook: Optional[InstallHook]
+    detect_new_requests: bool
+    replacement_policy: str
+    in_graph_guards: bool
+    buffers: dict[str, str] = field(default_factory=dict)
+    guards: list[str] = field(default_factory=list)
+    guarded: set = field(default_factory=set)  # graph inputs already guarded
+    after: dict[int, list[str]] = field(default_factory=dict)
+    sites: list[SiteRewrite] = field(default_factory=list)
+    scratch: dict = field(default_factory=dict)  # a front-end's per-rewrite notes (e.g. nodes to clean up)
+
+    @property
+    def g(self) -> fx.Graph:
+        return self.gm.graph
+
+    def attr(self, name: str, t: torch.Tensor) -> fx.Node:
+        return state_attr(self.gm, name, t, self.buffers, self.first, self.b.fake_mode)
+
+
+@dataclass
+class GroupNodes:
+    """The nodes of one offloaded group every layer's serve / install uses."""
+
+    p: GroupPlan
+    meta: dict[str, fx.Node]  # pool_ids, id_to_slot, lru_counter, stats, seen_len, external_write
+    pools: dict[int, tuple[fx.Node, fx.Node]]  # layer -> (pool_kv, pool_rope)
+    dev: Any  # the state's device
+    sel: dict[int, tuple[fx.Node, fx.Node, fx.Node]] = field(default_factory=dict)  # layer -> kv, rope, table
+    plan: Optional[fx.Node] = None  # the dsa_plan call
+    plan_n: Optional[fx.Node] = None  # its outputs: plan, install records, active count
+    rec: Optional[fx.Node] = None
+    act: Optional[fx.Node] = None
+    lengths: Optional[fx.Node] = None  # L [B] int32 of this step
+    tk2: Optional[fx.Node] = None  # top-k as [B*S, K] int32
+    by_layer: dict[int, SiteRewrite] = field(default_factory=dict)
+
+
+class FrontEnd(Protocol):
+    """What differs between graph forms: detection, planning and how a site's attention is emitted."""
+
+    name: str
+    #: pass name -> file, for the report (the pipeline adds the shared ones)
+    pass_files: dict[str, str]
+
+    def detect(self, gm: fx.GraphModule) -> Any: ...
+
+    def plan(self, gm: fx.GraphModule, grp: GroupReport, example_inputs: Sequence[Any], opts: Any) -> Any: ...
+
+    def plan_anchor(self, grp: Any) -> fx.Node:
+        """The node the group's plan (and invalidation) is inserted before."""
+
+    def lengths(self, b: _Builder, p: GroupPlan) -> fx.Node:
+        """This step's cache length per row, ``[B]`` int32 (emitted before :meth:`plan_anchor`)."""
+
+    def topk(self, b: _Builder, p: GroupPlan) -> fx.Node:
+        """The group's top-k as ``[B, S, 1, K]`` int32."""
+
+    def selection(self, ctx: RewriteCtx, grp: Any, p: GroupPlan) -> dict[int, tuple[fx.Node, fx.Node, fx.Node]]:
+        """Per layer the selection buffers serve fills and install reads: ``(kv, rope, block_table)``."""
+
+    def ledger(self, p: GroupPlan, layer: int) -> Optional[fx.Node]:
+        """The model's gather ledger of ``layer`` (``[.., K+1]`` status), or None when it has none."""
+
+    def add_guards(self, ctx: RewriteCtx, grp: GroupReport, plans: dict[int, GroupPlan]) -> None:
+        """Front-end specific run-time guards (the shared lengths guard is emitted by the core)."""
+
+    def emit_site(self, ctx: RewriteCtx, grp: Any, gn: Optional[GroupNodes], site: Any) -> fx.Node:
+        """Layer ``site``: its serve (``gn`` given) and the attention; records a :class:`SiteRewrite` in
+        ``ctx.sites`` / ``gn.by_layer`` and ``ctx.after``; returns the node installs go after."""
+
+    def layer_nodes_before(self, grp: GroupReport) -> dict[int, list[str]]: ...
+
+    def finish(self, ctx: RewriteCtx) -> dict:
+        """After every group: clean-up (e.g. dead dense nodes); extra report facts."""
+
+
 def emit_plan_stats(b: Callable[..., fx.Node], plan_n: fx.Node, stats: fx.Node, dev: Any) -> None:
     """In-graph counters after a plan: ``stats[0]`` = this step's one-hot count of the six plan kinds plus
     the step, ``stats[1]`` = the running total. ``b(target, *args, **kwargs)`` emits one node."""
@@ -146,143 +252,102 @@ def emit_plan_stats(b: Callable[..., fx.Node], plan_n: fx.Node, stats: fx.Node, 
     b(aten.copy_.default, stats, b(aten.stack.default, [new, cum]))
 
 
-@dataclass
-class _Ctx:
-    """One rewrite's graph, options and accumulating results."""
-
-    gm: fx.GraphModule
-    b: _Builder
-    first: fx.Node  # the first computing node: state attributes and early guards go before it
-    state: OffloadState
-    update_ledger: bool
-    install_hook: Optional[InstallHook]
-    detect_new_requests: bool
-    replacement_policy: str
-    buffers: dict[str, str] = field(default_factory=dict)
-    guards: list[str] = field(default_factory=list)
-    after: dict[int, list[str]] = field(default_factory=dict)
-    sites: list[SiteRewrite] = field(default_factory=list)
-
-    @property
-    def g(self) -> fx.Graph:
-        return self.gm.graph
-
-    def attr(self, name: str, t: torch.Tensor) -> fx.Node:
-        return state_attr(self.gm, name, t, self.buffers, self.first, self.b.fake_mode)
-
-
-@dataclass
-class _GroupNodes:
-    """The nodes of one group every layer's serve / install uses."""
-
-    p: Any  # GroupPlan
-    meta: dict[str, fx.Node]  # pool_ids, id_to_slot, lru_counter, stats, seen_len
-    pools: dict[int, tuple[fx.Node, fx.Node]]  # layer -> (pool_kv, pool_rope)
-    dev: Any  # the state's device
-    plan: Optional[fx.Node] = None  # the dsa_plan call
-    plan_n: Optional[fx.Node] = None  # its outputs: plan, install records, active count
-    rec: Optional[fx.Node] = None
-    act: Optional[fx.Node] = None
-    tk2: Optional[fx.Node] = None  # top-k as [B*S, K]
-    by_layer: dict[int, SiteRewrite] = field(default_factory=dict)
-
-
-def rewrite(gm: fx.GraphModule, groups: GroupReport, plan: PlanReport, state: OffloadState,
-            update_ledger: bool = True, install_hook: Optional[InstallHook] = None,
+def rewrite(gm: fx.GraphModule, fe: FrontEnd, groups: GroupReport, plans: Sequence[GroupPlan],
+            state: Optional[OffloadState], update_ledger: bool = True, install_hook: Optional[InstallHook] = None,
             in_graph_guards: bool = True, detect_new_requests: bool = True,
             replacement_policy: str = "fifo") -> RewriteReport:
-    """``in_graph_guards``: check every compile-time assumption at run time (see ``_add_guards``);
-    ``detect_new_requests``: invalidate, in the graph, the pool rows of batch rows that started a new
-    request (length went down, or the model reset their gather ledger); ``replacement_policy``:
-    ``fifo`` installs with ``custom::dsa_install`` (CANN's), ``second_chance`` with the opt-in
-    ``offload_ref::dsa_install_sc`` (same inputs plus the step's plan, whose hits set reference bits)."""
+    """Rewrite every group of ``groups`` through the front-end ``fe``.
+
+    ``plans`` / ``state`` empty / None: the front-end's rewrite without offload (HF: sparse attention
+    only). ``in_graph_guards``: check every compile-time assumption at run time; ``detect_new_requests``:
+    the in-graph new-request invalidation (module doc); ``replacement_policy``: ``fifo`` installs with
+    ``custom::dsa_install`` (CANN's), ``second_chance`` with ``offload_ref::dsa_install_sc`` (same inputs
+    plus the step's plan, whose hits set reference bits)."""
+    if replacement_policy not in REPLACEMENT_POLICIES:
+        raise ValueError(f"replacement_policy must be one of {REPLACEMENT_POLICIES}, got {replacement_policy!r}")
     g = gm.graph
     hoist_attrs(g)  # module buffers as get_attr (no nn-module inlining) become usable anywhere
     first = next(n for n in g.nodes if n.op not in ("placeholder", "get_attr"))
-    ctx = _Ctx(gm, _Builder(g, [p.topk for p in plan.groups]), first, state, update_ledger, install_hook, detect_new_requests, replacement_policy)
-    before = {s.layer: [s.producer.name, s.gather.name, s.sfa.name] if s is grp.owner else [s.gather.name, s.sfa.name]
-              for grp in groups.groups for s in grp.sites}
-    plans = {p.group_id: p for p in plan.groups}
-    if in_graph_guards:
-        _add_guards(g, ctx.b, first, groups, plans, ctx.guards)
-    gstates = {gs.group_id: gs for gs in state.groups}
+    pl = {p.group_id: p for p in plans}
+    hints = [p.topk for p in plans] or [s.topk for gr in groups.groups for s in gr.sites][:1]
+    ctx = RewriteCtx(gm, _Builder(g, hints), first, state, update_ledger, install_hook, detect_new_requests,
+                     replacement_policy, in_graph_guards)
+    before = fe.layer_nodes_before(groups)
+    offload = bool(pl) and state is not None
+    if in_graph_guards and offload:
+        fe.add_guards(ctx, groups, pl)
+    gstates = {gs.group_id: gs for gs in state.groups} if offload else {}
     for grp in groups.groups:
-        gn = _group_nodes(ctx, grp, plans[grp.group_id], gstates[grp.group_id])
-        _emit_plan(ctx, grp, gn)
+        p = pl.get(grp.group_id) if offload else None
+        if p is None:
+            for s in grp.sites:
+                fe.emit_site(ctx, grp, None, s)
+            continue
+        gn = _group_nodes(ctx, fe, grp, p, gstates[grp.group_id])
+        _emit_plan(ctx, fe, grp, gn)
+        cursors = {s.layer: fe.emit_site(ctx, grp, gn, s) for s in grp.sites}
         for s in grp.sites:
-            _emit_serve(ctx, grp, gn, s)
-        for s in grp.sites:
-            _emit_installs(ctx, grp, gn, s)
+            _emit_installs(ctx, grp, gn, s, cursors[s.layer])
+    extra = fe.finish(ctx)
     g.lint()
     gm.recompile()
     ctx.sites.sort(key=lambda r: r.layer)
-    return RewriteReport(ctx.sites, ctx.buffers, before, ctx.after, ctx.guards)
+    return RewriteReport(ctx.sites, ctx.buffers, before, ctx.after, ctx.guards, offload, extra)
 
 
-def _group_nodes(ctx: _Ctx, grp: Any, p: Any, gs: Any) -> _GroupNodes:
-    """The group's metadata and its layers' pools as graph attributes."""
-    meta = {n: ctx.attr(f"{n}_g{grp.group_id}", t) for n, t in
-            (("pool_ids", gs.pool_ids), ("id_to_slot", gs.id_to_slot), ("lru_counter", gs.lru_counter),
-             ("stats", gs.stats), ("seen_len", gs.seen_len))}
+_META = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external_write")
+
+
+def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Any, p: GroupPlan, gs: Any) -> GroupNodes:
+    """The group's metadata and its layers' pools as graph attributes; the front-end's selection buffers."""
+    meta = {n: ctx.attr(f"{n}_g{grp.group_id}", getattr(gs, n)) for n in _META}
     pools = {}
     for s in grp.sites:
         kv, rope = ctx.state.pools[s.layer]
         pools[s.layer] = (ctx.attr(f"pool_kv_l{s.layer}", kv), ctx.attr(f"pool_rope_l{s.layer}", rope))
-    return _GroupNodes(p, meta, pools, gs.stats.device)
+    gn = GroupNodes(p, meta, pools, gs.stats.device)
+    gn.sel = fe.selection(ctx, grp, p)
+    return gn
 
 
-def _emit_plan(ctx: _Ctx, grp: Any, gn: _GroupNodes) -> None:
-    """Before the owner's gather: the new-request invalidation, ``dsa_plan`` and its statistics."""
-    b, p, meta, owner = ctx.b, gn.p, gn.meta, grp.owner
+def _emit_plan(ctx: RewriteCtx, fe: FrontEnd, grp: Any, gn: GroupNodes) -> None:
+    """Before the owner's attention: this step's lengths (guarded), the new-request invalidation,
+    ``dsa_plan`` and its statistics."""
+    b, p = ctx.b, gn.p
     B, S, K = p.B, p.S, p.K
-    if ctx.detect_new_requests:
-        with ctx.g.inserting_before(owner.gather):
-            _invalidate_new_rows(b, p, grp, meta, ctx.update_ledger)
-    with ctx.g.inserting_before(owner.gather):
-        tk = b(aten.view.default, p.topk, [B, S, 1, K])
-        gn.plan = b(custom.dsa_plan.default, tk, p.lengths, meta["pool_ids"], meta["id_to_slot"],
-                    meta["lru_counter"], raw_seq=S, group_id=grp.group_id, owner_layer=owner.layer)
+    anchor = fe.plan_anchor(grp)
+    with ctx.g.inserting_before(anchor):
+        L = gn.lengths = fe.lengths(b, p)
+    if ctx.in_graph_guards:
+        _lengths_guard(ctx, grp, p, L)
+    with ctx.g.inserting_before(anchor):
+        if ctx.detect_new_requests:
+            ledgers = [fe.ledger(p, s.layer) for s in grp.sites] if ctx.update_ledger else []
+            invalidate_new_rows(b, p, gn.meta, L, [st for st in ledgers if st is not None])
+        tk = fe.topk(b, p)
+        gn.plan = b(custom.dsa_plan.default, tk, L, gn.meta["pool_ids"], gn.meta["id_to_slot"],
+                    gn.meta["lru_counter"], raw_seq=S, group_id=grp.group_id, owner_layer=grp.owner.layer)
         gn.plan_n, gn.rec, gn.act = b.item(gn.plan, 0), b.item(gn.plan, 1), b.item(gn.plan, 2)
-        emit_plan_stats(b, gn.plan_n, meta["stats"], gn.dev)
+        emit_plan_stats(b, gn.plan_n, gn.meta["stats"], gn.dev)
         gn.tk2 = b(aten.view.default, tk, [B * S, K])
 
 
-def _emit_serve(ctx: _Ctx, grp: Any, gn: _GroupNodes, s: Any) -> None:
-    """Layer ``s``: ``dsa_serve`` (and the ledger write) replaces its gather."""
-    b, p = ctx.b, gn.p
-    B, S, K, SBS = p.B, p.S, p.K, p.BS
-    geo = p.geometry[s.layer]
-    pkv, prope = gn.pools[s.layer]
-    with ctx.g.inserting_before(s.gather):
-        fkv = b(aten.view.default, geo.full_kv, [B, geo.F, geo.Dkv])
-        frp = b(aten.view.default, geo.full_rope, [B, geo.F, geo.Dr])
-        serve = b(custom.dsa_serve.default, gn.plan_n, fkv, frp, pkv, prope, geo.sel_kv, geo.sel_rope,
-                  raw_seq=S, topk=K, selection_block_size=SBS, compact_layout=1)
-        ledger = [_emit_ledger(b, geo, gn, K)] if ctx.update_ledger else []
-    gather_name = s.gather.name
-    s.gather.replace_all_uses_with(gn.act)
-    ctx.g.erase_node(s.gather)
-    sr = SiteRewrite(s.layer, grp.group_id, gather_name, s.sfa.name, serve.name)
-    gn.by_layer[s.layer] = sr
-    ctx.after[s.layer] = (([gn.plan.name] if s is grp.owner else []) + [serve.name] + [n.name for n in ledger]
-                          + [s.sfa.name])
-    ctx.sites.append(sr)
+def _lengths_guard(ctx: RewriteCtx, grp: Any, p: GroupPlan, L: fx.Node) -> None:
+    root = strip_views(L, casts=True)
+    if root in ctx.guarded:
+        return
+    ctx.guarded.add(root)
+    lim = min(max(p.geometry[l].F for l in p.layers), p.id_range)
+    b = ctx.b
+    guard(ctx, L, lambda: b(aten.logical_and.default, b(aten.all.default, b(aten.ge.Scalar, L, 0)),
+                            b(aten.all.default, b(aten.le.Scalar, L, lim))),
+          f"offload guard: cache lengths {input_name(L)!r} of group {grp.group_id} must be in [0, {lim}] "
+          f"(cache capacity / id_range the pools were sized for)")
 
 
-def _emit_ledger(b: _Builder, geo: Any, gn: _GroupNodes, K: int) -> fx.Node:
-    """Keep the model's gather ledger valid for what serve placed (position k <- topk[k], then the count)."""
-    ar = b(aten.arange.default, K, dtype=torch.int32, device=gn.dev)
-    lt = b(aten.lt.Tensor, b(aten.unsqueeze.default, ar, 0), b(aten.unsqueeze.default, gn.act, 1))
-    vals = b(aten.where.ScalarOther, lt, gn.tk2, -1)
-    row = b(aten.cat.default, [vals, b(aten.unsqueeze.default, gn.act, 1)], 1)
-    shape = list(geo.status.meta["example_value"].shape)
-    return b(aten.copy_.default, geo.status, b(aten.view.default, row, shape))
-
-
-def _emit_installs(ctx: _Ctx, grp: Any, gn: _GroupNodes, s: Any) -> None:
-    """After layer ``s``'s attention: its ``metadata_update=0`` install (not the owner), and on the
-    group's last layer the owner's ``metadata_update=1`` install; then the install hook."""
-    cursor = s.sfa
+def _emit_installs(ctx: RewriteCtx, grp: Any, gn: GroupNodes, s: Any, cursor: fx.Node) -> None:
+    """After layer ``s``'s attention (``cursor``): its ``metadata_update=0`` install (not the owner), and
+    on the group's last layer the owner's ``metadata_update=1`` install; then the install hook."""
     placed: list[fx.Node] = []
     todo = ([(s.layer, 0)] if s is not grp.owner else []) + ([(grp.owner.layer, 1)] if s is grp.last else [])
     for layer, md in todo:  # the owner's metadata install goes last: after every metadata_update=0 install
@@ -294,12 +359,11 @@ def _emit_installs(ctx: _Ctx, grp: Any, gn: _GroupNodes, s: Any) -> None:
         ctx.install_hook(ctx.g, placed, s.layer)
 
 
-def _emit_install(ctx: _Ctx, gn: _GroupNodes, layer: int, md: int, cursor: fx.Node) -> fx.Node:
+def _emit_install(ctx: RewriteCtx, gn: GroupNodes, layer: int, md: int, cursor: fx.Node) -> fx.Node:
     p, meta = gn.p, gn.meta
-    gg = p.geometry[layer]
+    skv, srp, table = gn.sel[layer]
     kv, rp = gn.pools[layer]
-    args = (gn.rec, gg.sel_kv, gg.sel_rope, gg.sel_table, kv, rp,
-            meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"])
+    args = (gn.rec, skv, srp, table, kv, rp, meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"])
     kw = dict(raw_seq=p.S, topk=p.K, selection_block_size=p.BS, metadata_update=md)
     with ctx.g.inserting_after(cursor):
         if ctx.replacement_policy == "second_chance":
@@ -307,73 +371,54 @@ def _emit_install(ctx: _Ctx, gn: _GroupNodes, layer: int, md: int, cursor: fx.No
         return ctx.b(custom.dsa_install.default, *args, **kw)
 
 
-def _invalidate_new_rows(b: "_Builder", p: Any, grp: Any, meta: dict, ledger: bool) -> None:
+def emit_serve(ctx: RewriteCtx, gn: GroupNodes, layer: int, full_kv: fx.Node, full_rope: fx.Node) -> fx.Node:
+    """``dsa_serve`` of ``layer`` from its pools and full caches (viewed ``[B, F, D]``) into its selection
+    buffers (``gn.sel``); inserted at the graph's current insertion point."""
+    b, p = ctx.b, gn.p
+    geo = p.geometry[layer]
+    pkv, prope = gn.pools[layer]
+    skv, srp, _ = gn.sel[layer]
+    fkv = b(aten.view.default, full_kv, [p.B, geo.F, geo.Dkv])
+    frp = b(aten.view.default, full_rope, [p.B, geo.F, geo.Dr])
+    return b(custom.dsa_serve.default, gn.plan_n, fkv, frp, pkv, prope, skv, srp,
+             raw_seq=p.S, topk=p.K, selection_block_size=p.BS, compact_layout=1)
+
+
+def invalidate_new_rows(b: _Builder, p: GroupPlan, meta: dict, L: fx.Node, ledgers: Sequence[fx.Node]) -> None:
     """Batch rows that started a new request lose their pool rows, in the graph, before the plan.
 
-    A row is new when its cache length went down since the previous step (``seen_len``), or when the
-    model reset its gather ledger (count column ``status[..., K] == -1``; the rewrite writes a count
-    >= 0 every step, so only the model's reset leaves -1). Cost: one masked pass over the group's
-    metadata per step, no host sync. The updates are ``copy_`` writes so that reinplacing keeps them
-    in place (see passes/reinplace.py).
+    A row is new when (docs/new-requests.md):
+
+    * its cache length left the continuation window: ``L < seen`` or ``L > seen + S`` (a decode step
+      advances a row by 1..S tokens; ``seen`` is the previous step's ``L``);
+    * the model reset its gather ledger (count column ``status[..., K] == -1``; the rewrite writes a
+      count >= 0 every step, so only the model's reset leaves -1), when the ledger is kept;
+    * the host saw the full caches written outside this graph since the state's last step
+      (``external_write[0] != 0``: their version counters moved, ``state.StateRegistry.activate``):
+      every row, unless the ledger names the re-filled rows this step (an announcement keeps the
+      other rows warm).
+
+    Cost: one masked pass over the group's metadata per step, no host sync. The updates are ``copy_``
+    writes so that reinplacing keeps them in place (passes/reinplace.py,
+    passes/npu_install_chains.py::inplace_masked_input_updates).
     """
-    B, K = p.B, p.K
-    L = p.lengths
-    new = b(aten.lt.Tensor, L, meta["seen_len"])
-    if ledger:
-        for s in grp.sites:
-            st = p.geometry[s.layer].status
+    B, S, K = p.B, p.S, p.K
+    seen = meta["seen_len"]
+    new = b(aten.logical_or.default, b(aten.lt.Tensor, L, seen),
+            b(aten.gt.Tensor, L, b(aten.add.Tensor, seen, S)))
+    external = b(aten.ne.Scalar, meta["external_write"], 0)  # [1]
+    if ledgers:
+        announced = None
+        for st in ledgers:
             cnt = b(aten.select.int, b(aten.view.default, st, [B, -1, K + 1]), 2, K)  # [B, S]
             reset = b(aten.any.dim, b(aten.lt.Scalar, cnt, 0), 1)
-            new = b(aten.logical_or.default, new, reset)
+            announced = reset if announced is None else b(aten.logical_or.default, announced, reset)
+        new = b(aten.logical_or.default, new, announced)
+        external = b(aten.logical_and.default, external,
+                     b(aten.logical_not.default, b(aten.view.default, b(aten.any.default, announced), [1])))
+    new = b(aten.logical_or.default, new, external)  # [B] | [1] -> [B]
     col = b(aten.view.default, new, [B, 1])
     for name, fill in (("pool_ids", -1), ("id_to_slot", -1), ("lru_counter", 0)):
         buf = meta[name]
         b(aten.copy_.default, buf, b(aten.where.ScalarSelf, col, fill, buf))
-    b(aten.copy_.default, meta["seen_len"], L)
-
-
-def _add_guards(g: fx.Graph, b: "_Builder", first: fx.Node, groups: GroupReport, plans: dict,
-                guards: list) -> None:
-    """Run-time checks of what preconditions.py verified on the example inputs only: identity full and
-    selection block tables, cache lengths within ``[0, min(F, id_range)]``. Shapes and dtypes are
-    static in the graph, so Dynamo's own guards recompile on any change."""
-    seen: set = set()
-    for grp in groups.groups:
-        p = plans[grp.group_id]
-        B, S, K, SBS = p.B, p.S, p.K, p.BS
-        for s in grp.sites:
-            bt = s.args["full_kv_block_table"]
-            ex = _fx.example(bt)
-            root = strip_views(bt)
-            if ex is not None and ex.dim() == 2 and root not in seen:
-                seen.add(root)
-                rows, cols = int(ex.size(0)), int(ex.size(1))
-                _guard(g, b, first, bt, lambda bt=bt, rows=rows, cols=cols, ex=ex: b(
-                    aten.all.default, b(aten.eq.Tensor, bt, b(aten.view.default, b(
-                        aten.arange.default, rows * cols, dtype=ex.dtype, device=ex.device), [rows, cols]))),
-                    f"offload guard: block table {_name(bt)!r} is no longer the identity layout "
-                    f"arange({rows}*{cols}).view({rows}, {cols}) this graph was rewritten for; the offload "
-                    f"pools would serve wrong rows (recompile after torch._dynamo.reset(), or keep the table)",
-                    guards)
-            st = s.args["selection_kv_block_table"]
-            ex = _fx.example(st)
-            root = strip_views(st)
-            smax = K // SBS
-            if ex is not None and ex.dim() == 2 and root not in seen:
-                seen.add(root)
-                rows = int(ex.size(0))
-                _guard(g, b, first, st, lambda st=st, rows=rows, ex=ex, smax=smax: b(
-                    aten.all.default, b(aten.eq.Tensor, b(aten.slice.Tensor, st, 1, 0, smax), b(
-                        aten.view.default, b(aten.arange.default, rows * smax, dtype=ex.dtype, device=ex.device),
-                        [rows, smax]))),
-                    f"offload guard: selection block table {_name(st)!r} is no longer the identity layout "
-                    f"arange({rows}*{smax}).view({rows}, {smax}) this graph was rewritten for", guards)
-        L = p.lengths
-        lim = min(max(p.geometry[l].F for l in p.layers), p.id_range)
-        if strip_views(L, casts=True) not in seen:
-            seen.add(strip_views(L, casts=True))
-            _guard(g, b, first, L, lambda L=L, lim=lim: b(
-                aten.logical_and.default, b(aten.all.default, b(aten.ge.Scalar, L, 0)),
-                b(aten.all.default, b(aten.le.Scalar, L, lim))),
-                f"offload guard: cache lengths {_name(L)!r} (full_kv_actual_seq of group {grp.group_id}) must "
-                f"be in [0, {lim}] (cache capacity / id_range the pools were sized for)", guards)
+    b(aten.copy_.default, seen, L)

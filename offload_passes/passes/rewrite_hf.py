@@ -1,4 +1,4 @@
-"""Pass 4 (Hugging Face form) — dense DSA → sparse attention, then (optionally) the shared-indexer offload.
+"""The Hugging Face front-end: dense DSA attention → sparse attention, then (optionally) the offload.
 
 For every site found by ``detect_hf`` the dense attention over all T cached positions is replaced by
 one call that attends over the K selected positions only:
@@ -9,13 +9,11 @@ one call that attends over the K selected positions only:
   padding) is masked: the same terms the dense softmax keeps, so the result is the same attention
   (only the summation order differs). K is the graph's top-k width, i.e. already ``min(index_topk, T)``.
 * **offload** (``enable_offload`` and ``shared_indexer_offload``, f16/bf16 caches, the op limits of
-  spec/ops.md): the gather becomes the shared-indexer scheme exactly as for the recipe graph — one
-  ``dsa_plan`` per group before the owner's attention, a ``dsa_serve`` per layer filling a per-layer
-  selection buffer (state) from the pool / the full cache (the HF cache viewed ``[B, T, D]``), the
-  attention reads the selection buffer, ``dsa_install`` ``metadata_update=0`` after every non-owner
-  layer and the owner's ``metadata_update=1`` after the group's last layer. Pools and metadata are
-  ``OffloadState`` buffers of the GraphModule. An offload precondition that fails leaves the sparse
-  rewrite in place (it is exact) and is reported / logged; ``strict`` raises.
+  docs/ops.md): the shared core (``passes/rewrite.py``) emits plan / serve / install exactly as for the
+  recipe graph (guards, new-request invalidation, ``replacement_policy``, ``install_hook``); this
+  front-end only gives it the HF cache viewed ``[B, T, D]``, per-layer selection buffers (graph
+  scratch) and the sparse attention reading them. An offload precondition that fails leaves the
+  sparse rewrite in place (it is exact) and is reported / logged; ``strict`` raises.
 
 The dense nodes (scatter-mask, full expansion, dense attention) are then removed by a local dead-code
 walk from each replaced attention: only pure nodes and writes into dead fresh allocations
@@ -25,8 +23,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import time
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -35,21 +31,19 @@ from torch import fx
 
 from ..options import OffloadOptions
 from .. import _compat
-from ..state import OffloadState, build_state
 from . import _fx
 from .detect import Refusal
 from .detect_hf import HfDetectReport, HfSite, detect_hf
-from .group import GroupReport, group
+from .group import GroupReport
 from ..custom_ops._library import is_pow2
 from .preconditions import GroupPlan, SiteGeometry
 from .preconditions import MAX_DKV, MAX_DR, MAX_POOL, MAX_RAW_SEQ, MAX_TOPK, TOPK_ALIGN, WAYS  # the ops' specs
-from .rewrite import OffloadRefused, _Builder, emit_plan_stats, state_attr
 
 log = logging.getLogger("offload_passes.passes.rewrite_hf")
 aten = torch.ops.aten
 custom = torch.ops.custom
 
-__all__ = ["hf_sparse_attention", "hf_sparse_attention_rows", "rewrite_hf", "HfRewriteReport"]
+__all__ = ["hf_sparse_attention", "hf_sparse_attention_rows", "HfFrontEnd", "HF", "dense_masks_left"]
 
 OFFLOAD_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -168,32 +162,6 @@ def _dce(g: fx.Graph, seeds: Sequence[fx.Node]) -> int:
     return erased
 
 
-# -- reports ----------------------------------------------------------------------------------------
-@dataclass
-class HfSiteRewrite:
-    layer: int
-    group_id: int
-    kind: str
-    dense_attn: str
-    sparse_node: str
-    serve_node: Optional[str] = None
-    install_nodes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {"layer": self.layer, "group_id": self.group_id, "kind": self.kind, "gather_node": self.dense_attn,
-                "sfa_node": self.sparse_node, "serve_node": self.serve_node, "install_nodes": list(self.install_nodes)}
-
-
-@dataclass
-class HfRewriteReport:
-    sites: list[HfSiteRewrite]
-    offload: bool
-    buffers: dict[str, str]
-    erased: int
-    layer_nodes_before: dict[int, list[str]]
-    layer_nodes_after: dict[int, list[str]]
-
-
 # -- offload preconditions ----------------------------------------------------------------------------
 def _cache_length(site: HfSite) -> Optional[fx.Node]:
     """The index the model writes this step's latent rows at (``index_copy_`` into the latent cache)."""
@@ -254,145 +222,110 @@ def offload_plan(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOptions) -> 
     return plans, positions, refusals
 
 
-# -- the rewrite --------------------------------------------------------------------------------------
-@dataclass
-class _HfCtx:
-    """One HF rewrite's graph, builder and accumulating results."""
 
-    gm: fx.GraphModule
-    b: _Builder
-    first: fx.Node
-    buffers: dict[str, str] = field(default_factory=dict)
-    after: dict[int, list[str]] = field(default_factory=dict)
-    sites: list[HfSiteRewrite] = field(default_factory=list)
-    seeds: list[fx.Node] = field(default_factory=list)  # replaced dense attentions (dead-code roots)
+# -- the front-end (the shared core, passes/rewrite.py, does plan / serve / install) -------------------
+class HfFrontEnd:
+    """The Hugging Face ``transformers`` form: a dense masked attention over every cached position whose
+    mask keeps the indexer's top-k. Every site becomes a sparse attention; with offload it reads the
+    selection buffers ``dsa_serve`` filled (state of the graph), else it gathers from the caches."""
 
-    def attr(self, name: str, t: torch.Tensor) -> fx.Node:
-        return state_attr(self.gm, name, t, self.buffers, self.first, self.b.fake_mode)
+    name = "hf"
+    pass_files = {"detect": "passes/detect_hf.py", "plan": "passes/rewrite_hf.py", "emit": "passes/rewrite_hf.py"}
+    #: an offload refusal keeps the sparse rewrite (it is exact); the recipe form is left unmodified instead
+    partial_on_refusal = True
 
+    def detect(self, gm: fx.GraphModule) -> HfDetectReport:
+        return detect_hf(gm)
 
-@dataclass
-class _HfGroup:
-    """One offloaded group's state nodes and plan outputs."""
+    def screen(self, det: HfDetectReport) -> tuple[list[Refusal], list[Refusal]]:
+        """(refusals that leave the graph unmodified with a warning, notes that leave it so quietly)."""
+        blocking = [Refusal("hf_site_not_verified", r.detail, r.layer) for r in det.refusals]
+        dense = [s for s in det.sites if s.dims["S"] * s.dims["K"] >= s.dims["T"]]
+        quiet = []
+        if dense and not blocking:
+            # e.g. a prefill graph (S = prompt length): S*K selected rows cost more than the T dense ones
+            d = dense[0].dims
+            quiet.append(Refusal("dense_cheaper", f"S*K = {d['S']}*{d['K']} >= T = {d['T']} cached positions: the "
+                                 "dense attention reads fewer rows; graph left as it is", dense[0].layer))
+        return blocking, quiet
 
-    p: GroupPlan
-    meta: dict[str, fx.Node]
-    table: fx.Node  # the identity selection block table
-    sel: dict[int, tuple[fx.Node, fx.Node]]  # layer -> selection buffers (kv, rope)
-    pools: dict[int, tuple[fx.Node, fx.Node]]  # layer -> pools (kv, rope)
-    plan: Optional[fx.Node] = None
-    plan_n: Optional[fx.Node] = None
-    rec: Optional[fx.Node] = None
+    def plan(self, gm: fx.GraphModule, grp: GroupReport, example_inputs: Sequence[Any], opts: OffloadOptions):
+        from .preconditions import PlanReport
 
+        plans, _, refusals = offload_plan(gm, grp, opts)
+        return PlanReport(plans if not refusals else [], refusals)
 
-def rewrite_sparse(gm: fx.GraphModule, grp: GroupReport, plans: Optional[list[GroupPlan]] = None,
-                   state: Optional[OffloadState] = None) -> HfRewriteReport:
-    """Replace every site's dense attention; with ``plans`` + ``state`` through plan/serve/install."""
-    g = gm.graph
-    _fx.hoist_attrs(g)  # caches as get_attr (torch 2.8, no nn-module inlining) become usable at every site
-    ctx = _HfCtx(gm, _Builder(g, [s.query for gr in grp.groups for s in gr.sites][:1]),
-                 next(n for n in g.nodes if n.op != "placeholder"))
-    offload = plans is not None and state is not None
-    before = {s.layer: [s.scatter.name, s.combine.name, s.attn.name] for gr in grp.groups for s in gr.sites}
-    pplans = {p.group_id: p for p in plans or []}
-    gstates = {gs.group_id: gs for gs in state.groups} if offload else {}
-    for gr in grp.groups:
-        hg = _hf_group(ctx, gr, pplans[gr.group_id], gstates[gr.group_id], state) if offload else None
-        done = {s.layer: _hf_site(ctx, gr, s, hg) for s in gr.sites}
-        recs = {layer: rw for layer, (rw, _) in done.items()}
-        if hg is not None:
-            for s in gr.sites:
-                _hf_installs(ctx, gr, s, hg, recs, done[s.layer][1])
-    erased = _dce(g, ctx.seeds)
-    g.lint()
-    gm.recompile()
-    ctx.sites.sort(key=lambda r: r.layer)
-    return HfRewriteReport(ctx.sites, offload, ctx.buffers, erased, before, ctx.after)
+    def plan_anchor(self, grp: Any) -> fx.Node:
+        return grp.owner.attn
 
+    def lengths(self, b: Any, p: GroupPlan) -> fx.Node:
+        # this step's cache positions [S] (StaticCache: the same for every row); L = last position + 1
+        L = b(aten.add.Tensor, b(aten.amax.default, p.lengths, [0]), 1)
+        return b(aten.repeat.default, b(aten.view.default, b(aten._to_copy.default, L, dtype=torch.int32), [1]), [p.B])
 
-def _hf_group(ctx: _HfCtx, gr: Any, p: GroupPlan, gs: Any, state: OffloadState) -> _HfGroup:
-    """The group's metadata, selection buffers and pools as attributes; its plan before the owner."""
-    B, S, K, SBS = p.B, p.S, p.K, p.BS
-    dev = gs.stats.device
-    meta = {n: ctx.attr(f"{n}_g{gr.group_id}", t) for n, t in
-            (("pool_ids", gs.pool_ids), ("id_to_slot", gs.id_to_slot), ("lru_counter", gs.lru_counter),
-             ("stats", gs.stats))}
-    table = ctx.attr(f"sel_table_g{gr.group_id}",
-                     torch.arange(B * S * K // SBS, dtype=torch.int32, device=dev).view(B * S, K // SBS))
-    hg = _HfGroup(p, meta, table, {}, {})
-    nb = B * S * K // SBS
-    for s in gr.sites:
-        geo = p.geometry[s.layer]
-        hg.sel[s.layer] = (ctx.attr(f"sel_kv_l{s.layer}", torch.zeros(nb, SBS, geo.Dkv, dtype=geo.dtype, device=dev)),
-                           ctx.attr(f"sel_rope_l{s.layer}", torch.zeros(nb, SBS, geo.Dr, dtype=geo.dtype, device=dev)))
-        kv, rope = state.pools[s.layer]
-        hg.pools[s.layer] = (ctx.attr(f"pool_kv_l{s.layer}", kv), ctx.attr(f"pool_rope_l{s.layer}", rope))
-    b = ctx.b
-    with ctx.gm.graph.inserting_before(gr.owner.attn):
-        pos = p.lengths  # this step's cache positions [S]; L = last position + 1, one per batch row
-        L = b(aten.add.Tensor, b(aten.amax.default, pos, [0]), 1)
-        L = b(aten.repeat.default, b(aten.view.default, b(aten._to_copy.default, L, dtype=torch.int32), [1]), [B])
+    def topk(self, b: Any, p: GroupPlan) -> fx.Node:
         tk = p.topk
         if _fx.example(tk) is None or _fx.example(tk).dtype != torch.int32:
             tk = b(aten._to_copy.default, tk, dtype=torch.int32)
-        tk = b(aten.view.default, tk, [B, S, 1, K])
-        hg.plan = b(custom.dsa_plan.default, tk, L, meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"],
-                    raw_seq=S, group_id=gr.group_id, owner_layer=gr.owner.layer)
-        hg.plan_n, hg.rec = b.item(hg.plan, 0), b.item(hg.plan, 1)
-        emit_plan_stats(b, hg.plan_n, meta["stats"], dev)
-    return hg
+        return b(aten.view.default, tk, [p.B, p.S, 1, p.K])
 
-
-def _hf_site(ctx: _HfCtx, gr: Any, s: HfSite, hg: Optional[_HfGroup]) -> tuple[HfSiteRewrite, fx.Node]:
-    """Layer ``s``: the sparse attention (reading what ``dsa_serve`` placed when offloaded) replaces the
-    dense one."""
-    b, d = ctx.b, s.dims
-    fill = float(s.combine.args[2]) if s.kind == "eager" else 0.0
-    serve = None
-    with ctx.gm.graph.inserting_before(s.attn):
-        if hg is not None:
-            p = hg.p
+    def selection(self, ctx: Any, grp: Any, p: GroupPlan) -> dict:
+        """Selection buffers and their identity block table: scratch of the graph (HF has none)."""
+        B, S, K, SBS = p.B, p.S, p.K, p.BS
+        dev = ctx.state.pools[grp.owner.layer][0].device
+        nb = B * S * K // SBS
+        table = ctx.attr(f"sel_table_g{grp.group_id}",
+                         torch.arange(nb, dtype=torch.int32, device=dev).view(B * S, K // SBS))
+        out = {}
+        for s in grp.sites:
             geo = p.geometry[s.layer]
-            fkv = b(aten.view.default, s.latent, [p.B, geo.F, geo.Dkv])
-            frp = b(aten.view.default, s.rope, [p.B, geo.F, geo.Dr])
-            skv, srp = hg.sel[s.layer]
-            serve = b(custom.dsa_serve.default, hg.plan_n, fkv, frp, hg.pools[s.layer][0], hg.pools[s.layer][1],
-                      skv, srp, raw_seq=p.S, topk=p.K, selection_block_size=p.BS, compact_layout=1)
-            new_attn = b(hf_sparse_attention_rows, s.query, skv, srp, s.weight, s.topk, s.base_mask, d["T"],
-                         s.scaling, d["n"], d["v"], s.kind, fill)
-        else:
-            new_attn = b(hf_sparse_attention, s.query, s.latent, s.rope, s.weight, s.topk, s.base_mask, s.scaling,
-                         d["n"], d["v"], s.kind, fill)
-    if "example_value" in s.attn.meta:  # Dynamo's key, as on the node it replaces
-        new_attn.meta["example_value"] = s.attn.meta["example_value"]
-    dense_name = s.attn.name
-    s.attn.replace_all_uses_with(new_attn)
-    ctx.seeds.append(s.attn)
-    rw = HfSiteRewrite(s.layer, gr.group_id, s.kind, dense_name, new_attn.name,
-                       serve.name if serve is not None else None)
-    ctx.sites.append(rw)
-    ctx.after[s.layer] = ([hg.plan.name] if hg is not None and s is gr.owner else []) + \
-        ([serve.name] if serve is not None else []) + [new_attn.name]
-    return rw, new_attn
+            out[s.layer] = (ctx.attr(f"sel_kv_l{s.layer}", torch.zeros(nb, SBS, geo.Dkv, dtype=geo.dtype, device=dev)),
+                            ctx.attr(f"sel_rope_l{s.layer}", torch.zeros(nb, SBS, geo.Dr, dtype=geo.dtype, device=dev)),
+                            table)
+        return out
 
+    def ledger(self, p: GroupPlan, layer: int) -> None:
+        return None  # transformers keeps no gather ledger
 
-def _hf_installs(ctx: _HfCtx, gr: Any, s: HfSite, hg: _HfGroup, recs: dict[int, HfSiteRewrite],
-                 cursor: fx.Node) -> None:
-    """After layer ``s``'s sparse attention: its ``metadata_update=0`` install (not the owner), and on the
-    group's last layer the owner's ``metadata_update=1`` install."""
-    p = hg.p
-    placed = []
-    todo = ([(s.layer, 0)] if s is not gr.owner else []) + ([(gr.owner.layer, 1)] if s is gr.last else [])
-    for layer, md in todo:
-        skv, srp = hg.sel[layer]
-        kv, rp = hg.pools[layer]
-        with ctx.gm.graph.inserting_after(cursor):
-            cursor = ctx.b(custom.dsa_install.default, hg.rec, skv, srp, hg.table, kv, rp, hg.meta["pool_ids"],
-                           hg.meta["id_to_slot"], hg.meta["lru_counter"], raw_seq=p.S, topk=p.K,
-                           selection_block_size=p.BS, metadata_update=md)
-        placed.append(cursor)
-        recs[layer].install_nodes.append(cursor.name)
-    ctx.after[s.layer] += [n.name for n in placed]
+    def layer_nodes_before(self, grp: GroupReport) -> dict[int, list[str]]:
+        return {s.layer: [s.scatter.name, s.combine.name, s.attn.name] for g in grp.groups for s in g.sites}
+
+    def add_guards(self, ctx: Any, groups: GroupReport, plans: dict) -> None:
+        return None  # no block tables: the shared lengths guard is all the assumptions there are
+
+    def emit_site(self, ctx: Any, grp: Any, gn: Any, s: HfSite) -> fx.Node:
+        """The sparse attention (reading what ``dsa_serve`` placed when offloaded) replaces the dense one."""
+        from .rewrite import SiteRewrite, emit_serve
+
+        b, d = ctx.b, s.dims
+        fill = float(s.combine.args[2]) if s.kind == "eager" else 0.0
+        serve = None
+        with ctx.g.inserting_before(s.attn):
+            if gn is not None:
+                serve = emit_serve(ctx, gn, s.layer, s.latent, s.rope)
+                skv, srp, _ = gn.sel[s.layer]
+                new_attn = b(hf_sparse_attention_rows, s.query, skv, srp, s.weight, s.topk, s.base_mask, d["T"],
+                             s.scaling, d["n"], d["v"], s.kind, fill)
+            else:
+                new_attn = b(hf_sparse_attention, s.query, s.latent, s.rope, s.weight, s.topk, s.base_mask,
+                             s.scaling, d["n"], d["v"], s.kind, fill)
+        if "example_value" in s.attn.meta:  # Dynamo's key, as on the node it replaces
+            new_attn.meta["example_value"] = s.attn.meta["example_value"]
+        dense_name = s.attn.name
+        s.attn.replace_all_uses_with(new_attn)
+        ctx.scratch.setdefault("dead", []).append(s.attn)
+        rw = SiteRewrite(s.layer, grp.group_id, dense_name, new_attn.name,
+                         serve.name if serve is not None else None, kind=s.kind)
+        ctx.sites.append(rw)
+        if gn is not None:
+            gn.by_layer[s.layer] = rw
+        ctx.after[s.layer] = ([gn.plan.name] if gn is not None and s is grp.owner else []) + \
+            ([serve.name] if serve is not None else []) + [new_attn.name]
+        return new_attn
+
+    def finish(self, ctx: Any) -> dict:
+        erased = _dce(ctx.g, ctx.scratch.get("dead", []))
+        return {"erased_nodes": erased, "dense_masks_left": dense_masks_left(ctx.g)}
 
 
 def dense_masks_left(graph: fx.Graph) -> int:
@@ -406,106 +339,4 @@ def dense_masks_left(graph: fx.Graph) -> int:
     return n_left
 
 
-# -- pipeline entry (called by the backend when the graph has no recipe-form DSA site) ----------------
-def rewrite_hf(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions, graph_id: str,
-               timings: dict, ops_before: dict, shared_state: bool = False,
-               ) -> Optional[tuple[fx.GraphModule, Optional[OffloadState], dict]]:
-    """Detect / group / (plan) / rewrite the HF form. None when the graph holds no HF DSA pattern;
-    otherwise ``(gm, state, report)`` like ``backend.rewrite_for_offload``."""
-    t0 = time.perf_counter()
-    det: HfDetectReport = detect_hf(gm)
-    timings["detect_s"] = timings.get("detect_s", 0.0) + time.perf_counter() - t0
-    if not det.has_dsa:
-        return None
-    t1 = time.perf_counter()
-    grp = group(det)  # same grouping as the recipe graph: by the shared top-k node
-    timings["group_s"] = time.perf_counter() - t1
-    report = _hf_report(graph_id, opts, det, ops_before, timings)
-    timings["rewrite_s"] = 0.0
-    if _left_as_is(det, opts, graph_id, report):
-        return gm, None, report
-    t1 = time.perf_counter()
-    plans, state, off_ref = None, None, []
-    if opts.enable_offload and opts.shared_indexer_offload:
-        plans, off_ref = _offload_plans(gm, grp, opts, graph_id)
-    timings["plan_s"] = time.perf_counter() - t1
-    if plans:
-        t1 = time.perf_counter()
-        state = build_state(gm, plans, example_inputs, graph_id, shared_state)
-        timings["alloc_s"] = time.perf_counter() - t1
-    t1 = time.perf_counter()
-    rr = rewrite_sparse(gm, grp, plans, state)
-    timings["rewrite_s"] = time.perf_counter() - t1
-    _record(report, gm, grp, plans, state, rr, off_ref)
-    return gm, state, report
-
-
-def _hf_report(graph_id: str, opts: OffloadOptions, det: HfDetectReport, ops_before: dict, timings: dict) -> dict:
-    """The GraphReport of an HF graph before (or without) its rewrite."""
-    return {
-        "graph_id": graph_id, "rewritten": False, "mode": opts.exe_mode, "options": opts.to_dict(),
-        "groups": [], "sites": [], "layer_nodes": {"before": {}, "after": {}},
-        "ops": {"before": ops_before, "after": ops_before}, "state": [],
-        "refusals": [r.to_dict() for r in det.refusals], "timings": timings,
-        "passes": [{"name": "detect", "file": "passes/detect_hf.py"}, {"name": "group", "file": "passes/group.py"},
-                   {"name": "rewrite", "file": "passes/rewrite_hf.py"}],
-        "detect": {"gathers": det.candidates, "sites": len(det.sites), "indexers": det.topk_nodes, "other_topk": []},
-        "hf": {"form": "transformers", "sites": [s.to_dict() for s in det.sites], "offload": False,
-               "offload_refusals": []},
-    }
-
-
-def _left_as_is(det: HfDetectReport, opts: OffloadOptions, graph_id: str, report: dict) -> bool:
-    """True (reported, logged; ``OffloadRefused`` under strict) when a site is not verified or the dense
-    attention is cheaper."""
-    if det.refusals:
-        msg = (f"{graph_id}: HF DSA rewrite not applied (hf_site_not_verified): "
-               + "; ".join(r.detail for r in det.refusals[:4]) + (" ..." if len(det.refusals) > 4 else ""))
-        if opts.strict:
-            raise OffloadRefused(msg)
-        log.warning("%s; compiling the graph unmodified", msg)
-        return True
-    dense = [s for s in det.sites if s.dims["S"] * s.dims["K"] >= s.dims["T"]]
-    if dense:
-        # e.g. a prefill graph (S = prompt length): S*K selected rows cost more than the T dense ones
-        d = dense[0].dims
-        r = Refusal("dense_cheaper", f"S*K = {d['S']}*{d['K']} >= T = {d['T']} cached positions: the dense "
-                    "attention reads fewer rows; graph left as it is", dense[0].layer)
-        report["refusals"].append(r.to_dict())
-        log.info("%s: %s", graph_id, r.detail)
-        return True
-    return False
-
-
-def _offload_plans(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOptions, graph_id: str
-                   ) -> tuple[Optional[list[GroupPlan]], list[Refusal]]:
-    """The offload's group plans, or None with the refusals (the sparse rewrite stays: it is exact)."""
-    plans, _, off_ref = offload_plan(gm, grp, opts)
-    if not off_ref:
-        return plans, off_ref
-    msg = (f"{graph_id}: shared-indexer offload not applied to the HF graph "
-           f"({', '.join(sorted({r.reason for r in off_ref}))}): " + "; ".join(r.detail for r in off_ref[:3]))
-    if opts.strict:
-        raise OffloadRefused(msg)
-    log.warning("%s; sparse attention only", msg)
-    return None, off_ref
-
-
-def _record(report: dict, gm: fx.GraphModule, grp: GroupReport, plans: Optional[list[GroupPlan]],
-            state: Optional[OffloadState], rr: HfRewriteReport, off_ref: list[Refusal]) -> None:
-    report.update({
-        "rewritten": True,
-        "groups": [p.to_dict() for p in plans] if plans else
-        [{"group_id": g.group_id, "owner_layer": g.owner.layer, "layers": g.layers, "topk_node": g.producer.name,
-          "K": g.owner.dims["K"], "S": g.owner.dims["S"], "B": g.owner.dims["B"]} for g in grp.groups],
-        "sites": [s.to_dict() for s in rr.sites],
-        "layer_nodes": {"before": rr.layer_nodes_before, "after": rr.layer_nodes_after},
-        "ops": {"before": report["ops"]["before"], "after": _fx.count_ops(gm.graph)},
-        "state": state.describe() if state is not None else [],
-        "state_bytes": state.total_bytes if state is not None else 0,
-        "buffers": rr.buffers,
-    })
-    report["hf"].update({"offload": rr.offload, "offload_refusals": [r.to_dict() for r in off_ref],
-                         "erased_nodes": rr.erased, "dense_masks_left": dense_masks_left(gm.graph)})
-    log.info("%s: HF DSA: %d layers in %d groups %s -> sparse attention%s", report["graph_id"], len(rr.sites),
-             len(grp.groups), [g.layers for g in grp.groups], " + shared-indexer offload" if rr.offload else "")
+HF = HfFrontEnd()

@@ -91,6 +91,16 @@ def plot(results: list[sim.SimResult], path: Path, title: str) -> Path:
     return path
 
 
+def _plot_path_problem(path: Path) -> Optional[str]:
+    """Why ``path`` cannot receive the PNG, or None."""
+    if path.is_dir():
+        return "is a directory; give a file name such as out.png"
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        return f"folder {parent} does not exist"
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="offload-sim", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="trace file (.npz) or synth[:calibrated][,key=value...]")
@@ -105,6 +115,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--plot", default=None, help="write hit rate vs pool size to this PNG")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
+    if a.ways < 1 or a.ways > 1024:
+        p.error(f"--ways must be in [1, 1024], got {a.ways}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if a.plot:  # checked before the (possibly long) run, not after it
+        bad_plot = _plot_path_problem(Path(a.plot))
+        if bad_plot:
+            p.error(f"--plot {a.plot}: {bad_plot}")
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, stream=sys.stderr)
     try:
         tr = _load(a.trace)
@@ -120,8 +138,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         module()  # build/load the C++ core before timing
         results = sim.sweep(tr, pols, a.pool_sizes, a.ways, a.warmup)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"offload-sim: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as e:
+        msg = " ".join(str(e).split())
+        print(f"offload-sim: error: {msg}", file=sys.stderr)
         return 2
     lookups = sum(r.lookups for r in results)
     secs = sum(r.seconds for r in results)

@@ -76,8 +76,13 @@ class Trace:
 
     @property
     def id_range(self) -> int:
-        """One past the largest id (>= 1)."""
-        return int(max(int(self.topk.max(initial=-1)), int(self.lengths.max(initial=0)))) + 1
+        """One past the largest id that can ever be cached (>= 1).
+
+        Only ids below the step's cache length are eligible (``dsa_plan`` skips the rest), so the id maps
+        are sized by the lengths, never by a stray large id (a 2-step trace with id 1e9 must not allocate
+        gigabytes)."""
+        top = int(self.topk.max(initial=-1))
+        return max(min(top, int(self.lengths.max(initial=0)) - 1), 0) + 1
 
     def header(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": self.model, "source": self.source,
@@ -104,6 +109,8 @@ def load_trace(path: Union[str, Path]) -> Trace:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace file {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"trace {path} is not a file")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"PK\x03\x04":
@@ -113,13 +120,19 @@ def load_trace(path: Union[str, Path]) -> Trace:
         except Exception:
             names = set()
         if {"header", "topk", "lengths"} <= names:
-            h = json.loads(str(z["header"]))
+            try:
+                h = json.loads(str(z["header"]))
+                arrays = (z["topk"], z["lengths"])
+            except Exception as e:  # corrupt member, bad JSON: one readable error, not a traceback
+                raise ValueError(f"{path}: unreadable trace file ({type(e).__name__}: {e})") from None
+            if not isinstance(h, dict):
+                raise ValueError(f"{path}: trace header must be a JSON object")
             if h.get("format") != FORMAT:
                 raise ValueError(f"{path}: header format is {h.get('format')!r}, expected {FORMAT!r}")
             if int(h.get("version", 0)) > VERSION:
                 raise ValueError(f"{path}: trace version {h['version']} is newer than supported ({VERSION})")
             known = {"format", "version", "model", "source", "K", "P", "S", "B", "steps", "groups", "ranked"}
-            return Trace(z["topk"], z["lengths"], int(h["K"]), h.get("groups", []), h.get("model", "unknown"),
+            return Trace(arrays[0], arrays[1], int(h.get("K", 0)), h.get("groups", []), h.get("model", "unknown"),
                          h.get("source", "model"), bool(h.get("ranked", True)),
                          {k: v for k, v in h.items() if k not in known})
     return from_driver_trace(_torch_load(path))
@@ -128,7 +141,11 @@ def load_trace(path: Union[str, Path]) -> Trace:
 def _torch_load(path: Path) -> dict:
     import torch
 
-    d = torch.load(path, weights_only=True)
+    try:
+        d = torch.load(path, weights_only=True)
+    except Exception as e:  # not a zip / pickle at all: a user mistake, one line
+        raise ValueError(f"{path}: unreadable trace file: neither an {FORMAT} npz nor a Driver.save_trace "
+                         f"file ({type(e).__name__})") from None
     if not isinstance(d, dict) or d.get("format") != "offload_passes.topk_trace":
         raise ValueError(f"{path}: neither an {FORMAT} npz nor a Driver.save_trace file")
     return d

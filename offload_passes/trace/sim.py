@@ -72,6 +72,8 @@ class SimResult:
 def check_pool_size(policy: str, pool_size: int, ways: int = WAYS) -> None:
     if pool_size <= 0:
         raise ValueError(f"pool_size must be > 0, got {pool_size}")
+    if ways < 1:
+        raise ValueError(f"ways must be >= 1, got {ways}")
     if policy in SET_ASSOC:
         ns = pool_size // ways
         if pool_size % ways or ns & (ns - 1):

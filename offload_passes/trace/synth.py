@@ -52,6 +52,7 @@ class SynthParams:
     recency: float = 2.0
     tau: float = 64.0
     seed: int = 0
+    pop_drift: float = 1.0    # per-step correlation of the popularity w (1 = static; models.py "twoscale")
 
     def validate(self) -> None:
         if self.K <= 0 or self.P < self.K:
@@ -62,6 +63,8 @@ class SynthParams:
             raise ValueError(f"drift must be in [0, 1], got {self.drift}")
         if self.steps < 1 or self.B < 1 or not 1 <= self.S <= 4:
             raise ValueError(f"need steps >= 1, B >= 1, 1 <= S <= 4; got {self.steps}, {self.B}, {self.S}")
+        if not 0.0 <= self.pop_drift <= 1.0:
+            raise ValueError(f"pop_drift must be in [0, 1], got {self.pop_drift}")
         if self.sinks < 0 or self.tau <= 0:
             raise ValueError(f"need sinks >= 0 and tau > 0, got {self.sinks}, {self.tau}")
 
@@ -77,7 +80,11 @@ def generate(p: SynthParams) -> Trace:
     for b in range(p.B):
         w = rng.standard_normal(Lmax).astype(np.float32) * np.float32(p.skew)
         z = rng.standard_normal(Lmax).astype(np.float32)
+        pinnov = float(np.sqrt(max(1.0 - p.pop_drift * p.pop_drift, 0.0)))
         for t in range(p.steps):
+            if t and p.pop_drift < 1.0:  # a drifting popularity keeps its variance skew^2
+                w *= np.float32(p.pop_drift)
+                w += np.float32(pinnov * p.skew) * rng.standard_normal(Lmax).astype(np.float32)
             if t:
                 z *= np.float32(p.drift)
                 z += np.float32(innov) * rng.standard_normal(Lmax).astype(np.float32)

@@ -111,8 +111,9 @@ def run_pair(cfg: synth.SynthConfig, steps: int, backend=None, prefill=(300, 280
             if backend.state is not None and (s - start_step) % check_every == 0:
                 resident = check_pool_invariants(backend.state, m)
     # keep the state alive: the backend only holds weak references (the compiled graph owns it)
+    # the final graph is kept only while its compiled graph lives (torch._dynamo.reset() frees it): take it now
     return {"base": base, "model": m, "compiled": c, "backend": backend, "max_h": max_h, "max_a": max_a,
-            "lengths": L, "resident": resident, "state": backend.state}
+            "lengths": L, "resident": resident, "state": backend.state, "final_graph": backend.final_graph()}
 
 
 def ops_of(graph: fx.Graph, name: str) -> list[fx.Node]:

@@ -41,11 +41,12 @@ def test_npu_modes_source_names_no_backend_import():
 
 @pytest.mark.parametrize("mode", ["ge_graph", "npugraph_ex"])
 def test_npu_modes_run_in_the_one_core(mode):
-    from offload_passes.backend import LOWERINGS, NpuOffloadBackend, OffloadBackend
+    from offload_passes.backend import NpuOffloadBackend, OffloadBackend
+    from offload_passes.modes import MODES
 
     be = make_offload_backend(exe_mode=mode, pool_size=PS, side_stream=False)
     assert isinstance(be, OffloadBackend) and type(be) is NpuOffloadBackend
     assert type(be.lowering).__name__ == "NpuLowering" and not be.lowering.shared_state
-    assert be.lowering.side_stream is False and LOWERINGS[mode].__name__ == "_npu_lowering"
+    assert be.lowering.side_stream is False and MODES[mode].lowering == "offload_passes.npu_modes:NpuLowering"
     with pytest.raises(ValueError, match=r"\['npu_options'\] only apply to the NPU exe_modes"):
         make_offload_backend(exe_mode="eager", npu_options={"x": 1})

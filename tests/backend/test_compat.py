@@ -89,3 +89,28 @@ def test_compat_symbols_work_on_this_torch():
         assert callable(f())
     assert isinstance(_compat.custom_graph_pass_base(), type)
     assert _compat.torch_logs_registry() is not None
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_supported_range_is_exactly_the_tested_versions():
+    """setup.py's torch range, the matrix's default versions, the torch-npu table and docs/versions.md
+    name the same torch releases: the range covers what is tested and no more."""
+    import re
+
+    from offload_passes.tools.torchair_env import TORCH_NPU_FOR_TORCH
+
+    (low, high), = re.findall(r'"torch>=([0-9.]+),<([0-9.]+)"', (ROOT / "setup.py").read_text())
+    matrix = re.search(r'TORCH_VERSIONS=\$\{TORCH_VERSIONS:-"([^"]+)"\}',
+                       (ROOT / "scripts" / "test_matrix.sh").read_text()).group(1).split()
+    tested = sorted(_minor(v) for v in matrix)
+    assert sorted(_minor(v) for v in TORCH_NPU_FOR_TORCH) == tested
+    assert _minor(low) == tested[0]
+    assert _minor(high) == (tested[-1][0], tested[-1][1] + 1)  # "<2.15" once 2.14 is in the matrix
+    versions_md = (ROOT / "docs" / "versions.md").read_text()
+    for v in matrix:
+        assert f"| {v} " in versions_md, f"docs/versions.md has no row for torch {v}"
+        assert f"| {TORCH_NPU_FOR_TORCH['.'.join(v.split('.')[:2])]} " in versions_md

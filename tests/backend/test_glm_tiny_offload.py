@@ -66,6 +66,7 @@ def tiny_run(request):
     finally:
         comp.model.return_internals = False
     return {"ref": ref.steps, "out": outs, "backend": be, "state": be.state, "model": comp.model,
+            "final_graph": be.final_graph(),
             "B": B, "S": S, "K": comp.model.config.index_topk, "resident": resident,
             "groups": comp.model.index_groups(), "lengths": comp.driver.cur_len.clone()}
 
@@ -114,7 +115,7 @@ def test_structure_and_report(tiny_run):
     assert (after["dsa_plan"], after["dsa_serve"], after["dsa_install"]) == (2, 8, 8)
     assert after["npu_gather_selection_kv_cache"] == 0 and after["npu_lightning_indexer"] == 2
     assert rep["reinplace"]["kept_functional"] == []
-    assert_final_graph(be.final_graph(), None, PS, r["groups"], big=_big_shapes(r["model"], r["B"]))
+    assert_final_graph(r["final_graph"], None, PS, r["groups"], big=_big_shapes(r["model"], r["B"]))
 
 
 def test_counters(tiny_run):

@@ -16,7 +16,9 @@ import torch
 
 import dsa_synth as synth
 from backend_helpers import assert_final_graph, check_ledger, run_pair
-from offload_passes.backend import _inductor_pass, make_offload_backend
+from offload_passes.backend import make_offload_backend
+from offload_passes.lowering_cpu import UUID_FILES, _inductor_pass, pass_uuid
+from offload_passes.options import OffloadOptions
 
 PS = 64
 STEPS = 64
@@ -60,7 +62,7 @@ def test_report_and_final_graph(inductor_run):
     assert [g["owner_layer"] for g in rep["groups"]] == [g[0] for g in r["groups"]]
     assert rep["reinplace"]["kept_functional"] == []
     assert rep["reinplace"]["reinplaced"]  # the pass really ran (no FX-cache shortcut)
-    assert_final_graph(be.final_graph(), r["cfg"], PS, r["groups"])
+    assert_final_graph(r["final_graph"], r["cfg"], PS, r["groups"])
 
 
 def test_counters(inductor_run):
@@ -79,3 +81,26 @@ def test_counters(inductor_run):
 def test_custom_pass_is_cacheable():
     a, b = _inductor_pass(lambda g, s: None), _inductor_pass(lambda g, s: None)
     assert a.uuid() == b.uuid() and len(a.uuid()) == 64
+
+
+def test_custom_pass_uuid_covers_every_input(tmp_path, monkeypatch):
+    """Inductor's FX-graph cache keys on the pass's uuid: a change to any pass module, op spec, the FX /
+    version glue, or an option that reaches the pass must change it (else a stale graph is reused)."""
+    from offload_passes import lowering_cpu
+
+    names = {f.name for f in UUID_FILES}
+    for must in ("rewrite.py", "reinplace.py", "inductor_targets.py", "frontend_recipe.py", "rewrite_hf.py",
+                 "opspec.py", "dsa_plan.py", "_fx.py", "_compat.py", "options.py", "pipeline.py"):
+        assert must in names, must
+    base = pass_uuid(OffloadOptions())
+    assert pass_uuid(OffloadOptions()) == base
+    for opts in (OffloadOptions(pool_size=1024), OffloadOptions(update_ledger=False),
+                 OffloadOptions(replacement_policy="second_chance")):
+        assert pass_uuid(opts) != base
+    for f in [f for f in UUID_FILES if f.name in ("opspec.py", "_fx.py", "_compat.py", "rewrite.py")]:
+        copy = tmp_path / f.name
+        copy.write_bytes(f.read_bytes() + b"\n# changed\n")
+        files = [copy if g == f else g for g in UUID_FILES]
+        monkeypatch.setattr(lowering_cpu, "UUID_FILES", files)
+        assert pass_uuid(OffloadOptions()) != base, f.name
+        monkeypatch.setattr(lowering_cpu, "UUID_FILES", UUID_FILES)

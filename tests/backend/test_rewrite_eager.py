@@ -55,7 +55,7 @@ def test_groups_and_report(run64):
 
 def test_final_graph_structure(run64):
     be = run64["backend"]
-    assert_final_graph(be.final_graph(), run64["cfg"], PS, run64["groups"])
+    assert_final_graph(run64["final_graph"], run64["cfg"], PS, run64["groups"])
 
 
 def test_counters(run64):

@@ -122,6 +122,58 @@ def test_demo_json_on_tiny_model(capsys):
     assert out["baseline_host_rows_read"] > 0 and out["pass_s"] < out["compile_s"]
 
 
+def test_demo_json_has_one_schema_for_the_recipe_and_the_hf_model(capsys):
+    """``offload-demo --json`` of the recipe model and of ``--model hf``: the same keys, nested ones
+    included, both difference measures named the same way (HF printed ``max_rel_diff_logits`` alone)."""
+    from offload_passes import demo
+
+    outs = {}
+    for model, argv in (("glm", ["--config", "tiny"]), ("hf", ["--model", "hf", "--config", "hf-tiny"])):
+        rc = demo.main(argv + ["--steps", "2", "--json"])
+        outs[model] = json.loads(capsys.readouterr().out)
+        assert rc == 0 and outs[model]["within_tolerance"], (model, outs[model])
+    glm, hf = outs["glm"], outs["hf"]
+    assert list(glm) == list(hf) == list(demo.RESULT_KEYS)
+    for k in ("max_abs_diff", "max_rel_diff"):
+        assert set(glm[k]) == set(hf[k]) == {"logits", "attn"}
+        assert set(glm["tolerance"]) == set(hf["tolerance"]) == {"max_abs_diff", "max_rel_diff"}
+    assert glm["max_abs_diff"] == {"logits": 0.0, "attn": 0.0} == glm["max_rel_diff"]  # exact in eager
+    assert hf["max_abs_diff"]["attn"] is None and hf["max_rel_diff"]["attn"] is None  # not exposed by HF
+    assert 0 <= hf["max_rel_diff"]["logits"] <= hf["tolerance"]["max_rel_diff"]["logits"]
+    assert isinstance(hf["max_abs_diff"]["logits"], float)  # reported beside the relative one
+    assert (glm["model"], hf["model"]) == ("glm", "hf")
+    assert glm["tolerance"]["max_rel_diff"] is None and hf["tolerance"]["max_abs_diff"] is None
+    assert hf["baseline_host_rows_read"] is None and glm["baseline_host_rows_read"] > 0
+    assert hf["ops"].keys() == glm["ops"].keys() == {"dsa_plan", "dsa_serve", "dsa_install"}
+    assert hf["offload"] is True and hf["ops"]["dsa_plan"] == 2 and glm["ops"]["dsa_plan"] == 2
+    assert hf["hits"] + hf["misses"] + hf["window"] > 0 and hf["host_rows_read"] > 0
+    from offload_passes.demo_hf import summary_hf  # the summaries read the new keys
+
+    assert "max |diff| vs unmodified model, eager: logits 0, attention 0  (within tolerance)" in demo._summary(glm)
+    assert f"logits vs unmodified model, eager: {hf['max_rel_diff']['logits']:.3g}  (within tolerance 0.02)" \
+        in summary_hf(hf)
+
+
+def test_demo_hf_passes_the_replacement_policy_to_the_backend(monkeypatch):
+    """``--model hf --replacement-policy second_chance`` reached no backend (the demo dropped it)."""
+    from offload_passes import backend as backend_mod, demo, demo_hf
+
+    seen = {}
+
+    def spy(**kw):
+        seen.update(kw)
+        raise RuntimeError("stop after the backend is made")
+
+    monkeypatch.setattr(backend_mod, "make_offload_backend", spy)
+    with pytest.raises(RuntimeError, match="stop after"):
+        demo.main(["--model", "hf", "--config", "hf-tiny", "--steps", "1", "--replacement-policy", "second_chance"])
+    assert seen["replacement_policy"] == "second_chance"
+    seen.clear()
+    with pytest.raises(RuntimeError, match="stop after"):
+        demo_hf.run_hf("hf-tiny", steps=1)
+    assert seen["replacement_policy"] == "fifo"
+
+
 def test_torch_logs_switch_controls_offload_passes_loggers():
     import os
     import subprocess

@@ -41,7 +41,11 @@ def test_version_follows_torch_and_can_be_overridden(monkeypatch):
 @pytest.mark.parametrize("torch_version, npu", [
     ("2.8.0", "2.8.0.post5"),  # plain torch-npu 2.8.0 has no npugraph_ex: the checked post release
     ("2.8.0+cu128", "2.8.0.post5"),
+    ("2.10.0", "2.10.0.post4"),  # vllm-ascend's pin
+    ("2.10.0+cpu", "2.10.0.post4"),
     ("2.13.0+cpu", "2.13.0"),
+    ("2.14.0", "2.14.0"),
+    ("2.14.1+cu128", "2.14.0"),  # newest torch-npu; its wheel requires torch==2.14.0.*, major.minor matches
     ("2.11.1", "2.11.1"),  # unchecked versions: the plain release of that torch
     ("2.15.0a0+git1234", "2.15.0"),
 ])

@@ -26,7 +26,8 @@ CUSTOM = ["custom::dsa_install", "custom::dsa_install_functional", "custom::dsa_
           "custom::dsa_serve_functional", "custom::npu_gather_selection_kv_cache",
           "custom::npu_gather_selection_kv_cache_functional"]
 OFFLOAD_REF = ["offload_ref::dsa_install_sc", "offload_ref::npu_lightning_indexer",
-               "offload_ref::npu_mla_prolog_cache_write_", "offload_ref::npu_quant_lightning_indexer",
+               "offload_ref::npu_mla_prolog_cache_write_", "offload_ref::npu_moe_distribute_combine_v2",
+               "offload_ref::npu_moe_distribute_dispatch_v2", "offload_ref::npu_quant_lightning_indexer",
                "offload_ref::npu_scatter_nd_update_", "offload_ref::npu_sparse_flash_attention"]
 # functional twin -> (in-place op, mutated argument positions)
 PAIRS = {
@@ -236,7 +237,7 @@ def test_limit_and_spec_for_errors_name_the_argument():
 
 def test_opspec_rejects_inconsistent_data():
     base = dict(namespace="t", name="f", schema="f(Tensor(a!) x, Tensor y) -> ()", summary="s")
-    with pytest.raises(ValueError, match=r"OpSpec f: role must be one of \('offload', 'decode', 'cache_write'\)"):
+    with pytest.raises(ValueError, match=r"OpSpec f: role must be one of \('offload', 'decode', 'cache_write', 'comm'\)"):
         OpSpec(role="other", **base)
     with pytest.raises(ValueError, match=r"OpSpec f: mutated inputs \['x'\] have no same-named GE output"):
         OpSpec(role="offload", ge=GeOp("F", outputs=("y",)), **base)

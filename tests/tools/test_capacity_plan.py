@@ -259,3 +259,10 @@ def test_console_entry_point():
     assert r.returncode == 0, r.stderr
     j = json.loads(r.stdout)
     assert j["model"]["groups"] == 2 and j["per_request"]["context_tokens"] == 512
+
+
+def test_weights_gib_beyond_the_device_is_one_line_error(capsys):
+    # 1e308 GiB overflowed int() in the planner (a traceback)
+    assert cp.main(["--config", "glm-5.2", "--weights-gib", "1e308"]) == 2
+    err = capsys.readouterr().err
+    assert "--weights-gib must be <= --hbm-gib" in err and "Traceback" not in err and err.count("\n") == 1

@@ -26,13 +26,57 @@ DEMO_BAD = [
     (["--next-n", "5"], "--next-n must be in [0, 3]"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--dump-dir", "/proc/offload_passes_nope"], "--dump-dir '/proc/offload_passes_nope' is not a writable directory"),
+    # torch's thread pool segfaulted on 100000 threads: range-checked against os.cpu_count()
+    (["--threads", "100000"], f"--threads must be in [0, {demo.MAX_THREADS}] (0 = torch default; at most "
+                              f"os.cpu_count() = {demo.MAX_THREADS}), got 100000"),
+    (["--threads", str(demo.MAX_THREADS + 1)], f"--threads must be in [0, {demo.MAX_THREADS}]"),
+    (["--threads", "-1"], "got -1"),
+    # a recipe-form preset given to the HF model was a TypeError traceback from HfRunner
+    (["--model", "hf", "--config", "tiny"], "--config 'tiny' is a recipe-form preset (--model glm); --model hf "
+                                            "takes ['hf-glm5-attn', 'hf-tiny'] or an HF yaml"),
+    (["--model", "hf", "--config", "tiny-w8a8"], "--config 'tiny-w8a8' is a recipe-form preset"),
+    (["--config", "hf-tiny"], "--config 'hf-tiny' is a Hugging Face preset: use it with --model hf"),
+    # argparse's own errors are one line too (no usage block)
+    (["--threads", "many"], "argument --threads: invalid int value: 'many'"),
+    (["--model", "gpt"], "argument --model: invalid choice: 'gpt'"),
 ]
 
 
-@pytest.mark.parametrize("argv,msg", DEMO_BAD, ids=[a[0] for a, _ in DEMO_BAD])
+@pytest.mark.parametrize("argv,msg", DEMO_BAD, ids=[" ".join(a) for a, _ in DEMO_BAD])
 def test_demo_bad_input_exits_2_with_one_line(argv, msg, capsys):
-    assert demo.main(argv + ["--steps", "1"] if "--steps" not in argv else argv) == 2
+    try:
+        rc = demo.main(argv + ["--steps", "1"] if "--steps" not in argv else argv)
+    except SystemExit as e:  # argparse's errors exit from parse_args
+        rc = e.code
+    assert rc == 2
     _one_line_error(capsys, "offload-demo", msg)
+
+
+def test_demo_hf_yaml_with_recipe_runner_keys_exits_2(tmp_path, capsys):
+    """A recipe-form yaml (runner keys the HF runner does not have) given to --model hf: named, not a
+    TypeError from deep inside the model builder."""
+    y = tmp_path / "recipe.yaml"
+    y.write_text("model_config:\n  num_hidden_layers: 2\nrunner_config:\n  next_n: 1\n  pa_block_size: 16\n")
+    assert demo.main(["--model", "hf", "--config", str(y), "--steps", "1"]) == 2
+    _one_line_error(capsys, "offload-demo", f"--config {str(y)!r} is not an HF config: runner_config keys "
+                                            "['next_n', 'pa_block_size'] are unknown to --model hf")
+
+
+DEMO_PATHS = [  # (flag, what the path is, the message)
+    ("--record-trace", "dir", "--record-trace {p!r} is a directory; give a file path"),  # failed after the run
+    ("--record-trace", "missing", "--record-trace {p!r}: folder {parent!r} does not exist"),
+    ("--dump-dir", "file", "--dump-dir {p!r} is not a writable directory"),
+]
+
+
+@pytest.mark.parametrize("flag,kind,msg", DEMO_PATHS, ids=[f"{f}-{k}" for f, k, _ in DEMO_PATHS])
+def test_demo_bad_output_path_is_rejected_before_running(flag, kind, msg, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("the demo ran"))
+    target = {"dir": tmp_path, "missing": tmp_path / "no" / "t.npz", "file": tmp_path / "a_file"}[kind]
+    if kind == "file":
+        target.write_text("")
+    assert demo.main([flag, str(target), "--steps", "1"]) == 2
+    _one_line_error(capsys, "offload-demo", msg.format(p=str(target), parent=str(target.parent)))
 
 
 def test_demo_yaml_typo_and_broken_yaml(tmp_path, capsys):
@@ -89,6 +133,63 @@ def test_inspect_unwritable_picture_path_exits_2(tmp_path, capsys):
     _one_line_error(capsys, "offload-inspect", "--svg '/proc/offload_passes_nope/x.svg': folder")
     assert inspect_dump.main([str(tmp_path / "missing")]) == 2
     _one_line_error(capsys, "offload-inspect", "does not exist")
+
+
+def _parse_error(capsys, parse, argv, prog: str, contains: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    _one_line_error(capsys, prog, contains)
+
+
+ATLAS_BAD = [
+    (["--tol", "nan"], "--tol must be a finite number > 0, got nan"),  # nan passed `tol <= 0` and failed every case
+    (["--tol", "inf"], "--tol must be a finite number > 0, got inf"),
+    (["--tol", "-1"], "--tol must be > 0, got -1.0"),
+    (["--report", "/nonexistent_offload_passes/r.json"],
+     "--report '/nonexistent_offload_passes/r.json': folder '/nonexistent_offload_passes' does not exist"),
+    (["--modes", "eager"], "--modes: unknown value(s) ['eager']"),  # usage block gone: one line
+]
+
+
+@pytest.mark.parametrize("argv,msg", ATLAS_BAD, ids=[" ".join(a) for a, _ in ATLAS_BAD])
+def test_atlas_check_bad_input_exits_2_with_one_line(argv, msg, capsys):
+    from offload_passes.tools import atlas_check
+
+    _parse_error(capsys, atlas_check.parse_args, argv, "offload-atlas-check", msg)
+
+
+def test_atlas_check_report_onto_a_directory_is_rejected_before_the_run(tmp_path, monkeypatch, capsys):
+    """Without the check the whole run happened first, then writing the report raised IsADirectoryError."""
+    from offload_passes.tools import atlas_check
+
+    monkeypatch.setattr(atlas_check, "environment", lambda: pytest.fail("the check ran"))
+    with pytest.raises(SystemExit) as e:
+        atlas_check.main(["--models", "tiny", "--report", str(tmp_path)])
+    assert e.value.code == 2
+    _one_line_error(capsys, "offload-atlas-check", f"--report {str(tmp_path)!r} is a directory; give a file path")
+
+
+@pytest.mark.parametrize("width", ["10", "0", "62", "4097", "1000000000"])
+def test_inspect_width_out_of_range_exits_2(width, tmp_path, capsys):
+    from fake_dump import write_fake_dump
+
+    d = write_fake_dump(tmp_path / "dump")
+    assert inspect_dump.main([str(d), "--layer", "1", "--width", width]) == 2
+    _one_line_error(capsys, "offload-inspect", f"--width must be in [63, 4096] (two columns of at least 30 "
+                                               f"characters), got {width}")
+    for ok in (63, 4096):  # the limits themselves are accepted: the two columns fill the width
+        assert inspect_dump.main([str(d), "--layer", "1", "--width", str(ok)]) == 0
+        rule = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("---"))
+        assert len(rule) == 2 * ((ok - 3) // 2) + 3
+
+
+def test_inspect_picture_path_onto_a_directory_exits_2(tmp_path, capsys):
+    from fake_dump import write_fake_dump
+
+    d = write_fake_dump(tmp_path / "dump")
+    assert inspect_dump.main([str(d), "--dot", str(tmp_path)]) == 2
+    _one_line_error(capsys, "offload-inspect", f"--dot {str(tmp_path)!r} is a directory; give a file path")
 
 
 def test_console_script_prints_no_traceback():

@@ -49,3 +49,55 @@ def test_errors(capsys, tmp_path):
     assert "16 x a power of two, got 48" in capsys.readouterr().err
     assert cli.main(["synth:bogus=1"]) == 2
     assert "unknown synthetic parameter 'bogus'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- issue 20 hardening
+def _tiny_trace(tmp_path, ids, L):
+    import numpy as np
+
+    from offload_passes.trace.format import Trace, save_trace
+
+    topk = np.array(ids, dtype=np.int32).reshape(len(ids), 1, 1, 1, -1)
+    return save_trace(Trace(topk, np.full((len(ids), 1), L, dtype=np.int32), topk.shape[-1]), tmp_path / "t.npz")
+
+
+def test_huge_ids_beyond_the_lengths_do_not_size_the_id_maps(tmp_path, capsys):
+    # a 2-step trace with id 1e9: the maps are sized by the lengths (was 24 GB and an OOM kill)
+    path = _tiny_trace(tmp_path, [[5, 1_000_000_000], [5, 7]], 100)
+    from offload_passes.trace.format import load_trace
+
+    assert load_trace(path).id_range == 100
+    assert cli.main([str(path), "--pool-sizes", "16", "--policies", "lru,sa_fifo,belady", "--json"]) == 0
+    by = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert by["lru"]["hits"] == 1 and by["belady"]["hits"] == 1  # id 5 reused; 1e9 is beyond the length
+
+
+def test_unreadable_trace_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"PK\x03\x04 definitely not a zip")
+    assert cli.main([str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("offload-sim: error:") and "unreadable trace file" in err and err.count("\n") == 1
+    assert cli.main([str(tmp_path)]) == 2
+    assert "is not a file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--ways", "0"], "--ways must be in [1, 1024], got 0"),
+    (["--plot", "/nonexistent_dir_h2/p.png"], "folder /nonexistent_dir_h2 does not exist"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
+])
+def test_bad_options_exit_2_before_the_run(args, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([SPEC, "--pool-sizes", "64"] + args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_plot_into_a_directory_is_rejected_up_front(tmp_path, capsys, monkeypatch):
+    ran = []
+    monkeypatch.setattr(sim, "sweep", lambda *a, **k: ran.append(1) or [])
+    with pytest.raises(SystemExit):
+        cli.main([SPEC, "--plot", str(tmp_path)])
+    assert "is a directory" in capsys.readouterr().err and not ran

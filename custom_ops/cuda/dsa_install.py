@@ -1,0 +1,272 @@
+"""Triton kernels of ``custom::dsa_install`` (FIFO) and ``offload_ref::dsa_install_sc`` (second chance).
+
+Twin of ``csrc/_install_common.h`` (+ ``dsa_install.cpp`` / ``dsa_install_sc.cpp``), CPU ``base = 0``
+records layout. The C++ kernel walks a batch row's records in order; here the work is partitioned by
+**(batch row, set)** so that many programs run at once and none races another:
+
+1. ``_first_kernel`` / ``_cand_kernel`` (record-parallel): per-row dedupe. The first occurrence of an
+   id is the valid record with the smallest global index ``g = mt*cap + i``; ``atomic_min`` over
+   ``[B, IR]`` gives the same answer whatever the order of the programs. Each installing record gets
+   the key ``b*NS + set``; a stable device sort of the keys lists every set's installs in record order.
+2. ``_assign_kernel`` (one program per ``(b, set)``): walks its set's list in record order. The victim choice (FIFO pointer, or the
+   second-chance reference bits, set first from the plan's POOL_HIT rows of that set), the set's
+   counter (a register) and its 16 ``pool_ids`` entries are owned by that program: **per-set independence**
+   (a record only ever touches the ways of the set it names, and a set's counter only moves with its own
+   installs) makes this equal to the sequential order. Each install logs its slot and the evicted id
+   under its index ``g``.
+3. ``_keys_kernel``: writes that can cross sets (``id_to_slot`` of an evicted id or of the installed
+   id, and payload rows, which batch rows share when ``PS % selection_block_size != 0``) are resolved
+   as "last write in record order wins", as in the sequential kernel: ``atomic_max`` of the write's
+   sequence number (``2g`` eviction, ``2g+1`` claim, ``g`` payload) per destination.
+4. ``_apply_kernel``: only the winning write of each destination is performed (one writer per address).
+
+``metadata_update=0`` runs steps 1-4 on a private copy of the counters and writes the payload only.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _library as L
+from .. import dsa_install as M
+from .._records import records_layout
+from ._common import INT32_MAX, bits, commit, int32_words, next_pow2, out_buffer, require_triton
+
+triton = require_triton()
+import triton.language as tl  # noqa: E402
+
+OP, FUNCTIONAL_OP = M.OP, M.FUNCTIONAL_OP
+WAYS = 16
+
+
+@triton.jit
+def _first_kernel(words_ptr, first_ptr, MT, S, K, IR, NS, stride_w, cnt_w, cap, BLOCK_CAP: tl.constexpr,
+                  MPP: tl.constexpr):
+    idx = tl.arange(0, MPP * BLOCK_CAP)       # MPP microtasks per program, BLOCK_CAP record slots each
+    mt = tl.program_id(0) * MPP + idx // BLOCK_CAP
+    i = idx % BLOCK_CAP
+    b = mt // (S * 8)
+    n = tl.minimum(tl.load(words_ptr + cnt_w + mt.to(tl.int64) * 8, mask=mt < MT, other=0), cap)
+    im = (mt < MT) & (i < n)
+    rb = words_ptr + mt.to(tl.int64) * stride_w + 4 * i  # one 16-byte record [set, id, seq, pos]
+    st = tl.load(rb, mask=im, other=-1)
+    x = tl.load(rb + 1, mask=im, other=-1)
+    sq = tl.load(rb + 2, mask=im, other=-1)
+    pos = tl.load(rb + 3, mask=im, other=-1)
+    ok = im & (x >= 0) & (x < IR) & (st >= 0) & (st < NS) & (sq >= 0) & (sq < S) & (pos >= 0) & (pos < K)
+    tl.atomic_min(first_ptr + b.to(tl.int64) * IR + x, mt * cap + i, mask=ok)
+
+
+@triton.jit
+def _cand_kernel(words_ptr, first_ptr, key_ptr, MT, S, K, IR, NS, stride_w, cnt_w, cap, sentinel,
+                 BLOCK_CAP: tl.constexpr, MPP: tl.constexpr):
+    # key[g] = b*NS + set for the records that install (valid and first-seen), sentinel for the others
+    idx = tl.arange(0, MPP * BLOCK_CAP)
+    mt = tl.program_id(0) * MPP + idx // BLOCK_CAP
+    i = idx % BLOCK_CAP
+    b = mt // (S * 8)
+    inside = (mt < MT) & (i < cap)
+    n = tl.minimum(tl.load(words_ptr + cnt_w + mt.to(tl.int64) * 8, mask=mt < MT, other=0), cap)
+    im = (mt < MT) & (i < n)
+    rb = words_ptr + mt.to(tl.int64) * stride_w + 4 * i
+    st = tl.load(rb, mask=im, other=-1)
+    x = tl.load(rb + 1, mask=im, other=-1)
+    sq = tl.load(rb + 2, mask=im, other=-1)
+    pos = tl.load(rb + 3, mask=im, other=-1)
+    ok = im & (x >= 0) & (x < IR) & (st >= 0) & (st < NS) & (sq >= 0) & (sq < S) & (pos >= 0) & (pos < K)
+    g = mt * cap + i
+    fst = tl.load(first_ptr + b.to(tl.int64) * IR + x, mask=ok, other=-1)
+    tl.store(key_ptr + g, tl.where(ok & (fst == g), b * NS + st, sentinel), mask=inside)
+
+
+@triton.jit
+def _assign_kernel(words_ptr, order_ptr, start_ptr, count_ptr, lru_ptr, pid_ptr, plan_ptr, log_slot_ptr,
+                   log_old_ptr, S, K, NS, PS, stride_w, cap,
+                   SECOND_CHANCE: tl.constexpr, UPDATE: tl.constexpr, BLOCK_Q: tl.constexpr):
+    b = tl.program_id(0)
+    me = tl.program_id(1)
+    w = tl.arange(0, 16)
+    c = tl.load(lru_ptr + b.to(tl.int64) * NS + me)
+    if SECOND_CHANCE:
+        # reference bits of this set's hits (plan rows of batch row b with kind POOL_HIT)
+        SK = S * K
+        refw = tl.zeros([16], dtype=tl.int32)
+        for q0 in range(0, SK, BLOCK_Q):
+            q = q0 + tl.arange(0, BLOCK_Q)
+            qm = q < SK
+            row = (b.to(tl.int64) * SK + q) * 2
+            kd = tl.load(plan_ptr + row, mask=qm, other=0)
+            v = tl.load(plan_ptr + row + 1, mask=qm, other=-1)
+            mine = qm & (kd == 1) & (v >= 0) & (v < PS) & (v // 16 == me)
+            eq = mine[:, None] & ((v % 16)[:, None] == w[None, :])
+            refw = refw | tl.max(eq.to(tl.int32), 0)
+        c = c | tl.sum(refw << (4 + w), 0)  # distinct bits: the sum is the OR
+    # This set's installs, in record order (a stable sort of the install keys, done by the launcher).
+    # The set's 16 pool_ids entries are owned by this program; a barrier after each write makes it
+    # visible to every thread of the program before the next install reads it.
+    row_ids = pid_ptr + b.to(tl.int64) * PS + me * 16
+    first = tl.load(start_ptr + b * NS + me)
+    for t in range(tl.load(count_ptr + b * NS + me)):
+        g = tl.load(order_ptr + first + t)
+        x = tl.load(words_ptr + (g // cap).to(tl.int64) * stride_w + 4 * (g % cap) + 1)
+        if SECOND_CHANCE:
+            # first way from the pointer whose reference bit is clear; the set bits before it are
+            # cleared (all 16 set: all cleared, the pointer's way)
+            ptr = c & 15
+            ref = (c >> 4) & 0xFFFF
+            rot = ((ref >> ptr) | (ref << (16 - ptr))) & 0xFFFF
+            ones = (~rot & (rot + 1)) - 1          # the trailing set bits of rot
+            v = ones - ((ones >> 1) & 0x5555)       # popcount(ones) = ways skipped
+            v = (v & 0x3333) + ((v >> 2) & 0x3333)
+            v = (v + (v >> 4)) & 0x0F0F
+            skip = (v + (v >> 8)) & 0x1F
+            way = (ptr + skip) & 15
+            cleared = ((ones << ptr) | (ones >> (16 - ptr))) & 0xFFFF
+            c = ((c & ~(cleared << 4)) & ~15) | ((way + 1) & 15)
+        else:
+            way = c & 15
+            c = ((c & 15) + 1) & 15
+        old = tl.load(row_ids + way)
+        tl.store(row_ids + way, x)
+        tl.store(log_slot_ptr + g, me * 16 + way)
+        tl.store(log_old_ptr + g, old)
+        tl.debug_barrier()
+    if UPDATE:
+        tl.store(lru_ptr + b.to(tl.int64) * NS + me, c)
+
+
+@triton.jit
+def _keys_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr,
+                 MT, S, IR, stride_w, cap, pool_row_base, UPDATE: tl.constexpr, BLOCK_CAP: tl.constexpr,
+                 MPP: tl.constexpr):
+    idx = tl.arange(0, MPP * BLOCK_CAP)
+    mt = tl.program_id(0) * MPP + idx // BLOCK_CAP
+    i = idx % BLOCK_CAP
+    b = (mt // (S * 8)).to(tl.int64)
+    g = mt * cap + i
+    slot = tl.load(log_slot_ptr + g, mask=(mt < MT) & (i < cap), other=-1)
+    inst = slot >= 0
+    rb = words_ptr + mt.to(tl.int64) * stride_w + 4 * i  # one 16-byte record [set, id, seq, pos]
+    st = tl.load(rb, mask=inst, other=-1)
+    x = tl.load(rb + 1, mask=inst, other=-1)
+    sq = tl.load(rb + 2, mask=inst, other=-1)
+    pos = tl.load(rb + 3, mask=inst, other=-1)
+    if UPDATE:
+        old = tl.load(log_old_ptr + g, mask=inst, other=-1)
+        tl.atomic_max(win_i2s_ptr + b * IR + old, 2 * g, mask=inst & (old >= 0) & (old < IR))
+        tl.atomic_max(win_i2s_ptr + b * IR + x, 2 * g + 1, mask=inst)
+    tl.atomic_max(win_dst_ptr + b * pool_row_base + slot, g, mask=inst)
+
+
+@triton.jit
+def _apply_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr, i2s_ptr,
+                  skv_ptr, srp_ptr, pkv_ptr, prp_ptr,
+                  MT, S, IR, stride_w, cap, pool_row_base, blocks_per_row, sbs, Dkv, Dr,
+                  UPDATE: tl.constexpr, BLOCK_CAP: tl.constexpr, BLOCK_DKV: tl.constexpr,
+                  BLOCK_DR: tl.constexpr, MPP: tl.constexpr):
+    idx = tl.arange(0, MPP * BLOCK_CAP)
+    mt = tl.program_id(0) * MPP + idx // BLOCK_CAP
+    i = idx % BLOCK_CAP
+    b = (mt // (S * 8)).to(tl.int64)
+    g = mt * cap + i
+    slot = tl.load(log_slot_ptr + g, mask=(mt < MT) & (i < cap), other=-1)
+    inst = slot >= 0
+    rb = words_ptr + mt.to(tl.int64) * stride_w + 4 * i  # one 16-byte record [set, id, seq, pos]
+    st = tl.load(rb, mask=inst, other=-1)
+    x = tl.load(rb + 1, mask=inst, other=-1)
+    sq = tl.load(rb + 2, mask=inst, other=-1)
+    pos = tl.load(rb + 3, mask=inst, other=-1)
+    if UPDATE:
+        old = tl.load(log_old_ptr + g, mask=inst, other=-1)
+        ev = inst & (old >= 0) & (old < IR)
+        w_old = tl.load(win_i2s_ptr + b * IR + old, mask=ev, other=-1)
+        tl.store(i2s_ptr + b * IR + old, tl.full([MPP * BLOCK_CAP], -1, tl.int32), mask=ev & (w_old == 2 * g))
+        w_new = tl.load(win_i2s_ptr + b * IR + x, mask=inst, other=-1)
+        tl.store(i2s_ptr + b * IR + x, slot, mask=inst & (w_new == 2 * g + 1))
+    dst = b * pool_row_base + slot
+    win = inst & (tl.load(win_dst_ptr + dst, mask=inst, other=-1) == g)
+    src = ((b * S + sq) * blocks_per_row + pos // sbs) * sbs + pos % sbs
+    d = tl.arange(0, BLOCK_DKV)[None, :]
+    m = win[:, None] & (d < Dkv)
+    tl.store(pkv_ptr + dst[:, None] * Dkv + d, tl.load(skv_ptr + src[:, None] * Dkv + d, mask=m), mask=m)
+    e = tl.arange(0, BLOCK_DR)[None, :]
+    m = win[:, None] & (e < Dr)
+    tl.store(prp_ptr + dst[:, None] * Dr + e, tl.load(srp_ptr + src[:, None] * Dr + e, mask=m), mask=m)
+
+
+def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache, pool_k_rope, pool_ids,
+           id_to_slot, lru_counter, raw_seq: int, topk: int, selection_block_size: int, metadata_update: int,
+           plan=None) -> None:
+    """Run the four kernels on validated arguments. ``plan`` given: second-chance victims (``dsa_install_sc``)."""
+    B, PS = pool_kv_cache.size(0), pool_kv_cache.size(1)
+    S, K, sbs, NS, IR = raw_seq, topk, selection_block_size, PS // WAYS, id_to_slot.size(1)
+    lay = records_layout(B, S, K)
+    cap, MT = lay.cap, lay.microtasks
+    dev = pool_kv_cache.device
+    words = int32_words(install_records, lay.required)
+    bufs = [out_buffer(t) for t in (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter)]
+    pkv, prp, pid, i2s, lru = bufs
+    update = metadata_update == 1
+    if not update:  # private counters and pool ids: the metadata stays bit-identical
+        lru, pid = lru.clone(), pid.clone()
+    skv, srp = selection_kv_cache.contiguous(), selection_k_rope.contiguous()
+    first = torch.full((B, IR), INT32_MAX, dtype=torch.int32, device=dev)
+    log_slot = torch.full((MT * cap,), -1, dtype=torch.int32, device=dev)
+    log_old = torch.full((MT * cap,), -1, dtype=torch.int32, device=dev)
+    win_i2s = torch.full((B, IR), -1, dtype=torch.int32, device=dev)
+    win_dst = torch.full((B * PS,), -1, dtype=torch.int32, device=dev)
+    sc = plan is not None
+    plan_t = plan.contiguous() if sc else log_slot  # unused pointer when FIFO
+    block_cap = next_pow2(cap)
+    common = dict(stride_w=lay.stride // 4, cap=cap)
+    mpp = max(1, min(8, 1024 // block_cap))  # microtasks per program of the record-parallel kernels
+    grid = (triton.cdiv(MT, mpp),)
+    _first_kernel[grid](words, first, MT, S, K, IR, NS, cnt_w=lay.rec_bytes // 4, BLOCK_CAP=block_cap, MPP=mpp,
+                        **common)
+    key = torch.empty(MT * cap, dtype=torch.int32, device=dev)
+    _cand_kernel[grid](words, first, key, MT, S, K, IR, NS, cnt_w=lay.rec_bytes // 4, sentinel=B * NS,
+                       BLOCK_CAP=block_cap, MPP=mpp, **common)
+    # Per-(b, set) install lists in record order: device-side sort/count, no host synchronisation.
+    order = torch.sort(key, stable=True).indices.to(torch.int32)
+    count = torch.bincount(key, minlength=B * NS + 1)[: B * NS].to(torch.int32)
+    start = (torch.cumsum(count, 0, dtype=torch.int32) - count).to(torch.int32)
+    _assign_kernel[(B, NS)](words, order, start, count, lru, pid, plan_t, log_slot, log_old, S, K, NS, PS,
+                            SECOND_CHANCE=sc, UPDATE=update, BLOCK_Q=min(1024, next_pow2(S * K)), **common)
+    base = (PS // sbs) * sbs  # NPU destination formula: dst = b*(PS//sbs)*sbs + slot
+    _keys_kernel[grid](words, log_slot, log_old, win_i2s, win_dst, MT, S, IR, pool_row_base=base, UPDATE=update,
+                       BLOCK_CAP=block_cap, MPP=mpp, **common)
+    Dkv, Dr = pkv.size(2), prp.size(2)
+    _apply_kernel[grid](words, log_slot, log_old, win_i2s, win_dst, i2s, bits(skv), bits(srp), bits(pkv),
+                        bits(prp), MT, S, IR, pool_row_base=base, blocks_per_row=(K + sbs - 1) // sbs, sbs=sbs,
+                         Dkv=Dkv, Dr=Dr, UPDATE=update, BLOCK_CAP=block_cap, BLOCK_DKV=next_pow2(Dkv),
+                         BLOCK_DR=next_pow2(Dr), MPP=mpp, **common)
+    targets = (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter)
+    for dst, buf in zip(targets if update else targets[:2], bufs):
+        commit(dst, buf)
+
+
+def run(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table, pool_kv_cache,
+        pool_k_rope, pool_ids, id_to_slot, lru_counter, *, raw_seq: int = 1, topk: int = 2048,
+        selection_block_size: int = 128, metadata_update: int = 1) -> None:
+    """``custom::dsa_install`` through the Triton kernels (in place; same validation as the CPU kernel)."""
+    M.validate_dsa_install(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+                           pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
+                           raw_seq, topk, selection_block_size, metadata_update)
+    launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache, pool_k_rope, pool_ids,
+           id_to_slot, lru_counter, raw_seq, topk, selection_block_size, metadata_update)
+
+
+def run_functional(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+                   pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter, *, raw_seq: int = 1,
+                   topk: int = 2048, selection_block_size: int = 128, metadata_update: int = 1) -> tuple:
+    """``custom::dsa_install_functional``: updated clones, inputs untouched."""
+    M.validate_dsa_install(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
+                           pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
+                           raw_seq, topk, selection_block_size, metadata_update, op=FUNCTIONAL_OP)
+    outs = tuple(t.clone() for t in (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter))
+    launch(install_records, selection_kv_cache, selection_k_rope, *outs, raw_seq, topk, selection_block_size,
+           metadata_update)
+    return outs
+
+
+def register() -> list[str]:
+    return [n for n, fn in ((OP, run), (FUNCTIONAL_OP, run_functional)) if L.impl(n, "CUDA", fn)]

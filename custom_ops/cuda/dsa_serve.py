@@ -1,0 +1,108 @@
+"""Triton kernel of ``custom::dsa_serve`` / ``dsa_serve_functional`` (twin of ``csrc/dsa_serve.cpp``).
+
+One program serves ``BLOCK_R`` consecutive plan rows: kind 1 copies a pool row, kinds 2/3 a full-cache
+row, anything else (and any out-of-range value) writes zeros. Plan rows are independent and each writes
+only its own selection row, so any grid gives the same bytes.
+
+Miss path on a GPU: ``full_kv_cache`` / ``full_k_rope`` may be *pinned host* tensors
+(:func:`offload_passes.cuda.place_full_caches`). The kernel then dereferences host addresses directly:
+with unified virtual addressing (every 64-bit CUDA platform) a page-locked allocation's host pointer is
+also its device pointer (``cudaHostGetDevicePointer`` returns the same value), so passing the pinned
+tensor's ``data_ptr`` reads the missed rows over the host link, zero-copy, with no staging copy of the
+cache. That assumption is checked on a GPU only (``benchmarks/gpu_check.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import dsa_serve as M
+from .. import _library as L
+from ._common import bits, commit, next_pow2, out_buffer, require_triton
+
+triton = require_triton()
+import triton.language as tl  # noqa: E402
+
+OP, FUNCTIONAL_OP = M.OP, M.FUNCTIONAL_OP
+
+
+@triton.jit
+def _copy_rows(q, qm, from_pool, from_full, pool_row, full_row, src_pool, src_full, dst, D, dst_stride,
+               BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    dm = d[None, :] < D
+    a = tl.load(src_pool + pool_row[:, None] * D + d[None, :], mask=from_pool[:, None] & dm, other=0)
+    f = tl.load(src_full + full_row[:, None] * D + d[None, :], mask=from_full[:, None] & dm, other=0)
+    val = tl.where(from_pool[:, None], a, f)  # both masked loads give 0 where they do not apply
+    tl.store(dst + q[:, None] * dst_stride + d[None, :], val, mask=qm[:, None] & dm)
+
+
+@triton.jit
+def _serve_kernel(plan_ptr, fkv_ptr, frp_ptr, pkv_ptr, prp_ptr, skv_ptr, srp_ptr,
+                  rows, per_batch, F, PS, Dkv, Dr, kv_dst_stride, rope_dst_stride,
+                  BLOCK_R: tl.constexpr, BLOCK_DKV: tl.constexpr, BLOCK_DR: tl.constexpr):
+    q = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    qm = q < rows
+    kind = tl.load(plan_ptr + 2 * q, mask=qm, other=0)
+    v = tl.load(plan_ptr + 2 * q + 1, mask=qm, other=-1).to(tl.int64)
+    b = q // per_batch
+    from_pool = qm & (kind == 1) & (v >= 0) & (v < PS)
+    from_full = qm & ((kind == 2) | (kind == 3)) & (v >= 0) & (v < F)
+    pool_row = b * PS + v
+    full_row = b * F + v
+    _copy_rows(q, qm, from_pool, from_full, pool_row, full_row, pkv_ptr, fkv_ptr, skv_ptr, Dkv, kv_dst_stride,
+               BLOCK_DKV)
+    _copy_rows(q, qm, from_pool, from_full, pool_row, full_row, prp_ptr, frp_ptr, srp_ptr, Dr, rope_dst_stride,
+               BLOCK_DR)
+
+
+def launch(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache, selection_k_rope,
+           raw_seq: int, topk: int, selection_block_size: int, compact_layout: int) -> None:
+    """Run the kernel on validated arguments (dense copies / temporaries where the tensors are strided)."""
+    rows = plan.size(0)
+    outs = [out_buffer(t) for t in (selection_kv_cache, selection_k_rope)]
+    Dkv, Dr = full_kv_cache.size(2), full_k_rope.size(2)
+    compact = compact_layout == 1
+    kv_stride = Dkv if compact else outs[0].size(1) * Dkv
+    rope_stride = Dr if compact else outs[1].size(1) * Dr
+    block_dkv, block_dr = next_pow2(Dkv), next_pow2(Dr)
+    block_r = max(1, min(64, 8192 // block_dkv))
+    grid = (triton.cdiv(rows, block_r),)
+    _serve_kernel[grid](
+        plan.contiguous(), bits(L.dense(full_kv_cache, OP, "full_kv_cache")),
+        bits(L.dense(full_k_rope, OP, "full_k_rope")), bits(L.dense(pool_kv_cache, OP, "pool_kv_cache")),
+        bits(L.dense(pool_k_rope, OP, "pool_k_rope")), bits(outs[0]), bits(outs[1]),
+        rows, raw_seq * topk, full_kv_cache.size(1), pool_kv_cache.size(1), Dkv, Dr, kv_stride, rope_stride,
+        BLOCK_R=block_r, BLOCK_DKV=block_dkv, BLOCK_DR=block_dr,
+    )
+    for dst, buf in zip((selection_kv_cache, selection_k_rope), outs):
+        commit(dst, buf)
+
+
+def run(plan: torch.Tensor, full_kv_cache: torch.Tensor, full_k_rope: torch.Tensor, pool_kv_cache: torch.Tensor,
+        pool_k_rope: torch.Tensor, selection_kv_cache: torch.Tensor, selection_k_rope: torch.Tensor,
+        raw_seq: int = 1, topk: int = 2048, selection_block_size: int = 128, compact_layout: int = 1) -> None:
+    """``custom::dsa_serve`` through the Triton kernel (in place); the CUDA registration calls this too."""
+    M.validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
+                         selection_k_rope, raw_seq, topk, selection_block_size, compact_layout)
+    launch(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache, selection_k_rope,
+           raw_seq, topk, selection_block_size, compact_layout)
+
+
+def run_functional(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
+                   selection_k_rope, raw_seq: int = 1, topk: int = 2048, selection_block_size: int = 128,
+                   compact_layout: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``custom::dsa_serve_functional``: new selection tensors, inputs untouched (as the CPU twin)."""
+    M.validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
+                         selection_k_rope, raw_seq, topk, selection_block_size, compact_layout, op=FUNCTIONAL_OP)
+    if compact_layout == 1:
+        kv, rope = torch.empty_like(selection_kv_cache), torch.empty_like(selection_k_rope)
+    else:
+        kv, rope = selection_kv_cache.clone(), selection_k_rope.clone()
+    launch(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, kv, rope,
+           raw_seq, topk, selection_block_size, compact_layout)
+    return kv, rope
+
+
+def register() -> list[str]:
+    """CUDA kernels of the op and its twin (skipped where one is already registered)."""
+    return [n for n, fn in ((OP, run), (FUNCTIONAL_OP, run_functional)) if L.impl(n, "CUDA", fn)]

@@ -1,0 +1,59 @@
+"""The state of one rewritten graph: which tensors are its full caches, and its pools / metadata.
+
+Reads FX nodes (the plans' geometry), so it lives with the passes; ``state.py`` stays free of FX
+(model code and the lowerings import it without the passes).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from ..state import REGISTRY, GroupLayout, OffloadState
+from . import _fx
+
+__all__ = ["build_state", "cache_refs"]
+
+
+def cache_refs(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any]
+               ) -> Optional[tuple[list[list[tuple]], list[list[Any]]]]:
+    """Per group, per layer the full kv / rope caches as ``("arg", i)`` / ``("const", tensor)`` refs and
+    the example tensors; None when a cache is neither a graph input nor an attribute."""
+    index = {p: i for i, p in enumerate(_fx.placeholders(gm.graph))}
+    refs: list[list[tuple]] = []
+    tensors: list[list[Any]] = []
+    for p in plans:
+        r, t = [], []
+        for l in p.layers:
+            for node in (p.geometry[l].full_kv, p.geometry[l].full_rope):
+                root = _fx.strip_views(node)
+                if root in index and index[root] < len(example_inputs):
+                    r.append(("arg", index[root]))
+                    t.append(example_inputs[index[root]])
+                elif _fx.is_graph_input_or_attr(root) and root.op == "get_attr":
+                    obj = _fx.attr_value(gm, root)
+                    r.append(("const", obj))
+                    t.append(obj)
+                else:
+                    return None
+        refs.append(r)
+        tensors.append(t)
+    if not all(hasattr(x, "data_ptr") for ts in tensors for x in ts):
+        return None
+    return refs, tensors
+
+
+def build_state(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any], graph_id: str,
+                shared_state: bool) -> OffloadState:
+    """The state of one rewritten graph: taken from ``state.REGISTRY`` for the example inputs' full caches
+    when ``shared_state`` and the caches are graph inputs / attributes (graphs on the same caches share
+    it), else private tensors. ``layouts`` / ``cache_refs`` / ``shared`` say how to bind it per call."""
+    layouts = [GroupLayout.from_plan(p) for p in plans]
+    found = cache_refs(gm, plans, example_inputs)
+    if shared_state and found is not None:
+        state = REGISTRY.bind(graph_id, layouts, found[1])
+    else:
+        ex = _fx.example(plans[0].geometry[plans[0].owner_layer].full_kv)
+        state = OffloadState.allocate(graph_id, layouts, device=ex.device if ex is not None else None)
+    state.layouts = layouts
+    state.cache_refs = found[0] if found is not None else None
+    state.shared = bool(shared_state and found is not None)
+    return state

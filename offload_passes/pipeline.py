@@ -1,0 +1,191 @@
+"""The one orchestrator: detect → group → plan → rewrite, for every front-end and every exe_mode.
+
+``rewrite_for_offload(gm, example_inputs, options, install_hook)`` tries the front-ends in order
+(:data:`FRONT_ENDS`: the recipe form, then the Hugging Face form); the first that finds DSA sites owns
+the graph. Preconditions, refusals and ``strict``, state allocation, the shared rewrite core
+(``passes/rewrite.py``: guards, new-request invalidation, plan / serve / install, ``replacement_policy``,
+``install_hook``) and the report exist once, here; a front-end adds only detection, planning and how a
+site's attention is emitted. Each pass is timed (``report.timings[<pass>_s]``) and logged; Python's
+cyclic GC is paused while the passes run (``passes/_fx.paused_gc``: a full sweep of the compiler's heap
+is never charged to a pass at random).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Optional, Sequence
+
+from torch import fx
+
+from .options import OffloadOptions
+from .passes import _fx
+from .passes.detect import Refusal
+from .passes.frontend_recipe import RECIPE
+from .passes.group import group
+from .passes.preconditions import PlanReport
+from .passes.rewrite import FrontEnd, InstallHook, OffloadRefused, rewrite
+from .passes.rewrite_hf import HF
+from .passes.state_build import build_state
+from .report import GraphReport
+from .state import OffloadState
+
+log = logging.getLogger("offload_passes.pipeline")
+
+__all__ = ["rewrite_for_offload", "FRONT_ENDS", "OffloadRefused", "new_graph_id"]
+
+#: The front-ends, tried in order; the first whose detection finds DSA sites rewrites the graph.
+FRONT_ENDS: tuple[FrontEnd, ...] = (RECIPE, HF)
+#: passes every front-end shares (the report's ``passes`` list adds each front-end's own)
+SHARED_PASS_FILES = {"group": "passes/group.py", "rewrite": "passes/rewrite.py", "reinplace": "passes/reinplace.py"}
+
+_graph_ids = itertools.count()
+
+
+def new_graph_id() -> str:
+    return f"graph_{next(_graph_ids):03d}"
+
+
+def rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], options: OffloadOptions | None = None,
+                        install_hook: Optional[InstallHook] = None, graph_id: Optional[str] = None,
+                        shared_state: bool = False, in_graph_guards: Optional[bool] = None,
+                        ) -> tuple[fx.GraphModule, Optional[OffloadState], GraphReport]:
+    """Detect, group, plan and rewrite ``gm`` in place.
+
+    Returns ``(gm, state, report)``: ``state`` is None when nothing was offloaded. Raises
+    ``OffloadRefused`` under ``options.strict`` when there are DSA sites but a precondition fails.
+    ``shared_state``: take the state from ``state.REGISTRY`` for the example inputs' full caches (the
+    caller passes it as graph inputs, ``passes/state_inputs.py``); else the graph gets a private state
+    (buffers). ``in_graph_guards`` (default: the mode's ``guards`` flag in ``modes.MODES``) emits the
+    run-time checks (``aten._assert_async``; GE has no converter for it).
+    """
+    opts = options or OffloadOptions()
+    if in_graph_guards is None:
+        from .modes import MODES
+
+        in_graph_guards = MODES[opts.exe_mode].guards
+    with _fx.paused_gc():
+        return _run(gm, example_inputs, opts, install_hook, graph_id or new_graph_id(), shared_state,
+                    in_graph_guards)
+
+
+class _Timer:
+    def __init__(self, timings: dict):
+        self.t = timings
+
+    def __call__(self, name: str, fn, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.t[f"{name}_s"] = self.t.get(f"{name}_s", 0.0) + time.perf_counter() - t0
+
+
+def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions, install_hook: Optional[InstallHook],
+         graph_id: str, shared_state: bool, in_graph_guards: bool,
+         ) -> tuple[fx.GraphModule, Optional[OffloadState], GraphReport]:
+    report = GraphReport(graph_id, opts.exe_mode, opts.to_dict())
+    timed = _Timer(report.timings)
+    report.ops = {"before": _fx.count_ops(gm.graph), "after": None}
+    fe, det = None, None
+    for cand in FRONT_ENDS:
+        det = timed("detect", cand.detect, gm)
+        if det.has_dsa:
+            fe = cand
+            break
+    for k in ("group_s", "plan_s", "rewrite_s"):
+        report.timings.setdefault(k, 0.0)
+    report.ops["after"] = report.ops["before"]
+    if fe is None:
+        report.detect = _detect_summary(det)
+        report.passes = _passes(RECIPE)
+        log.debug("%s: no DSA site in the graph; passing it through", graph_id)
+        return gm, None, report
+    report.frontend = fe.name
+    report.passes = _passes(fe)
+    report.detect = _detect_summary(det)
+    if fe is HF:
+        report.hf = {"form": "transformers", "sites": [s.to_dict() for s in det.sites], "offload": False,
+                     "offload_refusals": []}
+    grp = timed("group", group, det)
+    partial = getattr(fe, "partial_on_refusal", False)
+    blocking, quiet = fe.screen(det) if hasattr(fe, "screen") else (list(det.refusals), [])
+    if quiet and not blocking:
+        report.refusals = [r.to_dict() for r in quiet]
+        log.info("%s: %s", graph_id, "; ".join(r.detail for r in quiet))
+        return gm, None, report
+    offload_on = opts.enable_offload and opts.shared_indexer_offload
+    pr = timed("plan", fe.plan, gm, grp, example_inputs, opts) if offload_on and not blocking else PlanReport([], [])
+    report.groups = [p.to_dict() for p in pr.groups]
+    refusals: list[Refusal] = list(blocking)
+    if not offload_on and not partial:
+        refusals.insert(0, Refusal("disabled", "enable_offload / shared_indexer_offload is off in the config"))
+    offload_refusals = list(pr.refusals)
+    if blocking or (offload_refusals and not partial) or (refusals and not partial):
+        refusals += offload_refusals
+        report.refusals = [r.to_dict() for r in refusals]
+        _refuse(graph_id, refusals, opts.strict, "DSA offload not applied", "compiling the graph unmodified")
+        return gm, None, report
+    if offload_refusals:  # HF: the sparse rewrite stays (it is exact), without the offload
+        report.hf["offload_refusals"] = [r.to_dict() for r in offload_refusals]
+        _refuse(graph_id, offload_refusals, opts.strict, f"shared-indexer offload not applied to the {fe.name} graph",
+                "sparse attention only")
+    plans = pr.groups if offload_on else []
+    state = None
+    if plans:
+        state = timed("alloc", build_state, gm, plans, example_inputs, graph_id, shared_state)
+    rr = timed("rewrite", rewrite, gm, fe, grp, plans, state, opts.update_ledger, install_hook, in_graph_guards,
+               True, opts.replacement_policy)
+    if not rr.offload:
+        report.groups = [{"group_id": g.group_id, "owner_layer": g.owner.layer, "layers": g.layers,
+                          "topk_node": g.producer.name, "K": g.owner.dims["K"], "S": g.owner.dims["S"],
+                          "B": g.owner.dims["B"]} for g in grp.groups]
+    report.rewritten = True
+    report.sites = [s.to_dict() for s in rr.sites]
+    report.layer_nodes = {"before": rr.layer_nodes_before, "after": rr.layer_nodes_after}
+    report.ops["after"] = _fx.count_ops(gm.graph)
+    report.state = state.describe() if state is not None else []
+    report.state_bytes = state.total_bytes if state is not None else 0
+    report.buffers = rr.buffers
+    report.guards = rr.guards
+    if report.hf is not None:
+        report.hf.update({"offload": rr.offload, **rr.extra})
+    log.info("%s: %s form: rewrote %d DSA layers in %d groups %s%s", graph_id, fe.name, len(rr.sites),
+             len(grp.groups), [g.layers for g in grp.groups], "" if rr.offload else " (sparse attention, no offload)")
+    return gm, state, report
+
+
+def _passes(fe: FrontEnd) -> list[dict]:
+    files = {"detect": fe.pass_files["detect"], "group": SHARED_PASS_FILES["group"], "plan": fe.pass_files["plan"],
+             "rewrite": SHARED_PASS_FILES["rewrite"], "emit": fe.pass_files["emit"],
+             "reinplace": SHARED_PASS_FILES["reinplace"]}
+    return [{"name": k, "file": v} for k, v in files.items()]
+
+
+def _detect_summary(det: Any) -> dict:
+    if det is None:
+        return {"gathers": 0, "sites": 0, "indexers": [], "other_topk": []}
+    if hasattr(det, "candidates"):  # HF
+        return {"gathers": det.candidates, "sites": len(det.sites), "indexers": det.topk_nodes, "other_topk": []}
+    return {"gathers": det.gathers, "sites": len(det.sites), "indexers": det.indexers, "other_topk": det.other_topk}
+
+
+def refusal_message(refusals: Sequence[Refusal]) -> str:
+    """Each reason once, with its layers and its first detail: ``reason (layers 1, 3): detail``."""
+    by: dict[str, list[Refusal]] = {}
+    for r in refusals:
+        by.setdefault(r.reason, []).append(r)
+    parts = []
+    for reason, rs in by.items():
+        layers = sorted({r.layer for r in rs if r.layer is not None})
+        where = f" (layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))})" if layers else ""
+        parts.append(f"{reason}{where}: {rs[0].detail}")
+    return "; ".join(parts)
+
+
+def _refuse(graph_id: str, refusals: Sequence[Refusal], strict: bool, what: str, fallback: str) -> None:
+    """One warning naming each reason once with its layers; ``OffloadRefused`` under strict."""
+    msg = f"{graph_id}: {what}: {refusal_message(refusals)}"
+    if strict:
+        raise OffloadRefused(msg)
+    log.warning("%s; %s", msg, fallback)

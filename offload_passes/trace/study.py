@@ -1,0 +1,314 @@
+"""Trace science on one consistent set of hit rates (issue 20): ``python -m offload_passes.trace.study``.
+
+Every figure comes from long warm traces (``--steps`` measured after ``--warmup`` steps that fill even a
+16K pool: ~840 new ids enter per step) of every model of :mod:`.models` and ``--seeds`` seeds, and is
+reported as a range over that ensemble. Sections:
+
+* ``locality``  — the fitted numbers, the reference's pinned SA-FIFO figures, LRU, and the bounds: MIN
+  per 16-way set with and without bypass beside the fully associative MIN; the independent NumPy
+  re-computation of SA-FIFO (:mod:`.setsim`) beside the C++ core's.
+* ``policies``  — the policy study at 8K and 16K under the op's constraints (≤ 1 metadata write per hit,
+  ≤ 17 probes per victim search, no host sync): hit rate, distance to the per-set MIN, every metadata
+  write per step (hit writes, reference-bit clears, rank stamps), probes per victim search.
+* ``prefetch``  — rank_prefetch's host rows against MIN's misses (demand fetching is optimal for loads).
+
+``ensemble_hits`` is what ``offload-plan --what-if`` fits and predicts with.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from . import models, setsim, sim, synth
+from .format import Trace
+
+log = logging.getLogger("offload_passes.trace.study")
+
+#: policy names the study (and the what-if) accept beyond offload-sim's: NumPy set-associative variants
+EXTRA = ("min_per_set", "min_per_set_nobypass", "sa_clock_ins1", "sa_rank", "sa_rank_P", "sa_clock_P", "sa_fifo_np")
+SCORE_MODELS = ("score", "twoscale")
+RANK_P = 4096   # ranks the score-informed variants read (the indexer would export ranks K..P-1)
+
+
+def known_policy(name: str) -> bool:
+    return name in sim.POLICIES or name in EXTRA
+
+
+def run_policy(tr: Trace, name: str, pool: int, warmup: int) -> dict:
+    """Hit rate and per-step metadata work of one policy (C++ core or :mod:`.setsim`)."""
+    if name in sim.POLICIES:
+        r = sim.simulate(tr, name, pool, warmup=warmup)
+        n = max((tr.steps - warmup) * len(tr.groups) * tr.B, 1)
+        installs = r.misses / n  # S = 1 traces: one entry per distinct id, every miss installed
+        # a second-chance sweep's probe either clears a reference bit or takes the way: the C++ core
+        # counts the clears as scans, here they are metadata writes
+        clears = r.scans_per_step - installs if name in ("sa_clock", "clock") else 0.0
+        return {"hit": r.hit_rate, "hit_writes": r.writes_per_step, "clear_writes": clears,
+                "rank_writes": 0.0, "probes": r.scans_per_step, "installs": installs, "prefetch": r.prefetch / n}
+    if name in ("min_per_set", "min_per_set_nobypass"):
+        r = setsim.per_set_min(tr, pool, bypass=name == "min_per_set", warmup=warmup)
+    elif name == "sa_fifo_np":
+        r = setsim.simulate_sa(tr, "sa_fifo", pool, warmup=warmup)
+    elif name == "sa_clock_ins1":
+        r = setsim.simulate_sa(tr, "sa_clock", pool, warmup=warmup, insert_bit=1)
+    elif name in ("sa_rank", "sa_rank_P", "sa_clock_P"):
+        rc = min(RANK_P, tr.P) if name.endswith("_P") else None
+        r = setsim.simulate_sa(tr, "sa_clock" if name == "sa_clock_P" else "sa_rank", pool, warmup=warmup,
+                               rank_columns=rc)
+    else:
+        raise ValueError(f"unknown policy {name!r}")
+    return {"hit": r.hit_rate, "hit_writes": r.per_step("hit_writes"), "clear_writes": r.per_step("clear_writes"),
+            "rank_writes": r.per_step("rank_writes"), "probes": r.per_step("probes"),
+            "installs": r.per_step("installs"), "max_probes": r.max_probes}
+
+
+def traces(seeds: int, steps: int, warmup: int, context: int = 65536,
+           which: Sequence[str] = models.MODELS) -> list[tuple[str, int, Trace]]:
+    out = []
+    for m in which:
+        for s in range(seeds):
+            P = RANK_P if m in SCORE_MODELS else None
+            out.append((m, s, models.generate(m, steps=steps + warmup, seed=s, context=context, P=P)))
+    return out
+
+
+def ensemble_hits(policies: Sequence[str], pools: Sequence[int], seeds: int = 2, steps: int = 1152,
+                  warmup: int = 128, context: int = 65536, which: Sequence[str] = models.MODELS) -> list[dict]:
+    """One member per (model, seed): ``{"model", "seed", "hits": {(policy, pool): hit rate}}``."""
+    out = []
+    for m, s, tr in traces(seeds, steps, warmup, context, which):
+        hits = {}
+        for pol in policies:
+            for ps in pools:
+                if pol in ("sa_rank_P", "sa_clock_P", "rank_keep", "rank_prefetch") and m not in SCORE_MODELS:
+                    continue
+                hits[(pol, ps)] = run_policy(tr, pol, ps, warmup)["hit"]
+        out.append({"model": m, "seed": s, "context": context, "hits": hits})
+    return out
+
+
+def _rng(vals: list) -> dict:
+    v = np.array(vals, dtype=float)
+    return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max()), "n": int(v.size)}
+
+
+LOCALITY = [  # (row, policy, pool, reference, kind)
+    ("adjacent-step reuse, K=2048", "adjacent", 2048, synth.REF_ADJACENT_K2048, "fitted"),
+    ("LRU, 8K", "lru", 8192, synth.REF_LRU_8K, "fitted"),
+    ("16-way SA-FIFO, 8K (C++ core)", "sa_fifo", 8192, synth.REF_SA_FIFO_8K, "predicted; ref ≈ 85 %"),
+    ("16-way SA-FIFO, 8K (NumPy re-computation)", "sa_fifo_np", 8192, synth.REF_SA_FIFO_8K, "independent"),
+    ("16-way SA-FIFO, 16K", "sa_fifo", 16384, synth.REF_SA_FIFO_16K, "predicted; ref > 90 %"),
+    ("LRU, 16K", "lru", 16384, None, "predicted"),
+    ("MIN per 16-way set, no bypass, 8K", "min_per_set_nobypass", 8192, None, "bound (always-install)"),
+    ("MIN per 16-way set, bypass, 8K", "min_per_set", 8192, None, "bound (16-way geometry)"),
+    ("MIN fully associative, 8K", "belady", 8192, None, "bound (any demand policy)"),
+    ("MIN per 16-way set, no bypass, 16K", "min_per_set_nobypass", 16384, None, "bound (always-install)"),
+    ("MIN per 16-way set, bypass, 16K", "min_per_set", 16384, None, "bound (16-way geometry)"),
+    ("MIN fully associative, 16K", "belady", 16384, None, "bound (any demand policy)"),
+]
+
+POLICY_STUDY = ["sa_fifo", "sa_clock", "sa_clock_ins1", "sa_lru", "srrip", "brrip", "sa_rank", "sa_rank_P",
+                "sa_clock_P", "min_per_set_nobypass", "min_per_set", "lru", "clock", "belady"]
+#: (metadata writes per hit at most, probes per victim search at most) of each policy's design
+DESIGN = {"sa_fifo": (0, 1), "sa_clock": (1, 17), "sa_clock_ins1": (1, 17), "sa_lru": (1, 16),
+          "srrip": (1, 64), "brrip": (1, 64), "sa_rank": (1, 16), "sa_rank_P": (1, 16), "sa_clock_P": (1, 17),
+          "lru": (1, None), "clock": (1, None), "min_per_set": (None, None), "min_per_set_nobypass": (None, None),
+          "belady": (None, None)}
+
+
+def study(seeds: int = 3, steps: int = 1152, warmup: int = 128, sections: Sequence[str] = ("locality", "policies",
+          "prefetch"), which: Sequence[str] = models.MODELS) -> dict:
+    t0 = time.perf_counter()
+    trs = traces(seeds, steps, warmup, which=which)
+    res: dict = {}   # (model, seed, policy, pool) -> run_policy dict
+    need = set()
+    if "locality" in sections:
+        need |= {(p, ps) for _, p, ps, _, _ in LOCALITY}
+    if "policies" in sections:
+        need |= {(p, ps) for p in POLICY_STUDY for ps in (8192, 16384)}
+    for m, s, tr in trs:
+        for p, ps in sorted(need):
+            if p in ("sa_rank_P", "sa_clock_P") and m not in SCORE_MODELS:
+                continue
+            res[(m, s, p, ps)] = run_policy(tr, p, ps if p != "adjacent" else tr.K, warmup)
+        log.info("study: %s seed %d done (%.0f s)", m, s, time.perf_counter() - t0)
+    out: dict = {"seeds": seeds, "steps": steps, "warmup": warmup, "models": list(which),
+                 "model_params": {m: models.FITTED[m] for m in which}}
+    if "locality" in sections:
+        rows = []
+        for name, p, ps, ref, kind in LOCALITY:
+            per = {m: _rng([res[(m, s, p, ps)]["hit"] for s in range(seeds)]) for m in which}
+            allv = [res[(m, s, p, ps)]["hit"] for m in which for s in range(seeds)]
+            agree = None
+            if ref is not None and p.startswith("sa_fifo"):
+                # "≈ 85 %": within 1 point; "> 90 %": above
+                agree = {m: (abs(per[m]["mean"] - ref) <= 0.01 if ps == 8192 else per[m]["min"] > ref) for m in which}
+            rows.append({"row": name, "policy": p, "pool": ps, "reference": ref, "kind": kind, "per_model": per,
+                         "ensemble": _rng(allv), "agrees": agree})
+        diff = max(abs(res[(m, s, "sa_fifo", 8192)]["hit"] - res[(m, s, "sa_fifo_np", 8192)]["hit"])
+                   for m in which for s in range(seeds))
+        out["locality"] = {"rows": rows, "sa_fifo_cpp_vs_numpy_max_abs_diff": diff}
+    if "policies" in sections:
+        rows = []
+        for ps in (8192, 16384):
+            for p in POLICY_STUDY:
+                ms = [m for m in which if p not in ("sa_rank_P", "sa_clock_P") or m in SCORE_MODELS]
+                keys = [(m, s) for m in ms for s in range(seeds)]
+                hit = [res[(m, s, p, ps)]["hit"] for m, s in keys]
+                gap = [res[(m, s, "min_per_set", ps)]["hit"] - res[(m, s, p, ps)]["hit"] for m, s in keys]
+                w = lambda k: _rng([res[(m, s, p, ps)].get(k, 0.0) for m, s in keys])["mean"]  # noqa: E731
+                mp = max((res[(m, s, p, ps)].get("max_probes", 0) for m, s in keys), default=0)
+                wh, pr = DESIGN[p]
+                inst = w("installs")
+                ok = wh is not None and wh <= 1 and pr is not None and pr <= 17
+                rows.append({"policy": p, "pool": ps, "models": ms, "hit": _rng(hit), "gap_to_min_per_set": _rng(gap),
+                             "hit_writes": w("hit_writes"), "clear_writes": w("clear_writes"),
+                             "rank_writes": w("rank_writes"), "probes": w("probes"), "installs": inst,
+                             "probes_per_victim": w("probes") / inst if inst else 0.0,
+                             "max_probes_seen": mp or None, "design_writes_per_hit": wh, "design_max_probes": pr,
+                             "within_op_constraints": ok})
+        out["policies"] = rows
+    if "prefetch" in sections:
+        chk = []
+        for m, s, tr in trs:
+            if m not in SCORE_MODELS:
+                continue
+            for ps in (8192, 16384):
+                rows_, lo = setsim.host_rows_bound_holds(tr, ps, warmup)
+                chk.append({"model": m, "seed": s, "pool": ps, "rank_prefetch_host_rows": rows_, "min_misses": lo,
+                            "holds": rows_ >= lo})
+        out["prefetch"] = chk
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def _pct(r: dict) -> str:
+    return f"{100 * r['mean']:.2f} ({100 * r['min']:.2f}–{100 * r['max']:.2f})"
+
+
+def render(o: dict) -> str:
+    ms = o["models"]
+    lines = [f"ensemble: models {', '.join(ms)}; {o['seeds']} seeds each; {o['steps']} steps measured after "
+             f"{o['warmup']} warm-up steps; context 64K, K = 2048, S = 1", ""]
+    if "locality" in o:
+        lines += ["| quantity | reference | " + " | ".join(ms) + " | ensemble | kind |",
+                  "|---|---|" + "---|" * len(ms) + "---|---|"]
+        for r in o["locality"]["rows"]:
+            ref = "–" if r["reference"] is None else f"{100 * r['reference']:.2f} %"
+            cells = []
+            for m in ms:
+                c = _pct(r["per_model"][m])
+                if r["agrees"] is not None:
+                    c += " ✓" if r["agrees"][m] else " ✗"
+                cells.append(c)
+            lines.append(f"| {r['row']} | {ref} | " + " | ".join(cells) + f" | {_pct(r['ensemble'])} | {r['kind']} |")
+        lines += ["", f"SA-FIFO 8K, C++ core vs NumPy re-computation: max |difference| = "
+                      f"{100 * o['locality']['sa_fifo_cpp_vs_numpy_max_abs_diff']:.4f} points", ""]
+    if "policies" in o:
+        lines += ["| policy | pool | hit % (ensemble) | below per-set MIN (points) | hit writes/step | "
+                  "bit clears/step | rank stamps/step | probes/victim (max) | within op constraints |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in o["policies"]:
+            g = r["gap_to_min_per_set"]
+            mp = r["max_probes_seen"] or r["design_max_probes"]
+            sub = "" if len(r["models"]) == len(ms) else f" [{', '.join(r['models'])}]"
+            lines.append(f"| {r['policy']}{sub} | {r['pool'] // 1024}K | {_pct(r['hit'])} | "
+                         f"{100 * g['mean']:.2f} ({100 * g['min']:.2f}–{100 * g['max']:.2f}) | {r['hit_writes']:.0f} | "
+                         f"{r['clear_writes']:.0f} | {r['rank_writes']:.0f} | {r['probes_per_victim']:.2f} ({mp}) | "
+                         f"{'yes' if r['within_op_constraints'] else 'no'} |")
+        lines.append("")
+    if "prefetch" in o:
+        ok = all(c["holds"] for c in o["prefetch"])
+        lines.append("rank_prefetch host rows >= MIN misses on every score-model trace: " + ("yes" if ok else "NO"))
+        for c in o["prefetch"]:
+            lines.append(f"  {c['model']} seed {c['seed']} {c['pool'] // 1024}K: {c['rank_prefetch_host_rows']} "
+                         f">= {c['min_misses']}")
+    lines.append(f"({o['seconds']} s)")
+    return "\n".join(lines)
+
+
+def plot(o: dict, path: str) -> str:
+    """Policy-study hit rates at 8K and 16K, bars = ensemble mean, whiskers = ensemble min-max."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = o["policies"]
+    pols = list(dict.fromkeys(r["policy"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    x = np.arange(len(pols))
+    for j, (ps, col) in enumerate(((8192, "tab:blue"), (16384, "tab:orange"))):
+        rs = {r["policy"]: r for r in rows if r["pool"] == ps}
+        mean = np.array([100 * rs[p]["hit"]["mean"] for p in pols])
+        lo = mean - np.array([100 * rs[p]["hit"]["min"] for p in pols])
+        hi = np.array([100 * rs[p]["hit"]["max"] for p in pols]) - mean
+        ax.bar(x + (j - 0.5) * 0.4, mean, 0.4, yerr=[lo, hi], capsize=2, color=col, label=f"{ps // 1024}K pool")
+    ax.set_xticks(x, pols, rotation=35, ha="right", fontsize=8)
+    ax.set_ylim(60, 100)
+    ax.set_ylabel("hit rate (%), ensemble mean, min-max")
+    ax.set_title(f"policies on {len(o['models'])} trace models x {o['seeds']} seeds, {o['steps']} warm steps "
+                 "(K = 2048, context 64K)", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m offload_passes.trace.study", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=1152, help="measured steps (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=128)
+    ap.add_argument("--sections", default="locality,policies,prefetch")
+    ap.add_argument("--models", default=",".join(models.MODELS))
+    ap.add_argument("--fit", action="store_true", help="re-fit every model's two knobs and print them")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plot", default=None, help="write the policy-study bar chart to this PNG")
+    ap.add_argument("--from-json", default=None, help="render / plot a saved --json result instead of running")
+    a = ap.parse_args(argv)
+    which = [m for m in a.models.split(",") if m]
+    bad = [m for m in which if m not in models.MODELS]
+    if bad or not which:
+        ap.error(f"--models: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(models.MODELS)}")
+    if a.seeds < 1 or a.steps < 1 or a.warmup < 0:
+        ap.error(f"need --seeds >= 1, --steps >= 1, --warmup >= 0; got {a.seeds}, {a.steps}, {a.warmup}")
+    secs = [s for s in a.sections.split(",") if s]
+    if any(s not in ("locality", "policies", "prefetch") for s in secs):
+        ap.error(f"--sections: choose from locality, policies, prefetch; got {a.sections!r}")
+    if a.fit:
+        out = {m: dict(zip(("params", "locality"), models.fit(m))) for m in which}
+        print(json.dumps(out, indent=1))
+        return 0
+    if a.plot:
+        from pathlib import Path
+
+        pp = Path(a.plot)
+        if pp.is_dir() or not (pp.parent if str(pp.parent) else Path(".")).is_dir():
+            ap.error(f"--plot {a.plot}: not a writable file path (missing folder or a directory)")
+    if a.from_json:
+        o = json.loads(open(a.from_json).read())
+    else:
+        o = study(a.seeds, a.steps, a.warmup, secs, which)
+    if a.plot and "policies" in o:
+        plot(o, a.plot)
+    if a.json:
+        def enc(x):
+            return {str(k): enc(v) for k, v in x.items()} if isinstance(x, dict) else \
+                [enc(v) for v in x] if isinstance(x, list) else x
+        print(json.dumps(enc(o), indent=1))
+    else:
+        print(render(o))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
