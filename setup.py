@@ -136,6 +136,7 @@ setup(
         "test": ["pytest", "hypothesis", "protobuf>=3.13", "packaging"],
         "viz": ["graphviz", "matplotlib"],  # matplotlib: offload-sim --plot
         "hf": ["transformers==5.23.0"],  # the HF front-end (models/hf, passes/detect_hf.py), verified on 5.23.0
+        "cuda": ["triton>=3.2"],  # the Triton kernels (custom_ops/cuda/); tests/cuda run them in its interpreter on CPU
     },
     ext_modules=EXT_MODULES,
     cmdclass={"build_ext": _BuildExt},

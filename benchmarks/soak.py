@@ -68,9 +68,18 @@ def pool_violations(state: Any, full_of: Any) -> list[str]:
     return bad
 
 
+REFILLS = ("random_length", "same_length", "eager_step_between")
+
+
 def run(steps: int = 10000, pool_size: int = 128, p_new: float = 0.02, seed: int = 0, min_prompt: int = 16,
-        max_prompt: int = 300, log_every: int = 0, rss_after: int = 100, max_seconds: float = 0.0) -> dict:
-    """``max_seconds`` > 0: stop after that wall time (the figures then cover the steps done)."""
+        max_prompt: int = 300, log_every: int = 0, rss_after: int = 100, max_seconds: float = 0.0,
+        bookkeeping: bool = True) -> dict:
+    """``max_seconds`` > 0: stop after that wall time (the figures then cover the steps done).
+    ``bookkeeping=False``: the rewrite keeps no gather ledger (the NPU modes' default), so new requests
+    are seen through the caches' version counters and the length window only (docs/new-requests.md).
+    A new request re-fills its row by one of :data:`REFILLS`: a random prompt length, a prompt exactly as
+    long as the row's current length (a continuation by length alone), or a random length followed by
+    one decode step of both models through the unmodified module (the eager gather rewrites the ledger)."""
     from offload_passes import make_offload_backend, models
     from offload_passes.state import module_state
 
@@ -81,15 +90,15 @@ def run(steps: int = 10000, pool_size: int = 128, p_new: float = 0.02, seed: int
     B, S = cm.batch_size, cm.seq_per_step
     cap = cm.block_table.size(1) * cm.block_size
     V = cm.config.vocab_size
-    backend = make_offload_backend(pool_size=pool_size)
+    backend = make_offload_backend(pool_size=pool_size, update_ledger=bookkeeping)
     step_fn = torch.compile(cm, backend=backend)
     g = torch.Generator().manual_seed(seed)
 
     def rand_int(lo: int, hi: int) -> int:  # inclusive
         return int(torch.randint(lo, hi + 1, (1,), generator=g))
 
-    def new_request(b: int) -> int:
-        n = rand_int(min_prompt, max_prompt)
+    def new_request(b: int, n: int = 0) -> int:
+        n = n or rand_int(min_prompt, max_prompt)
         prompt = torch.randint(0, V, (1, n), generator=g)
         for m in (bm, cm):
             m.prefill(prompt, torch.tensor([n]), rows=[b])
@@ -98,6 +107,7 @@ def run(steps: int = 10000, pool_size: int = 128, p_new: float = 0.02, seed: int
     with torch.no_grad():
         cur = torch.tensor([new_request(b) for b in range(B)], dtype=torch.int64)
     announced = unannounced = 0
+    by_path = {k: 0 for k in REFILLS}
     max_diff = 0.0
     violations: list[str] = []
     n_viol = 0
@@ -116,14 +126,28 @@ def run(steps: int = 10000, pool_size: int = 128, p_new: float = 0.02, seed: int
                 break
             done = i + 1
             if i:  # new requests: random rows, and rows whose cache is full
+                eager_step = False
                 for b in range(B):
                     if cur[b] + S > cap or float(torch.rand((), generator=g)) < p_new:
-                        cur[b] = new_request(b)
+                        path = REFILLS[rand_int(0, len(REFILLS) - 1)]
+                        if path == "same_length" and min_prompt <= int(cur[b]) <= max_prompt:
+                            cur[b] = new_request(b, int(cur[b]))
+                        else:
+                            path = "random_length" if path == "same_length" else path
+                            cur[b] = new_request(b)
+                        by_path[path] += 1
+                        eager_step = eager_step or path == "eager_step_between"
                         if rand_int(0, 1):
                             module_state(cm).reset(rows=[b])
                             announced += 1
                         else:
                             unannounced += 1
+                if eager_step and bool((cur + 2 * S <= cap).all()):  # one step of both through the unmodified module
+                    ids = torch.randint(0, V, (B, S), generator=g)
+                    pos = cur.unsqueeze(1) + torch.arange(S)
+                    e0, e1 = bm(ids, pos), cm(ids, pos)
+                    max_diff = max(max_diff, float((e0.float() - e1.float()).abs().max()))
+                    cur += S
             ids = torch.randint(0, V, (B, S), generator=g)
             pos = cur.unsqueeze(1) + torch.arange(S)
             y0 = bm(ids, pos)
@@ -150,7 +174,8 @@ def run(steps: int = 10000, pool_size: int = 128, p_new: float = 0.02, seed: int
         "max_abs_diff_logits": max_diff,
         "hits": tot["hits"], "misses": tot["misses"], "window": tot["window"],
         "hit_rate": tot["hits"] / (tot["hits"] + tot["misses"]) if tot["hits"] + tot["misses"] else 0.0,
-        "new_requests": {"announced": announced, "unannounced": unannounced},
+        "new_requests": {"announced": announced, "unannounced": unannounced, "by_path": by_path},
+        "bookkeeping": bookkeeping,
         "invariant_violations": n_viol, "violation_examples": violations,
         "graphs_compiled": len(backend.reports), "rewritten": bool(backend.reports and backend.reports[-1]["rewritten"]),
         "rss_mib": {"start": rss0 / 1024, "after_warmup": rss_mid / 1024, "end": rss1 / 1024,
@@ -167,7 +192,8 @@ def summary(o: dict) -> str:
         f"seed={o['seed']}",
         f"  max |diff| logits vs unmodified model: {o['max_abs_diff_logits']:g}",
         f"  hit rate {o['hit_rate']:.1%}  (hits {o['hits']}, misses {o['misses']}, window {o['window']})",
-        f"  new requests: {n['announced']} announced, {n['unannounced']} unannounced (model reset only)",
+        f"  new requests: {n['announced']} announced, {n['unannounced']} unannounced (model reset only); "
+        f"by re-fill path {n.get('by_path')}; gather ledger kept: {o.get('bookkeeping')}",
         f"  invariant violations (spec §8.4-8.5, every step): {o['invariant_violations']}",
         f"  RSS: {o['rss_mib']['after_warmup']:.1f} MiB after warm-up -> {o['rss_mib']['end']:.1f} MiB at the end "
         f"(growth {o['rss_mib']['growth_after_warmup']:+.1f} MiB)",
@@ -184,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=0, help="progress line on stderr every N steps")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop after this wall time (0: no limit)")
+    p.add_argument("--bookkeeping", choices=("on", "off"), default="on",
+                   help="off: no gather ledger in the rewrite (the NPU modes' default)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.steps < 1:
@@ -192,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--p-new must be in [0, 1]")
     torch.set_num_threads(a.threads)
     out = run(a.steps, a.pool_size, a.p_new, a.seed, log_every=a.log_every, rss_after=min(100, a.steps),
-              max_seconds=a.max_seconds)
+              max_seconds=a.max_seconds, bookkeeping=a.bookkeeping == "on")
     print(json.dumps(out, indent=1) if a.json else summary(out))
     return 0 if out["max_abs_diff_logits"] == 0 and out["invariant_violations"] == 0 else 1
 

@@ -20,8 +20,9 @@ import re
 from pathlib import Path
 from typing import Mapping
 
-#: Same flags as the former per-op JIT builds: -O3, OpenMP for at::parallel_for, C++17.
-CPU_KERNELS_CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+#: -O3, OpenMP for at::parallel_for. No -std: torch adds the standard its headers need (C++17 up to
+#: torch 2.10, C++20 from 2.13; 2.14's headers refuse C++17) — see offload_passes/_compat.py.
+CPU_KERNELS_CFLAGS = ["-O3", "-fopenmp"]
 CPU_KERNELS_LDFLAGS = ["-fopenmp"]
 TRACE_SIM_CFLAGS = ["-O3"]
 

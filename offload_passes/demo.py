@@ -248,6 +248,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help=f"torch CPU threads, at most os.cpu_count() = {MAX_THREADS} (0 = torch default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--world", type=int, default=1, metavar="N",
+                   help="spawn N ranks (gloo, loopback) of the recipe's multi-rank layout and compare every rank "
+                        "with its own unmodified model (offload_passes/demo_world.py; --model glm)")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, stream=sys.stderr)
@@ -270,6 +273,14 @@ def _main(a: argparse.Namespace) -> int:
     if a.record_trace:
         writable_file(a.record_trace, "--record-trace")
     _check_config_fits_model(a.model, a.config)
+    if a.world != 1:  # the multi-rank demo (demo_world.py)
+        from .demo_world import MAX_WORLD, main_world
+
+        if not 2 <= a.world <= MAX_WORLD:
+            raise UsageError(f"--world must be in [1, {MAX_WORLD}], got {a.world}")
+        if a.model != "glm" or a.next_n is not None or a.record_trace or a.replacement_policy != "fifo":
+            raise UsageError("--world applies to --model glm without --next-n / --record-trace / --replacement-policy")
+        return main_world(a.world, a.mode, a.steps, a.config or "tiny", a.pool_size, a.dump_dir, a.json)
     if a.model == "hf":  # the Hugging Face front-end (demo_hf.py)
         from .demo_hf import run_hf, summary_hf
 

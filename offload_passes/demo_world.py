@@ -23,7 +23,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import fx
@@ -67,6 +67,20 @@ def collective_sequence(graph: fx.Graph | fx.GraphModule) -> list[tuple]:
     return out
 
 
+def collective_kinds(graph: fx.Graph | fx.GraphModule) -> list[tuple]:
+    """``(op, input shape)`` per collective, npugraph_ex's lowered all-to-all named as the functional op
+    it replaces: comparable between a Dynamo graph and an NPU lowering whose op arguments differ."""
+    from .npu_modes import NPUGRAPH_EX_COLLECTIVES
+
+    g = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    out = []
+    for n in g.nodes:
+        if is_collective(n):
+            ns, op = _op_name(n)
+            out.append((NPUGRAPH_EX_COLLECTIVES.get((ns, op), op), _shape(n.args[0])))
+    return out
+
+
 def comparable_report(rep: dict) -> dict:
     """``rep`` without its rank-local / wall-clock fields (what must be identical across ranks)."""
     return {k: v for k, v in rep.items() if k not in RANK_LOCAL_FIELDS}
@@ -103,7 +117,13 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_path: str) -> Non
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=float(spec.get("timeout_s", DEFAULT_TIMEOUT_S))))
-        res.update(_run_rank(rank, world, spec))
+        modes = spec.get("modes") or [spec.get("mode", "eager")]
+        for i, mode in enumerate(modes):  # one process start, import and rendezvous for every mode
+            if i:
+                torch.compiler.reset()
+            over = dict(spec.get("overrides", {}), **spec.get("mode_overrides", {}).get(mode, {}))
+            res.setdefault("runs", {})[mode] = _run_rank(rank, world, dict(spec, mode=mode, overrides=over))
+        res.update(res["runs"][modes[-1]])
         res["ok"] = True
     except BaseException as e:  # the parent reports it (one line per rank); never hang the others silently
         res["error"] = f"{type(e).__name__}: {e}"
@@ -170,22 +190,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_world(world: int, spec: dict, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict]:
-    """Run :func:`run_rank` on ``world`` spawned processes; every rank's result, in rank order.
-
-    A rank still running after ``timeout_s`` is killed and reported as ``{"ok": False, "error": ...}``
-    (a collective mismatch hangs; it must fail, not block).
-    """
+def spawn(target: Callable, world: int, args: tuple = (), timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict]:
+    """Run ``target(rank, world, port, *args, out_path)`` on ``world`` spawned processes (loopback
+    rendezvous on a free port); each writes a ``torch.save`` dict to ``out_path``. Returns them in rank
+    order. A rank still running after ``timeout_s`` is killed and reported as ``{"ok": False, "error": ...}``
+    (a collective mismatch hangs; it must fail, not block)."""
     import multiprocessing as mp
 
     if isinstance(world, bool) or not isinstance(world, int) or not 2 <= world <= MAX_WORLD:
         raise ValueError(f"world must be an integer in [2, {MAX_WORLD}], got {world!r}")
     ctx = mp.get_context("spawn")
     port = free_port()
-    spec = dict(spec, timeout_s=timeout_s)
     with tempfile.TemporaryDirectory(prefix="offload_world_") as tmp:
         paths = [str(Path(tmp) / f"rank{r}.pt") for r in range(world)]
-        procs = [ctx.Process(target=run_rank, args=(r, world, port, spec, paths[r]), daemon=True)
+        procs = [ctx.Process(target=target, args=(r, world, port, *args, paths[r]), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -203,6 +221,13 @@ def spawn_world(world: int, spec: dict, timeout_s: float = DEFAULT_TIMEOUT_S) ->
             else:
                 out.append(torch.load(paths[r], weights_only=False))
         return out
+
+
+def spawn_world(world: int, spec: dict, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict]:
+    """:func:`run_rank` on ``world`` ranks (``spec``: ``modes`` or ``mode``, ``steps``, ``config``,
+    ``pool_size``, ``dump_dir``, ``overrides`` (config keys), ``mode_overrides`` (``{mode: keys}``),
+    ``keep_logits``); every rank's result, in rank order."""
+    return spawn(run_rank, world, (dict(spec, timeout_s=timeout_s),), timeout_s)
 
 
 # ------------------------------------------------------------------------------------------ CLI

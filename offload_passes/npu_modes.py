@@ -151,6 +151,8 @@ def _read_bases(n: fx.Node) -> set:
 
 #: MC2's MoE dispatch / combine (any namespace): collectives too.
 MC2_OPS = ("npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2")
+#: What npugraph_ex decomposes ``_c10d_functional.all_to_all_single`` into (its HCOM all-to-all op).
+NPUGRAPH_EX_COLLECTIVES = {("npu_define", "all_to_all_single_npu"): "all_to_all_single"}
 
 
 def op_name(n: fx.Node) -> tuple:
@@ -175,7 +177,7 @@ def is_collective(n: fx.Node) -> bool:
     if n.op != "call_function":
         return False
     ns, op = op_name(n)
-    return (ns == "_c10d_functional" and op != "wait_tensor") or op in MC2_OPS
+    return (ns == "_c10d_functional" and op != "wait_tensor") or op in MC2_OPS or (ns, op) in NPUGRAPH_EX_COLLECTIVES
 
 
 def _join_points(graph: fx.Graph, pending: List[tuple]) -> dict:

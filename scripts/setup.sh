@@ -13,6 +13,7 @@ python -m pip install -q "torch==${OFFLOAD_PASSES_TORCH:-2.13.0}"
 # downloading a second torch into an isolated build env (pyproject.toml lists no torch on purpose).
 python -m pip install -q "setuptools>=64" wheel ninja
 python -m pip install -q --no-build-isolation -e ".[test,viz,hf]"
+python -m pip install -q "triton>=3.2"  # the [cuda] extra (no torch dependency): tests/cuda run the Triton kernels in its interpreter
 python - <<'PY'
 import offload_passes.custom_ops._library as L
 lib = L.prebuilt_library()

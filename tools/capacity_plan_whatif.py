@@ -166,8 +166,9 @@ def fit(shape: Optional[Shape] = None, hits: Optional[dict] = None, points: Opti
     active = []
     if (sol < lb).any():
         sol = lsq_linear(M, y, bounds=(lb, np.full(lb.size, np.inf)), method="bvls").x
-        active = [f"O[{m}] = 0" for i, m in enumerate(modes) if sol[i] <= 1e-12] + \
-                 ([f"BW_h2d = PCIe 5.0 x16 ceiling {_ceiling() / 1e9:.0f} GB/s"] if sol[-1] <= lb[-1] * (1 + 1e-9) else [])
+        active = [f"O[{m}] = 0" for i, m in enumerate(modes) if sol[i] <= 1e-12]
+        if sol[-1] <= lb[-1] * (1 + 1e-9):
+            active.append(f"BW_h2d = PCIe 5.0 x16 ceiling {_ceiling() / 1e9:.0f} GB/s")
     O = {m: float(sol[i]) for i, m in enumerate(modes)}
     for m, src in (o_modes or {}).items():
         O[m] = O[src]
@@ -363,14 +364,17 @@ def render(o: dict) -> str:
     lines += ["", f"  predictions ({o['mode']}; ms = median (min-max over members); LOO-widened interval):",
               f"  {'context':>8}{'batch':>7}  {'policy':<22}{'pool':>7}{'hit %':>18}{'ms/step':>22}{'interval':>18}"]
     for r in o["rows"]:
-        hit = "" if r["hit"] is None else f"{100 * r['hit']['median']:.2f} ({100 * r['hit']['min']:.1f}-{100 * r['hit']['max']:.1f})"
+        hh = r["hit"]
+        hit = "" if hh is None else f"{100 * hh['median']:.2f} ({100 * hh['min']:.1f}-{100 * hh['max']:.1f})"
         ms = r["ms"]
-        iv = "" if "ms_interval_with_loo" not in r else f"[{r['ms_interval_with_loo'][0]:.1f}, {r['ms_interval_with_loo'][1]:.1f}]"
+        iv = "" if "ms_interval_with_loo" not in r else \
+            f"[{r['ms_interval_with_loo'][0]:.1f}, {r['ms_interval_with_loo'][1]:.1f}]"
         lines.append(f"  {r['context']:>8}{r['batch']:>7}  {r['policy']:<22}{r['pool']:>7}{hit:>18}"
                      f"{ms['median']:>10.2f} ({ms['min']:.2f}-{ms['max']:.2f}){iv:>18}")
     q = o.get("question")
     if q:
-        lines += ["", f"  batch {q['batch']}, 64K: who reaches {q['target']}'s latency (per member, same hit-rate set):"]
+        lines += ["", f"  batch {q['batch']}, 64K: who reaches {q['target']}'s latency "
+                      "(per member, same hit-rate set):"]
         for p in q["pairs"]:
             d = p["ms_vs_fifo16k"]
             lines.append(f"    {p['policy']:<22}{p['pool']:>7}: {p['members_reaching']}/{p['members']} members; "
@@ -400,7 +404,9 @@ MAX_BATCH = 65536
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="offload-plan --what-if", description=__doc__.split("\n\n")[0])
+    from offload_passes import _cli
+
+    ap = _cli.ArgumentParser(prog="offload-plan --what-if", description=__doc__.split("\n\n")[0])
     ap.add_argument("--what-if", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batches", type=_ints, default=[64, 128, 192], help="global batches (32 ranks)")
     ap.add_argument("--pools", type=_ints, default=[4096, 8192, 16384])

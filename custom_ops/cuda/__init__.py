@@ -8,7 +8,9 @@ under ``TRITON_INTERPRET=1``), ``run_functional`` for the functional twins, and 
 Registration: ``import offload_passes`` calls :func:`autoregister`, which registers the CUDA kernels only
 when torch sees a CUDA device *and* ``triton`` is installed (the ``[cuda]`` extra); on a CPU-only machine
 triton is never imported. :func:`register_all` (``force=True``) registers them anyway (tests).
-The C++ CPU kernels stay the reference twins; nothing here changes CPU dispatch.
+The C++ CPU kernels stay the reference twins; nothing here changes CPU dispatch. The decode-path
+reference ops (``offload_ref::`` indexer / attention / cache writes) get a host *fallback* on CUDA
+(``fallback.py``: correctness only, counted, never a performance path).
 """
 from __future__ import annotations
 
@@ -45,10 +47,14 @@ def register_all(specs: Iterable | None = None, force: bool = False) -> List[str
         return []
     if specs is None:
         from .. import OP_SPECS as specs  # noqa: N811
+    from . import fallback
+
+    specs = list(specs)
     done: List[str] = []
     for spec in specs:
         if spec.cuda_kernel is not None:
             done += kernel_module(spec).register()
+    done += fallback.register(specs)  # decode-path references: host fallback (correctness only)
     _registered.extend(done)
     if done:
         log.info("registered Triton CUDA kernels: %s", ", ".join(done))

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .. import _cli
 from . import sim
 from .format import Trace, load_trace, save_trace
 
@@ -41,13 +42,14 @@ def _ints(text: str, what: str) -> list[int]:
 
 def table(results: list[sim.SimResult]) -> str:
     head = (f"{'policy':<14}{'pool':>7}{'hit %':>8}{'entry hit %':>13}{'host rows/step':>16}"
-            f"{'prefetch/step':>15}{'writes/step':>13}{'scans/step':>12}{'Mlookups/s':>12}")
+            f"{'prefetch/step':>15}{'writes/step':>13}{'clears/step':>13}{'scans/step':>12}{'Mlookups/s':>12}")
     lines = [head, "-" * len(head)]
     for r in results:
         pool = "K/row" if r.policy == "adjacent" else str(r.pool_size)
         lines.append(
             f"{r.policy:<14}{pool:>7}{100 * r.hit_rate:>8.2f}{100 * r.entry_hit_rate:>13.2f}"
             f"{r.host_rows_per_step:>16.1f}{_per_step(r, 'prefetch'):>15.1f}{r.writes_per_step:>13.1f}"
+            f"{r.clears_per_step:>13.1f}"
             f"{r.scans_per_step:>12.1f}{r.lookups / max(r.seconds, 1e-9) / 1e6:>12.2f}")
     return "\n".join(lines)
 
@@ -91,18 +93,8 @@ def plot(results: list[sim.SimResult], path: Path, title: str) -> Path:
     return path
 
 
-def _plot_path_problem(path: Path) -> Optional[str]:
-    """Why ``path`` cannot receive the PNG, or None."""
-    if path.is_dir():
-        return "is a directory; give a file name such as out.png"
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        return f"folder {parent} does not exist"
-    return None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="offload-sim", description=__doc__.split("\n\n")[0])
+    p = _cli.ArgumentParser(prog="offload-sim", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="trace file (.npz) or synth[:calibrated][,key=value...]")
     p.add_argument("--pool-sizes", default="2048,4096,8192,16384",
                    type=lambda s: _ints(s, "--pool-sizes"), help="comma-separated pool slots per row")
@@ -120,9 +112,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.plot:  # checked before the (possibly long) run, not after it
-        bad_plot = _plot_path_problem(Path(a.plot))
-        if bad_plot:
-            p.error(f"--plot {a.plot}: {bad_plot}")
+        try:
+            _cli.writable_file(a.plot, "--plot")
+        except _cli.UsageError as e:
+            p.error(str(e))
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, stream=sys.stderr)
     try:
         tr = _load(a.trace)

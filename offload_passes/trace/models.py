@@ -47,7 +47,7 @@ FITTED: dict[str, dict[str, float]] = {
     "score": {"drift": 0.5371, "skew": 1.7969},
     "twoscale": {"drift": 0.455, "skew": 2.0469},
     "churn": {"keep": 0.3457, "ret": 0.8379},
-    "segments": {"stay": 0.2207, "alpha": 1.5996},
+    "segments": {"stay": 0.166, "alpha": 1.6348},
 }
 
 

@@ -16,7 +16,10 @@ Metrics (``SimResult``):
   ``host_rows_read``).
 * ``writes_per_step`` / ``scans_per_step``: metadata work per group step and batch row — writes caused by
   hits (LRU reordering, reference bits, RRPV resets, frequency counters) and slots/queue entries examined
-  to pick victims (1 for FIFO's pointer).
+  to pick victims (1 for FIFO's pointer); ``clears_per_step``: the reference bits second chance
+  (``sa_clock``, ``clock``) clears while sweeping for a victim — metadata writes too, not in
+  ``writes_per_step``. Insert convention of both: a newly installed id starts with its bit clear
+  (``offload_passes.trace.setsim`` simulates the other convention).
 
 Policies: ``adjacent`` (the basic gather's K-entry selection buffer per query row: reuse = id selected by
 the same row at the previous step; pool size ignored), ``lru`` (fully associative), ``sa_fifo`` (the
@@ -64,6 +67,7 @@ class SimResult:
     scans_per_step: float
     lookups: int
     seconds: float
+    clears_per_step: float = 0.0   # second chance: reference bits cleared by victim sweeps (also writes)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +128,9 @@ def simulate(trace: Trace, policy: str, pool_size: int, ways: int = WAYS,
         host_rows_total=host_total,
         writes_per_step=float(tot[WRITES]) / denom, scans_per_step=float(tot[SCANS]) / denom,
         lookups=int(tot[HIT_E] + tot[MISS_E] + tot[WIN_E]), seconds=dt,
+        # each sweep probe clears a bit or takes the way: clears = probes - installs (one per distinct
+        # miss; exact with the default id range, where every eligible id can be installed)
+        clears_per_step=float(tot[SCANS] - tot[UMISS]) / denom if policy in ("sa_clock", "clock") else 0.0,
     )
 
 

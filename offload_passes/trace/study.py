@@ -16,7 +16,6 @@ reported as a range over that ensemble. Sections:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -160,6 +159,9 @@ def study(seeds: int = 3, steps: int = 1152, warmup: int = 128, sections: Sequen
             for p in POLICY_STUDY:
                 ms = [m for m in which if p not in ("sa_rank_P", "sa_clock_P") or m in SCORE_MODELS]
                 keys = [(m, s) for m in ms for s in range(seeds)]
+                if not keys:
+                    rows.append({"policy": p, "pool": ps, "models": [], "hit": {"mean": 0, "min": 0, "max": 0, "n": 0}})
+                    continue
                 hit = [res[(m, s, p, ps)]["hit"] for m, s in keys]
                 gap = [res[(m, s, "min_per_set", ps)]["hit"] - res[(m, s, p, ps)]["hit"] for m, s in keys]
                 w = lambda k: _rng([res[(m, s, p, ps)].get(k, 0.0) for m, s in keys])["mean"]  # noqa: E731
@@ -186,6 +188,58 @@ def study(seeds: int = 3, steps: int = 1152, warmup: int = 128, sections: Sequen
         out["prefetch"] = chk
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
+
+
+def _merge_rng(a: dict, b: dict) -> dict:
+    n = a["n"] + b["n"]
+    return {"mean": (a["mean"] * a["n"] + b["mean"] * b["n"]) / n, "min": min(a["min"], b["min"]),
+            "max": max(a["max"], b["max"]), "n": n}
+
+
+def merge(a: dict, b: dict) -> dict:
+    """One result from two ``study`` results over disjoint model sets (same seeds, steps, warm-up)."""
+    for k in ("seeds", "steps", "warmup"):
+        if a[k] != b[k]:
+            raise ValueError(f"merge: {k} differs ({a[k]} vs {b[k]})")
+    if set(a["models"]) & set(b["models"]):
+        raise ValueError("merge: the model sets overlap")
+    o = {k: a[k] for k in ("seeds", "steps", "warmup")}
+    o["models"] = a["models"] + b["models"]
+    o["model_params"] = {**a["model_params"], **b["model_params"]}
+    o["seconds"] = a["seconds"] + b["seconds"]
+    if "locality" in a and "locality" in b:
+        rows = []
+        for ra, rb in zip(a["locality"]["rows"], b["locality"]["rows"]):
+            r = dict(ra)
+            r["per_model"] = {**ra["per_model"], **rb["per_model"]}
+            r["ensemble"] = _merge_rng(ra["ensemble"], rb["ensemble"])
+            r["agrees"] = None if ra["agrees"] is None else {**ra["agrees"], **rb["agrees"]}
+            rows.append(r)
+        o["locality"] = {"rows": rows, "sa_fifo_cpp_vs_numpy_max_abs_diff": max(
+            a["locality"]["sa_fifo_cpp_vs_numpy_max_abs_diff"], b["locality"]["sa_fifo_cpp_vs_numpy_max_abs_diff"])}
+    if "policies" in a and "policies" in b:
+        rows = []
+        bi = {(r["policy"], r["pool"]): r for r in b["policies"]}
+        for ra in a["policies"]:
+            rb = bi.get((ra["policy"], ra["pool"]))
+            if rb is None or not rb["models"] or rb["hit"]["n"] == 0:
+                rows.append(ra)
+                continue
+            if not ra["models"]:
+                rows.append(rb)
+                continue
+            na, nb = ra["hit"]["n"], rb["hit"]["n"]
+            r = dict(ra, models=ra["models"] + rb["models"], hit=_merge_rng(ra["hit"], rb["hit"]),
+                     gap_to_min_per_set=_merge_rng(ra["gap_to_min_per_set"], rb["gap_to_min_per_set"]))
+            for k in ("hit_writes", "clear_writes", "rank_writes", "probes", "installs"):
+                r[k] = (ra[k] * na + rb[k] * nb) / (na + nb)
+            r["probes_per_victim"] = r["probes"] / r["installs"] if r["installs"] else 0.0
+            r["max_probes_seen"] = max(ra["max_probes_seen"] or 0, rb["max_probes_seen"] or 0) or None
+            rows.append(r)
+        o["policies"] = rows
+    if "prefetch" in a or "prefetch" in b:
+        o["prefetch"] = a.get("prefetch", []) + b.get("prefetch", [])
+    return o
 
 
 def _pct(r: dict) -> str:
@@ -215,15 +269,20 @@ def render(o: dict) -> str:
                   "bit clears/step | rank stamps/step | probes/victim (max) | within op constraints |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in o["policies"]:
+            if not r["models"]:
+                continue
             g = r["gap_to_min_per_set"]
             mp = r["max_probes_seen"] or r["design_max_probes"]
             sub = "" if len(r["models"]) == len(ms) else f" [{', '.join(r['models'])}]"
             lines.append(f"| {r['policy']}{sub} | {r['pool'] // 1024}K | {_pct(r['hit'])} | "
-                         f"{100 * g['mean']:.2f} ({100 * g['min']:.2f}–{100 * g['max']:.2f}) | {r['hit_writes']:.0f} | "
+                         f"{100 * g['mean']:.2f} ({100 * g['min']:.2f}–{100 * g['max']:.2f}) | "
+                         f"{r['hit_writes']:.0f} | "
                          f"{r['clear_writes']:.0f} | {r['rank_writes']:.0f} | {r['probes_per_victim']:.2f} ({mp}) | "
                          f"{'yes' if r['within_op_constraints'] else 'no'} |")
         lines.append("")
-    if "prefetch" in o:
+    if "prefetch" in o and not o["prefetch"]:
+        lines.append("rank_prefetch host-rows bound: no score-model trace in this run (needs ranks beyond K)")
+    elif "prefetch" in o:
         ok = all(c["holds"] for c in o["prefetch"])
         lines.append("rank_prefetch host rows >= MIN misses on every score-model trace: " + ("yes" if ok else "NO"))
         for c in o["prefetch"]:
@@ -251,7 +310,7 @@ def plot(o: dict, path: str) -> str:
         hi = np.array([100 * rs[p]["hit"]["max"] for p in pols]) - mean
         ax.bar(x + (j - 0.5) * 0.4, mean, 0.4, yerr=[lo, hi], capsize=2, color=col, label=f"{ps // 1024}K pool")
     ax.set_xticks(x, pols, rotation=35, ha="right", fontsize=8)
-    ax.set_ylim(60, 100)
+    ax.set_ylim(80, 100)
     ax.set_ylabel("hit rate (%), ensemble mean, min-max")
     ax.set_title(f"policies on {len(o['models'])} trace models x {o['seeds']} seeds, {o['steps']} warm steps "
                  "(K = 2048, context 64K)", fontsize=9)
@@ -264,7 +323,9 @@ def plot(o: dict, path: str) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m offload_passes.trace.study", description=__doc__.split("\n\n")[0])
+    from .. import _cli
+
+    ap = _cli.ArgumentParser(prog="python -m offload_passes.trace.study", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=1152, help="measured steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=128)
@@ -273,7 +334,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--fit", action="store_true", help="re-fit every model's two knobs and print them")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", default=None, help="write the policy-study bar chart to this PNG")
-    ap.add_argument("--from-json", default=None, help="render / plot a saved --json result instead of running")
+    ap.add_argument("--from-json", default=None,
+                    help="render / plot saved --json result(s) instead of running (comma-separated: merged)")
     a = ap.parse_args(argv)
     which = [m for m in a.models.split(",") if m]
     bad = [m for m in which if m not in models.MODELS]
@@ -289,13 +351,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(out, indent=1))
         return 0
     if a.plot:
-        from pathlib import Path
-
-        pp = Path(a.plot)
-        if pp.is_dir() or not (pp.parent if str(pp.parent) else Path(".")).is_dir():
-            ap.error(f"--plot {a.plot}: not a writable file path (missing folder or a directory)")
+        try:
+            _cli.writable_file(a.plot, "--plot")
+        except _cli.UsageError as e:
+            ap.error(str(e))
     if a.from_json:
-        o = json.loads(open(a.from_json).read())
+        parts = [json.loads(open(f).read()) for f in a.from_json.split(",") if f]
+        o = parts[0]
+        for q in parts[1:]:
+            o = merge(o, q)
     else:
         o = study(a.seeds, a.steps, a.warmup, secs, which)
     if a.plot and "policies" in o:

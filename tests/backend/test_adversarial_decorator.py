@@ -16,6 +16,11 @@ PS = 64
 CFG = synth.SynthConfig(pattern="FS", S=1, router=False)
 
 
+@offload(pool_size=PS)
+class TopLevelDecorated(synth.SynthDSA):  # module level: pickle finds classes by name
+    pass
+
+
 def _continue(wrapped, base, module, lengths, start: int, steps: int = 2) -> dict:
     """``steps`` more decode steps of ``wrapped`` beside the unmodified ``base`` (same caches so far)."""
     return run_pair(CFG, steps, wrapped.offload_backend, pair=(base, module), compiled=wrapped, start_step=start,
@@ -88,3 +93,20 @@ def test_deepcopy_of_a_decorated_class_instance_runs_its_own_compiled_model():
     assert len(c.offload_reports) == 1 and c.offload_reports[0]["rewritten"] is True  # compiled, by its backend
     assert c.offload_state.counters()[0]["total"]["steps"] == 2
     assert len(d.offload_reports) == 1
+
+
+def test_torch_save_of_a_decorated_class_instance_loads_compiled():
+    torch._dynamo.reset()
+    d = TopLevelDecorated(CFG).eval()
+    d.prefill([300, 280])
+    buf = io.BytesIO()
+    torch.save(d, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert isinstance(loaded, TopLevelDecorated) and loaded.offload_backend is not d.offload_backend
+    base = synth.SynthDSA(CFG).eval()
+    base.prefill([300, 280])
+    res = run_pair(CFG, 2, loaded.offload_backend, pair=(base, loaded), compiled=loaded)
+    assert res["max_a"] == 0 and res["max_h"] == 0
+    assert len(loaded.offload_reports) == 1 and loaded.offload_reports[0]["rewritten"] is True
+    assert loaded.offload_backend.options.resolved_pool_size == PS and len(d.offload_reports) == 0

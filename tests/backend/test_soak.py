@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from backend_helpers import load_file
@@ -15,11 +16,13 @@ def _soak():
     return load_file("offload_soak", SOAK)
 
 
-def test_short_soak_is_exact_and_keeps_invariants():
+@pytest.mark.parametrize("bookkeeping", [True, False], ids=["ledger", "no-ledger"])
+def test_short_soak_is_exact_and_keeps_invariants(bookkeeping):
     soak = _soak()
-    # p_new 0.15 over 40 steps and 2 rows: both kinds of new request happen (seeded)
-    out = soak.run(steps=40, pool_size=64, p_new=0.15, seed=3, max_prompt=200, rss_after=10)
+    # p_new 0.15 over 40 steps and 2 rows: both kinds of new request happen (seeded), by several re-fill paths
+    out = soak.run(steps=40, pool_size=64, p_new=0.15, seed=3, max_prompt=200, rss_after=10, bookkeeping=bookkeeping)
     n = out["new_requests"]
+    assert sum(1 for v in n["by_path"].values() if v) >= 2, n
     assert out["steps"] == 40 and out["rewritten"] and out["graphs_compiled"] == 1
     assert n["announced"] >= 1 and n["unannounced"] >= 1, n
     assert out["max_abs_diff_logits"] == 0  # bit-exact rewrite (fp64 SFA reference)

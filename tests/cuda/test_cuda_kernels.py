@@ -422,4 +422,7 @@ def test_cuda_kernels_found_from_the_specs(kernels):
         assert cuda.kernel_module(spec).__name__.endswith("." + spec.cuda_kernel)
         for name in spec.op_names:  # the op and its functional twin
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"{spec.namespace}::{name}", "CUDA"), name
+    # the decode-path references get the host fallback on CUDA (correctness only; custom_ops/cuda/fallback.py)
+    for name in ("npu_lightning_indexer", "npu_sparse_flash_attention", "npu_mla_prolog_cache_write_"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"offload_ref::{name}", "CUDA"), name
     assert cuda.register_all(force=True) == []  # idempotent: nothing registered twice

@@ -28,7 +28,7 @@ _BUILD = f"""
 import sys
 from torch.utils import cpp_extension
 cpp_extension.load(name={NAME!r}, sources=[sys.argv[1]], build_directory=sys.argv[2],
-                   extra_cflags=["-O1", "-std=c++17"], is_python_module=True, verbose=False)
+                   extra_cflags=["-O1"], is_python_module=True, verbose=False)
 """
 
 

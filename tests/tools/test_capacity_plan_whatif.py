@@ -98,4 +98,4 @@ def test_cli_mistakes_are_one_line_exit_2(args, msg, capsys):
         capacity_plan.main(["--what-if"] + args)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert msg in err and "Traceback" not in err
+    assert msg in err and "Traceback" not in err and err.count("\n") == 1

@@ -2,6 +2,7 @@
 for a failed correctness check (``offload-demo`` outside tolerance); bugs keep their traceback."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ def _one_line_error(capsys, prog: str, contains: str) -> None:
     assert "Traceback" not in err
 
 
+NCPU = os.cpu_count() or 1
 DEMO_BAD = [
     (["--config", "nope"], "config preset 'nope': unknown"),
     (["--pool-size", "1000"], "option pool_size must be a multiple of 16"),
@@ -27,9 +29,9 @@ DEMO_BAD = [
     (["--steps", "0"], "--steps must be >= 1"),
     (["--dump-dir", "/proc/offload_passes_nope"], "--dump-dir '/proc/offload_passes_nope' is not a writable directory"),
     # torch's thread pool segfaulted on 100000 threads: range-checked against os.cpu_count()
-    (["--threads", "100000"], f"--threads must be in [0, {demo.MAX_THREADS}] (0 = torch default; at most "
-                              f"os.cpu_count() = {demo.MAX_THREADS}), got 100000"),
-    (["--threads", str(demo.MAX_THREADS + 1)], f"--threads must be in [0, {demo.MAX_THREADS}]"),
+    (["--threads", "100000"], f"--threads must be in [0, {NCPU}] (0 = torch default; at most "
+                              f"os.cpu_count() = {NCPU}), got 100000"),
+    (["--threads", str(NCPU + 1)], f"--threads must be in [0, {NCPU}]"),
     (["--threads", "-1"], "got -1"),
     # a recipe-form preset given to the HF model was a TypeError traceback from HfRunner
     (["--model", "hf", "--config", "tiny"], "--config 'tiny' is a recipe-form preset (--model glm); --model hf "

@@ -79,6 +79,8 @@ def test_numpy_set_associative_policies_equal_the_cpp_core(ps, ways):
             # every probe either clears a bit or takes the way: clears = probes - installs
             assert a.clear_writes == a.probes - a.installs
             assert a.max_probes <= ways + 1
+            # offload-sim reports the same clears (counted here one by one, derived there)
+            assert a.clear_writes == round(c.clears_per_step * a.steps) > 0
 
 
 def test_insert_convention_changes_second_chance_and_ranks_beyond_k_are_counted():
@@ -131,3 +133,18 @@ def test_study_section_runs_and_reports_ranges():
     fifo = rows["16-way SA-FIFO, 8K (C++ core)"]["ensemble"]["mean"]
     assert f8 >= p8 >= n8 >= fifo
     assert "✓" in study.render(o) or "✗" in study.render(o)
+
+
+def test_study_results_of_disjoint_model_sets_merge():
+    a = study.study(seeds=1, steps=10, warmup=6, sections=("locality", "policies"), which=("segments",))
+    b = study.study(seeds=1, steps=10, warmup=6, sections=("locality", "policies"), which=("churn",))
+    m = study.merge(a, b)
+    assert m["models"] == ["segments", "churn"]
+    row = m["locality"]["rows"][1]
+    assert set(row["per_model"]) == {"segments", "churn"} and row["ensemble"]["n"] == 2
+    assert row["ensemble"]["min"] == min(r["mean"] for r in row["per_model"].values())
+    fifo = [r for r in m["policies"] if r["policy"] == "sa_fifo" and r["pool"] == 8192][0]
+    assert fifo["hit"]["n"] == 2 and fifo["models"] == ["segments", "churn"]
+    with pytest.raises(ValueError, match="overlap"):
+        study.merge(a, a)
+    assert "sa_rank_P" not in study.render(m)  # needs scores: absent for these models, not a zero row

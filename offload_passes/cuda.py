@@ -1,0 +1,178 @@
+"""CUDA run-time helpers: the full KV caches in pinned host memory, pools and selection on the device.
+
+The offload scheme keeps each layer's *full* latent / rope caches in host memory and only a pool and
+the selection buffers on the accelerator. On a CUDA machine that is page-locked (pinned) host memory:
+``dsa_serve``'s Triton kernel reads the rows a step misses straight from it over the host link
+(zero-copy), with no staging copy of the cache.
+
+The zero-copy assumption: with unified virtual addressing (UVA; every 64-bit CUDA platform since CUDA
+4.0), a pinned allocation made by ``cudaHostAlloc`` (what ``Tensor.pin_memory()`` uses) has one
+address in host and device space, i.e. ``cudaHostGetDevicePointer`` returns the host pointer itself.
+So the pinned CPU tensor's ``data_ptr()`` can be handed to a Triton kernel launched on the GPU as it
+is. Dispatch picks the CUDA kernel because the other operands (plan, pools, selection) are CUDA
+tensors. Verified on CPU: the placement decisions; only a GPU can confirm the rest (docs/cuda.md).
+
+* :func:`plan_placement` (pure, no CUDA needed): what moves where, for a recipe-form model built with
+  ``enable_offload`` (``models/glm``: each attention's ``kv_cache`` / ``k_rope_cache``) or a Hugging
+  Face ``StaticCache`` (each layer's ``keys`` = latent ``[B, 1, T, C]``, ``values`` = rope
+  ``[B, 1, T, r]``; see ``passes/detect_hf.py``). Everything else (selection buffers, block tables,
+  ledgers, indexer key caches, the pools the backend allocates) stays on the device.
+* :func:`place_full_caches`: applies the plan (needs CUDA: pinning is a CUDA driver call).
+* :func:`kv_bytes`: device and host bytes of a plan (the benchmark's accounting).
+
+Not covered (a pass change, see docs/cuda.md): the unmodified model's *own* cache writes of the new
+token (the recipe's ``index_put_`` into ``kv_cache``, HF ``StaticCache.update``'s ``index_copy_``) are
+device ops on a host tensor; a CUDA run needs the decode graph's cache writes rewritten to a host write.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, List, Optional, Union
+
+import torch
+
+log = logging.getLogger("offload_passes.cuda")
+
+__all__ = ["Placement", "plan_placement", "place_full_caches", "kv_bytes", "require_cuda", "HOST", "DEVICE"]
+
+HOST, DEVICE = "host", "device"
+#: recipe-form attention buffers: the full caches (host) and what the offload adds beside them (device)
+RECIPE_FULL = ("kv_cache", "k_rope_cache")
+RECIPE_DEVICE = ("sel_kv", "sel_rope", "sel_block_table", "sel_status")
+#: HF StaticCache layer tensors: latent and rope (host) and the indexer's keys (device)
+HF_FULL = ("keys", "values")
+HF_DEVICE = ("indexer_keys",)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one cache tensor goes."""
+
+    name: str            # ``layers.3.self_attn.kv_cache`` or ``cache.layers[3].keys``
+    role: str            # full_latent, full_rope, selection, table, ledger, indexer
+    where: str           # HOST (pinned) or DEVICE
+    shape: tuple
+    dtype: str
+    nbytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_ROLES = {"kv_cache": "full_latent", "k_rope_cache": "full_rope", "keys": "full_latent", "values": "full_rope",
+          "sel_kv": "selection", "sel_rope": "selection", "sel_block_table": "table", "sel_status": "ledger",
+          "indexer_keys": "indexer", "key_cache": "indexer", "key_scale_cache": "indexer"}
+
+
+def _entry(name: str, attr: str, t: torch.Tensor, where: str) -> Placement:
+    return Placement(name, _ROLES[attr], where, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                     t.numel() * t.element_size())
+
+
+def _is_static_cache(obj: Any) -> bool:
+    layers = getattr(obj, "layers", None)
+    return isinstance(layers, (list, tuple)) and bool(layers) and all(hasattr(l, "keys") for l in layers)
+
+
+def _targets(obj: Any) -> List[tuple]:
+    """``(owner, attr, name, where)`` of every cache tensor the plan places."""
+    out = []
+    if isinstance(obj, torch.nn.Module):
+        found = False
+        for mname, mod in obj.named_modules():
+            bufs = dict(mod.named_buffers(recurse=False))
+            if not all(a in bufs for a in RECIPE_FULL):
+                continue
+            found = True
+            if not getattr(mod, "enable_offload", False) or "sel_kv" not in bufs:
+                raise ValueError(f"plan_placement: {mname or type(mod).__name__} was built without enable_offload "
+                                 "(no selection buffers): host-resident caches need the offload model "
+                                 "(models.build(..., enable_offload=True))")
+            pre = f"{mname}." if mname else ""
+            for a in RECIPE_FULL:
+                out.append((mod, a, pre + a, HOST))
+            for a in RECIPE_DEVICE:
+                out.append((mod, a, pre + a, DEVICE))
+            idx = getattr(mod, "indexer", None)
+            if idx is not None:
+                for a in ("key_cache", "key_scale_cache"):
+                    if a in dict(idx.named_buffers(recurse=False)):
+                        out.append((idx, a, f"{pre}indexer.{a}", DEVICE))
+        if not found:
+            raise ValueError(f"plan_placement: {type(obj).__name__} has no attention module with buffers "
+                             f"{RECIPE_FULL} (a recipe-form GLM-5.2 model from offload_passes.models); for a "
+                             "Hugging Face model pass its StaticCache")
+        return out
+    if _is_static_cache(obj):
+        for i, layer in enumerate(obj.layers):
+            for a in HF_FULL + HF_DEVICE:
+                t = getattr(layer, a, None)
+                if not isinstance(t, torch.Tensor):
+                    if a in HF_FULL:
+                        raise ValueError(f"plan_placement: cache.layers[{i}].{a} is not initialised "
+                                         "(run one prefill step before placing a StaticCache)")
+                    continue
+                out.append((layer, a, f"cache.layers[{i}].{a}", HOST if a in HF_FULL else DEVICE))
+        return out
+    raise TypeError(f"plan_placement: expected a recipe-form model (torch.nn.Module) or a transformers "
+                    f"StaticCache, got {type(obj).__name__}")
+
+
+def plan_placement(obj: Any) -> List[Placement]:
+    """What :func:`place_full_caches` would do with ``obj`` (no tensor is touched; CPU-safe)."""
+    return [_entry(name, attr, getattr(owner, attr), where) for owner, attr, name, where in _targets(obj)]
+
+
+def kv_bytes(plan: Iterable[Placement]) -> dict:
+    """``{"host": bytes, "device": bytes, "device_kv": bytes}``: ``device_kv`` counts the latent / rope
+    bytes the device holds (selection buffers here; the backend's pools come on top) and the indexer."""
+    out = {HOST: 0, DEVICE: 0, "device_kv": 0}
+    for p in plan:
+        out[p.where] += p.nbytes
+        if p.where == DEVICE and p.role in ("selection", "indexer"):
+            out["device_kv"] += p.nbytes
+    return out
+
+
+def require_cuda(what: str) -> None:
+    """Raise a clear error on a machine without a usable CUDA device."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"offload_passes.cuda.{what}: pinned host memory and CUDA kernels need a CUDA device "
+                           f"(torch.cuda.is_available() is False, torch {torch.__version__}); on a CPU machine "
+                           "use the CPU exe_modes (eager / inductor), whose full caches are ordinary host memory")
+
+
+def _set(owner: Any, attr: str, t: torch.Tensor) -> None:
+    if isinstance(owner, torch.nn.Module) and attr in owner._buffers:
+        owner._buffers[attr] = t
+    else:
+        setattr(owner, attr, t)
+
+
+def place_full_caches(obj: Any, device: Union[str, torch.device, None] = None) -> List[Placement]:
+    """Move ``obj``'s full latent / rope caches into pinned host memory and its selection buffers, tables,
+    ledgers and indexer caches onto ``device`` (default: the current CUDA device). Contents are kept.
+
+    Call it after ``model.to("cuda")`` (which moves every buffer, the full caches too) and before
+    ``torch.compile``: the backend's state (pools, metadata) is then allocated beside the selection
+    buffers, on the device. Returns the plan applied.
+    """
+    require_cuda("place_full_caches")
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda":
+        raise ValueError(f"place_full_caches: device must be a CUDA device, got {dev}")
+    targets = _targets(obj)
+    for owner, attr, name, where in targets:
+        t = getattr(owner, attr)
+        if where == HOST:
+            new = t if (t.device.type == "cpu" and t.is_pinned()) else t.to("cpu").pin_memory()
+        else:
+            new = t.to(dev)
+        if new is not t:
+            _set(owner, attr, new)
+            log.debug("%s -> %s (%s)", name, "pinned host" if where == HOST else dev, tuple(new.shape))
+    plan = [_entry(name, attr, getattr(owner, attr), where) for owner, attr, name, where in targets]
+    b = kv_bytes(plan)
+    log.info("full caches pinned on the host: %.1f MiB; device caches: %.1f MiB", b[HOST] / 2 ** 20, b[DEVICE] / 2 ** 20)
+    return plan

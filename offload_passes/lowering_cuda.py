@@ -1,0 +1,249 @@
+"""``exe_mode="cuda"``: the offload graph on a CUDA device, installs on a side CUDA stream.
+
+What the mode is (the decisions; docs/cuda.md has the reasons at length):
+
+* **Lowering** = the CPU ``eager`` lowering (AOT functionalisation, our reinplace, the graph run op by op;
+  ``lowering_cpu``) on CUDA tensors, with the Triton kernels of ``custom_ops/cuda/`` as the CUDA
+  implementation of the same ops. The state is per-call graph inputs chosen by the caches
+  (``shared_state = True``), the in-graph run-time guards stay.
+* **Schedule** = the NPU modes' (``npu_modes.py``): each layer's installs (its md=0 install; on the
+  group's last layer also the owner's md=1 install) move right after that layer's ``dsa_serve`` and run
+  on a side stream: ``scope_enter`` (record a *ready* event on the main stream, the side stream waits on
+  it, becomes current), ``record_stream`` of every main-stream intermediate the installs read (the plan's
+  install records: the caching allocator must not reuse them early), the installs, ``scope_exit``
+  (record *done* on the side stream, the main stream becomes current again). The main stream waits on
+  *done* (``stream_join``) before the first later main-stream node that touches what the installs write
+  or writes what they read, else before the graph output — the same joins as the CPU/NPU schedule
+  (``npu_modes._join_points``). They are ops of the ``offload_cuda`` namespace with side effects (never
+  dead-code eliminated), traced by AOT in program order; on a machine without CUDA they do nothing.
+* **Inductor** would reorder the ops across the stream switches (it has no notion of the current stream
+  of a custom op), so this mode never hands the graph to Inductor; ``torch.compile(mode=...)`` (Inductor
+  settings, ``"reduce-overhead"`` = CUDA graphs / cudagraph trees) is refused by name.
+* **Host-resident KV**: the full caches may be pinned host tensors (:mod:`offload_passes.cuda`); the
+  serve kernel reads their missed rows zero-copy. Nothing here copies them.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+from torch import fx
+
+from .lowering_cpu import CpuLowering
+from .options import OffloadOptions
+from .passes.rewrite import InstallHook
+from .state import OffloadState
+
+log = logging.getLogger("offload_passes.lowering_cuda")
+
+__all__ = ["CudaLowering", "CudaInstallHook", "CUDA_MODE", "STREAM_NAMESPACE", "STREAM_OPS", "StreamRuntime",
+           "RUNTIME", "UNSUPPORTED_COMPILE_MODES"]
+
+CUDA_MODE = "cuda"
+STREAM_NAMESPACE = "offload_cuda"
+#: torch.compile(mode=...) values: each selects Inductor settings this mode does not use.
+UNSUPPORTED_COMPILE_MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+class StreamRuntime:
+    """What the stream ops do at run time: one side stream per device, one ready/done pair per tag.
+
+    On a machine without CUDA (CPU tensors, the tests) every op is a no-op: the schedule is the same
+    graph, the order of the ops on one CPU thread is program order.
+    """
+
+    def __init__(self) -> None:
+        self._side: dict = {}
+        self._open: dict = {}  # tag -> (main stream, side stream)
+        self._done: dict = {}  # tag -> done event
+        self._lock = threading.Lock()
+        #: (op, tag) of every call, newest last, bounded (tests and debugging read it)
+        self.calls: List[tuple] = []
+
+    @staticmethod
+    def enabled() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def _log(self, op: str, tag: int) -> None:
+        self.calls.append((op, tag))
+        del self.calls[:-4096]
+
+    def side_stream(self, device: "torch.device") -> "torch.cuda.Stream":
+        with self._lock:
+            s = self._side.get(device.index)
+            if s is None:
+                s = self._side[device.index] = torch.cuda.Stream(device=device)
+            return s
+
+    def scope_enter(self, tag: int) -> None:
+        self._log("scope_enter", tag)
+        if not self.enabled():
+            return
+        main = torch.cuda.current_stream()
+        side = self.side_stream(main.device)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        side.wait_event(ready)
+        self._open[tag] = (main, side)
+        torch.cuda.set_stream(side)
+
+    def record_stream(self, t: torch.Tensor, tag: int) -> None:
+        self._log("record_stream", tag)
+        if self.enabled() and t.is_cuda and tag in self._open:
+            t.record_stream(self._open[tag][1])
+
+    def scope_exit(self, tag: int) -> None:
+        self._log("scope_exit", tag)
+        if not self.enabled() or tag not in self._open:
+            return
+        main, side = self._open.pop(tag)
+        done = torch.cuda.Event()
+        done.record(side)
+        self._done[tag] = done
+        torch.cuda.set_stream(main)
+
+    def join(self, tag: int) -> None:
+        self._log("stream_join", tag)
+        if not self.enabled():
+            return
+        done = self._done.pop(tag, None)
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+
+
+RUNTIME = StreamRuntime()
+
+_LIB = torch.library.Library(STREAM_NAMESPACE, "DEF")
+_SCHEMAS = {
+    "scope_enter": "scope_enter(int tag) -> ()",
+    "record_stream": "record_stream(Tensor t, int tag) -> ()",
+    "scope_exit": "scope_exit(int tag) -> ()",
+    "stream_join": "stream_join(int tag) -> ()",
+}
+for _name, _schema in _SCHEMAS.items():
+    _LIB.define(_schema)
+_LIB.impl("scope_enter", lambda tag: RUNTIME.scope_enter(tag), "CompositeExplicitAutograd")
+_LIB.impl("record_stream", lambda t, tag: RUNTIME.record_stream(t, tag), "CompositeExplicitAutograd")
+_LIB.impl("scope_exit", lambda tag: RUNTIME.scope_exit(tag), "CompositeExplicitAutograd")
+_LIB.impl("stream_join", lambda tag: RUNTIME.join(tag), "CompositeExplicitAutograd")
+
+
+def _fake_tag(tag: int) -> None:
+    return None
+
+
+def _fake_record(t: torch.Tensor, tag: int) -> None:
+    return None
+
+
+for _name in _SCHEMAS:
+    torch.library.register_fake(f"{STREAM_NAMESPACE}::{_name}", _fake_record if _name == "record_stream" else _fake_tag,
+                                lib=_LIB)
+
+_ops = getattr(torch.ops, STREAM_NAMESPACE)
+#: The stream ops, by name. They return nothing and mutate nothing, so they are declared side-effectful
+#: (FX / AOT dead-code elimination would drop them otherwise).
+STREAM_OPS = {n: getattr(_ops, n).default for n in _SCHEMAS}
+for _op in STREAM_OPS.values():
+    fx.node.has_side_effect(_op)
+
+_TAGS = itertools.count(1)
+
+
+def _is_graph_input(n: Any) -> bool:
+    return isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr")
+
+
+class CudaInstallHook:
+    """The rewrite's install hook for ``exe_mode="cuda"`` (see the module doc); :meth:`finish` once the
+    rewrite is done places the joins."""
+
+    def __init__(self, graph_id: str):
+        self.graph_id = graph_id
+        self.pending: List[tuple] = []  # (installs, scope_exit node, tag)
+        self.tags: dict = {}  # layer -> tag
+
+    def __call__(self, graph: fx.Graph, installs: list, layer: int) -> None:
+        from .npu_modes import _last_serve
+
+        tag = next(_TAGS)
+        self.tags[layer] = tag
+        serve = _last_serve(installs)
+        anchor = serve
+        for inst in installs:  # program order kept: this layer's md=0 install(s), then the owner's md=1
+            anchor.append(inst)
+            anchor = inst
+        seen: List[fx.Node] = []
+        for inst in installs:
+            for a in inst.args:
+                if isinstance(a, fx.Node) and not _is_graph_input(a) and a not in seen:
+                    seen.append(a)
+        first, last = installs[0], installs[-1]
+        with graph.inserting_before(first):
+            graph.call_function(STREAM_OPS["scope_enter"], (tag,))
+            for t in seen:  # main-stream allocations the side stream reads (the plan's install records)
+                graph.call_function(STREAM_OPS["record_stream"], (t, tag))
+        with graph.inserting_after(last):
+            ex = graph.call_function(STREAM_OPS["scope_exit"], (tag,))
+        self.pending.append((installs, ex, tag))
+
+    def finish(self, graph: fx.Graph) -> List[str]:
+        """Each layer's join (the main stream waits on its done event); the node names joined before."""
+        from .npu_modes import _join_points
+
+        points = _join_points(graph, self.pending)
+        where = []
+        for _, _, tag in self.pending:
+            point = points[tag]
+            with graph.inserting_before(point):
+                graph.call_function(STREAM_OPS["stream_join"], (tag,))
+            where.append(point.name)
+        self.pending.clear()
+        return where
+
+
+class CudaLowering:
+    """The lowering of ``exe_mode="cuda"`` (same protocol as ``lowering_cpu.CpuLowering``).
+
+    ``side_stream=False`` keeps the installs on the main stream (the CPU schedule on CUDA tensors).
+    Refuses the NPU-only settings and Inductor's ``torch.compile(mode=...)`` by name.
+    """
+
+    shared_state = True
+
+    def __init__(self, mode: str = CUDA_MODE, compiler_config: Any = None, npu_options: Any = None,
+                 side_stream: bool = True):
+        if mode != CUDA_MODE:
+            raise ValueError(f"exe_mode must be {CUDA_MODE!r} for the CUDA lowering, got {mode!r}")
+        given = [k for k, v in (("compiler_config", compiler_config), ("npu_options", npu_options))
+                 if v not in (None, {})]
+        if given:
+            raise ValueError(f"{given} only apply to the NPU exe_modes, not {mode!r}")
+        self.mode = mode
+        self.side_stream = side_stream
+        self._eager = CpuLowering("eager")
+
+    def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
+                ) -> tuple[OffloadOptions, Optional[InstallHook]]:
+        if install_hook is not None or not self.side_stream:
+            return options, install_hook
+        return options, CudaInstallHook(graph_id)
+
+    def after_rewrite(self, gm: fx.GraphModule, state: Optional[OffloadState], report: Any,
+                      options: OffloadOptions, install_hook: Optional[InstallHook]) -> None:
+        report.side_stream = isinstance(install_hook, CudaInstallHook) and state is not None
+        if state is not None and isinstance(install_hook, CudaInstallHook):
+            report.joins_before = install_hook.finish(gm.graph)
+            gm.recompile()
+
+    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Any) -> Callable:
+        mode = (ctx.kwargs or {}).get("mode")
+        if mode in UNSUPPORTED_COMPILE_MODES:
+            raise RuntimeError(
+                f"exe_mode='cuda' does not support torch.compile(mode={mode!r}): the mode runs the offload graph "
+                "op by op after AOT (Inductor would reorder the ops across the install side stream), and CUDA "
+                "graphs (cudagraph trees) are not supported; call torch.compile without mode=")
+        return self._eager.lower(gm, example_inputs, ctx)

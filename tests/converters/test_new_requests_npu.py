@@ -1,0 +1,61 @@
+"""New requests in the NPU modes (docs/new-requests.md) through the CPU set-ups of tests/converters:
+npugraph_ex runs (``force_eager``: our kernels, exact) with the default bookkeeping (off: no ledger, the
+configuration an Atlas user gets) and with it on; ge_graph stops where CANN would compile, so it is
+checked on the graph it hands to TorchAir: the outside-write flag and the length window feed the
+invalidation before each plan."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import new_request_cases as N
+from offload_passes import _compat
+
+CI_CELLS = [N.Cell("tiny", "npugraph_ex", False, 0)]
+CELLS = N.full_matrix(("npugraph_ex",)) if os.environ.get("OFFLOAD_PASSES_LONG") == "1" else CI_CELLS
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
+def test_npugraph_ex_refill_paths_match_the_unmodified_model(cell, npugraph_ex_pkg, torch_npu_double):
+    cfg = npugraph_ex_pkg.CompilerConfig()
+    _compat.set_npugraph_ex_option(cfg, "force_eager", True)
+    _compat.set_npugraph_ex_option(cfg, "pattern_fusion_pass", False)  # traces torch.ops.npu kernels, absent on CPU
+    with torch_npu_double.installed():
+        out = N.run_matrix_cell(cell, cfg)
+    assert out["_rewritten"] == [1.0] and out["_hits"][0] > 0, out
+    bad = {k: v for k, v in out.items() if not k.startswith("_") and max(v) > N.tolerance(cell)}
+    assert not bad, f"{cell.id}: steps off the unmodified model: {bad}"
+
+
+def test_ge_graph_invalidation_reads_the_outside_write_flag_before_every_plan(torchair, tmp_path):
+    from offload_passes.backend import NpuOffloadBackend
+    from offload_passes.passes import _fx
+
+    torch._dynamo.reset()
+    from offload_passes import models
+
+    b = models.build("tiny", enable_offload=True, prefill_len=128)
+    b.driver.prefill()
+    graphs = []
+    be = NpuOffloadBackend(exe_mode="ge_graph", pool_size=256)
+
+    def capture(gm, ex):
+        fn = be(gm, ex)
+        graphs.append(gm)
+        return fn
+
+    with pytest.raises(RuntimeError, match="GE graphs cannot be compiled without CANN"):
+        b.driver.step(torch.compile(b.model, backend=capture))
+    (gm,) = graphs
+    rep = be.reports[-1]
+    assert rep["rewritten"] and rep["side_stream"]
+    nodes = list(gm.graph.nodes)
+    plans = [n for n in nodes if _fx.op_name(n) == "dsa_plan"]
+    flags = [n for n in nodes if n.op == "get_attr" and "external_write" in str(n.target)]
+    assert len(plans) == len(b.model.config.index_groups()) == len(flags)
+    for plan, flag in zip(plans, flags):
+        # the flag is read (ne 0) and the result reaches the plan's pool_ids through the masked update
+        assert any(u.target is torch.ops.aten.ne.Scalar for u in flag.users)
+        assert nodes.index(flag) < nodes.index(plan)

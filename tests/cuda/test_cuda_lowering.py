@@ -1,0 +1,175 @@
+"""Structure of the exe_mode="cuda" graph, built on CPU tensors (no GPU here).
+
+The ``tiny`` recipe model (8 layers ``FSSSFSSS``, groups {0..3}, {4..7}) is compiled by the offload
+backend with :class:`CudaLowering` in place of the CPU lowering. TEST ARRANGEMENT: the backend is built
+as ``exe_mode="eager"`` and its ``lowering`` attribute replaced, because the ``cuda`` mode name is
+registered by ``offload_passes/modes.py`` (not in this change); on CPU tensors the stream ops' runtime
+(:class:`StreamRuntime`) is a no-op that only logs its calls, a test double of the CUDA streams.
+
+Checked on the rewritten (pre-AOT) graph and on the final (post-reinplace) graph that runs:
+each installing layer's installs sit right after its own serve inside one scope_enter/scope_exit pair,
+the plan's install records (a main-stream intermediate) get record_stream, the main stream joins every
+scope exactly once and after the scope; the host-resident full caches are graph inputs; the schedule
+runs and gives the unmodified model's logits bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload_passes import models
+from offload_passes.backend import OffloadBackend
+from offload_passes.lowering_cuda import (CUDA_MODE, RUNTIME, STREAM_OPS, UNSUPPORTED_COMPILE_MODES, CudaInstallHook,
+                                          CudaLowering)
+
+STEPS = 3
+
+
+def _name(n) -> str:
+    return str(n.target)
+
+
+def _is(n, op: str) -> bool:
+    return n.op == "call_function" and n.target is STREAM_OPS[op]
+
+
+def _custom(n, op: str) -> bool:
+    return n.op == "call_function" and f"custom.{op}" in _name(n)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    torch._dynamo.reset()
+    base, comp = models.build("tiny", enable_offload=True), models.build("tiny", enable_offload=True)
+    be = OffloadBackend(exe_mode="eager", pool_size=64)
+    be.lowering = CudaLowering(CUDA_MODE)
+    graphs = {}
+    orig_after = be.lowering.after_rewrite
+
+    def keep_rewritten(gm, state, report, options, hook):
+        orig_after(gm, state, report, options, hook)
+        graphs["rewrite"] = gm.graph  # the pre-AOT graph with the hook's nodes and the joins
+
+    be.lowering.after_rewrite = keep_rewritten
+    RUNTIME.calls.clear()
+    res0 = base.driver.run(steps=STEPS)
+    res1 = comp.driver.run(steps=STEPS, step_fn=torch.compile(comp.model, backend=be))
+    rep = be.reports[-1]
+    assert rep["rewritten"], rep["refusals"]
+    yield dict(be=be, rep=rep, rewrite=graphs["rewrite"], final=be.final_graph(), res0=res0, res1=res1,
+               calls=list(RUNTIME.calls))
+    torch._dynamo.reset()
+
+
+def _scopes(graph):
+    """tag -> dict(enter, exit, join indices; installs inside; records) from one graph."""
+    nodes = list(graph.nodes)
+    out: dict = {}
+    for i, n in enumerate(nodes):
+        for op in ("scope_enter", "scope_exit", "stream_join"):
+            if _is(n, op):
+                out.setdefault(n.args[0], {}).setdefault(op, []).append(i)
+        if _is(n, "record_stream"):
+            out.setdefault(n.args[1], {}).setdefault("records", []).append(n.args[0])
+    for tag, d in out.items():
+        (a,), (b,) = d["scope_enter"], d["scope_exit"]
+        d["inside"] = nodes[a + 1:b]
+        d["installs"] = [n for n in d["inside"] if _custom(n, "dsa_install")]
+    return nodes, out
+
+
+@pytest.mark.parametrize("which", ["rewrite", "final"])
+def test_each_layer_installs_on_the_side_stream_after_its_serve(compiled, which):
+    graph = compiled[which]
+    nodes, scopes = _scopes(graph)
+    n_layers = 8
+    groups = [g["layers"] for g in compiled["rep"]["groups"]]
+    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # one scope per layer that installs: the shared layers (md=0; the group's last one also carries the
+    # owner's md=1 install), or the owner of a one-layer group
+    scoped = sum(max(len(g) - 1, 1) for g in groups)
+    assert scoped == 6 and len(scopes) == scoped
+    serves = [i for i, n in enumerate(nodes) if _custom(n, "dsa_serve")]
+    assert len(serves) == n_layers
+    installs_seen = 0
+    for tag, d in scopes.items():
+        (a,), (b,), joins = d["scope_enter"], d["scope_exit"], d["stream_join"]
+        assert len(joins) == 1 and joins[0] > b, f"tag {tag}: one join, after the scope"
+        # nothing but the stream bookkeeping and the installs inside the scope
+        assert all(_custom(n, "dsa_install") or _is(n, "record_stream") for n in d["inside"]), d["inside"]
+        assert 1 <= len(d["installs"]) <= 2  # md=0 (shared layer) [+ the owner's md=1 on the group's last layer]
+        installs_seen += len(d["installs"])
+        # the scope opens right after a serve (the side stream waits for it, not for the attention)
+        prev = [i for i in serves if i < a]
+        assert prev and all(not _custom(nodes[j], "npu_sparse_flash_attention") for j in range(prev[-1], a))
+        assert any("dsa_plan" in _name(r) or "getitem" in _name(r) for r in d.get("records", [])), \
+            "the plan's install records must be recorded on the side stream"
+    assert installs_seen == sum(len(g) for g in groups)  # md=0 per shared layer + one md=1 per group
+    if which == "final":
+        assert not any("functional" in _name(n) for n in nodes), "a functional twin survived reinplace"
+
+
+def test_joins_are_before_the_output_and_reported(compiled):
+    nodes, scopes = _scopes(compiled["final"])
+    out = next(i for i, n in enumerate(nodes) if n.op == "output")
+    assert all(d["stream_join"][0] < out for d in scopes.values())
+    assert compiled["rep"]["side_stream"] is True
+    assert len(compiled["rep"]["joins_before"]) == 6
+
+
+def test_full_caches_are_graph_inputs_and_never_copied(compiled):
+    """The full latent/rope caches (host-resident on a GPU) reach dsa_serve as graph inputs, unchanged."""
+    graph = compiled["final"]
+    placeholders = {n for n in graph.nodes if n.op == "placeholder"}
+    serves = [n for n in graph.nodes if _custom(n, "dsa_serve")]
+    for s in serves:
+        full_kv, full_rope = s.args[1], s.args[2]
+        for t in (full_kv, full_rope):
+            base = t
+            while base.op == "call_function" and base.args and "view" in _name(base):
+                base = base.args[0]
+            assert base in placeholders, f"{s.name}: full cache {t} is not a graph input"
+    copied = [n for n in graph.nodes if "copy" in _name(n) and any(a in placeholders for a in n.all_input_nodes)
+              and any(_custom(u, "dsa_serve") for a in n.all_input_nodes for u in a.users)]
+    assert not copied, copied
+
+
+def test_schedule_runs_and_is_bit_exact(compiled):
+    r0, r1 = compiled["res0"], compiled["res1"]
+    assert len(r1.logits) == STEPS
+    for a, b in zip(r0.logits, r1.logits):
+        assert torch.equal(a, b)
+    # the runtime saw, per step, every scope entered, exited and joined (in that order per tag)
+    calls = compiled["calls"]
+    per_tag: dict = {}
+    for op, tag in calls:
+        per_tag.setdefault(tag, []).append(op)
+    assert len(per_tag) == 6
+    for ops in per_tag.values():
+        seq = [o for o in ops if o != "record_stream"]
+        assert seq == ["scope_enter", "scope_exit", "stream_join"] * STEPS
+
+
+def test_lowering_refuses_what_it_does_not_support():
+    with pytest.raises(ValueError, match="exe_mode must be 'cuda'"):
+        CudaLowering("eager")
+    with pytest.raises(ValueError, match=r"\['compiler_config'\] only apply to the NPU exe_modes"):
+        CudaLowering(CUDA_MODE, compiler_config=object())
+
+    class Ctx:
+        kwargs = {"mode": "reduce-overhead"}
+
+    for mode in UNSUPPORTED_COMPILE_MODES:
+        Ctx.kwargs = {"mode": mode}
+        with pytest.raises(RuntimeError, match=f"does not support torch.compile\\(mode='{mode}'\\)"):
+            CudaLowering(CUDA_MODE).lower(None, [], Ctx())
+
+
+def test_side_stream_off_keeps_the_cpu_schedule():
+    lo = CudaLowering(CUDA_MODE, side_stream=False)
+    opts = object()
+    assert lo.prepare(opts, "g1", None) == (opts, None)
+    lo2 = CudaLowering(CUDA_MODE)
+    _, hook = lo2.prepare(opts, "g2", None)
+    assert isinstance(hook, CudaInstallHook) and hook.graph_id == "g2"
+    assert lo2.shared_state is True
