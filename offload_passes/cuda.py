@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, List, Optional, Union
+from typing import Any, Iterable, List, Union
 
 import torch
 

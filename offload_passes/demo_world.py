@@ -168,7 +168,6 @@ def _run_rank(rank: int, world: int, spec: dict) -> dict:
     tot = state.totals() if state is not None else {}
     return {
         "world": world, "mode": mode, "steps": steps, "B": comp.model.batch_size,
-        "rows": [comp.driver.prompt.shape[0], int(r.batch_size)],
         "max_abs_diff": {"logits": d_logits, "attn": d_attn},
         "within_tolerance": d_logits <= LOGITS_TOL and d_attn <= ATTN_TOL,
         "reports": [json.loads(json.dumps(x.to_dict() if hasattr(x, "to_dict") else dict(x), default=str))

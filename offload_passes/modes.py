@@ -11,13 +11,13 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Mode", "MODES", "EXE_MODES", "CPU_EXE_MODES", "NPU_EXE_MODES", "lowering_for"]
+__all__ = ["Mode", "MODES", "EXE_MODES", "CPU_EXE_MODES", "NPU_EXE_MODES", "CUDA_EXE_MODES", "lowering_for"]
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str
-    platform: str  # "cpu" | "npu"
+    platform: str  # "cpu" | "npu" | "cuda"
     lowering: str  # "module:Class", called as Class(mode, **lowering_kw)
     guards: bool  # in-graph run-time guards
     replacement_policies: tuple[str, ...]  # install kernels this platform has
@@ -27,13 +27,16 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("eager", "cpu", "offload_passes.lowering_cpu:CpuLowering", True, ("fifo", "second_chance")),
     Mode("inductor", "cpu", "offload_passes.lowering_cpu:CpuLowering", True, ("fifo", "second_chance")),
     # CANN's NPU kernels implement FIFO only
-    Mode("npugraph_ex", "npu", "offload_passes.npu_modes:NpuLowering", False, ("fifo",)),
     Mode("ge_graph", "npu", "offload_passes.npu_modes:NpuLowering", False, ("fifo",)),
+    Mode("npugraph_ex", "npu", "offload_passes.npu_modes:NpuLowering", False, ("fifo",)),
+    # CUDA tensors: the eager lowering with installs on a side stream; Triton kernels (docs/cuda.md)
+    Mode("cuda", "cuda", "offload_passes.lowering_cuda:CudaLowering", True, ("fifo", "second_chance")),
 )}
 
 EXE_MODES: tuple[str, ...] = tuple(MODES)
 CPU_EXE_MODES: tuple[str, ...] = tuple(n for n, m in MODES.items() if m.platform == "cpu")
 NPU_EXE_MODES: tuple[str, ...] = tuple(n for n, m in MODES.items() if m.platform == "npu")
+CUDA_EXE_MODES: tuple[str, ...] = tuple(n for n, m in MODES.items() if m.platform == "cuda")
 
 
 def lowering_for(mode: str, **kw: Any) -> Any:

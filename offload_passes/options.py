@@ -92,9 +92,10 @@ class OffloadOptions:
         if self.replacement_policy not in REPLACEMENT_POLICIES:
             raise ValueError(f"option replacement_policy must be one of {REPLACEMENT_POLICIES}, "
                              f"got {self.replacement_policy!r}")
-        if self.replacement_policy != "fifo" and self.exe_mode not in CPU_EXE_MODES:
+        if self.replacement_policy not in MODES[self.exe_mode].replacement_policies:
+            ok = tuple(n for n, m in MODES.items() if self.replacement_policy in m.replacement_policies)
             raise ValueError(f"option replacement_policy={self.replacement_policy!r} needs exe_mode in "
-                             f"{CPU_EXE_MODES}: CANN's NPU kernels implement only 'fifo'")
+                             f"{ok}: CANN's NPU kernels implement only 'fifo'")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):  # a PathLike: keep it as text
             object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Callable
 
 import torch
 
@@ -62,11 +61,3 @@ def int32_words(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
     if window.storage_offset() % 4 != 0 or not window.is_contiguous():
         window = window.clone()
     return window.view(torch.int32)
-
-
-def register_cuda(impl: Callable[[str, str, Callable], bool], name: str, fn: Callable) -> bool:
-    """Register ``fn`` as the CUDA kernel of ``name`` with the namespace's ``impl`` helper."""
-    done = impl(name, "CUDA", fn)
-    if done:
-        log.debug("registered the Triton CUDA kernel of %s", name)
-    return done

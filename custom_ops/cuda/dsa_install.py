@@ -227,7 +227,9 @@ def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache,
                        BLOCK_CAP=block_cap, MPP=mpp, **common)
     # Per-(b, set) install lists in record order: device-side sort/count, no host synchronisation.
     order = torch.sort(key, stable=True).indices.to(torch.int32)
-    count = torch.bincount(key, minlength=B * NS + 1)[: B * NS].to(torch.int32)
+    # (scatter_add, not bincount: bincount sizes its output from the data, a host synchronisation)
+    count = torch.zeros(B * NS + 1, dtype=torch.int32, device=dev).scatter_add_(
+        0, key.long(), torch.ones_like(key))[: B * NS]
     start = (torch.cumsum(count, 0, dtype=torch.int32) - count).to(torch.int32)
     _assign_kernel[(B, NS)](words, order, start, count, lru, pid, plan_t, log_slot, log_old, S, K, NS, PS,
                             SECOND_CHANCE=sc, UPDATE=update, BLOCK_Q=min(1024, next_pow2(S * K)), **common)

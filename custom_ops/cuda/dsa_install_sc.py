@@ -6,7 +6,6 @@ probes from the pointer, clearing and skipping referenced ways (at most 16, so o
 """
 from __future__ import annotations
 
-import torch
 
 from .. import dsa_install_sc as M
 from .._attention_common import ref_impl

@@ -333,7 +333,7 @@ def _emit_plan(ctx: RewriteCtx, fe: FrontEnd, grp: Any, gn: GroupNodes) -> None:
 
 
 def _lengths_guard(ctx: RewriteCtx, grp: Any, p: GroupPlan, L: fx.Node) -> None:
-    root = strip_views(L, casts=True)
+    root = strip_views(p.lengths, casts=True)  # the lengths input the front-end computed L from
     if root in ctx.guarded:
         return
     ctx.guarded.add(root)

@@ -8,8 +8,10 @@ first-occurrence order; ``set = id & (sets - 1)``), written as whole-array opera
 * :func:`per_set_min`: Belady's MIN run independently in each 16-way set. ``bypass=True``: after each
   step keep, per set, the ``ways`` candidates (residents + this step's misses) used soonest — optimal
   for the distinct-id hit count of that geometry, hence an upper bound of every policy that places an id
-  only in its own set. ``bypass=False``: every miss is installed (as ``dsa_install`` always does), the
-  victim being the resident used farthest in the future; the bound of the always-install policies.
+  only in its own set. ``bypass=False``: every miss is installed in record order (as ``dsa_install``
+  always does), the victim being the way used farthest in the future; like the kernels' FIFO, a later
+  install of the same step may overwrite an earlier one, so only each set's last miss of the step is
+  forced to stay — the bound of every always-install policy of the geometry (tested against them).
   With ``sets = 1`` the bypass variant is the fully associative MIN (``offload-sim``'s ``belady``).
 * :func:`simulate_sa`: ``sa_fifo`` (the kernels' round-robin pointer — the independent re-computation of
   ``offload-sim``'s), ``sa_clock`` with either insert convention (reference bit 0 or 1 at install), and

@@ -20,7 +20,7 @@ CELLS = N.full_matrix(("eager", "inductor")) if os.environ.get("OFFLOAD_PASSES_L
 @pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
 def test_every_refill_path_matches_the_unmodified_model(cell):
     out = N.run_matrix_cell(cell)
-    assert out["_rewritten"] == [1.0] and out["_hits"][0] > 0, out  # offloaded and warm between re-fills
+    assert out["_rewritten"] == [1.0] and out["_resident"][0] > 0, out  # offloaded and warm between re-fills
     tol = N.tolerance(cell)
     bad = {k: v for k, v in out.items() if not k.startswith("_") and max(v) > tol}
     assert not bad, f"{cell.id}: steps off the unmodified model (tolerance {tol}): {bad}"

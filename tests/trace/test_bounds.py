@@ -148,3 +148,12 @@ def test_study_results_of_disjoint_model_sets_merge():
     with pytest.raises(ValueError, match="overlap"):
         study.merge(a, a)
     assert "sa_rank_P" not in study.render(m)  # needs scores: absent for these models, not a zero row
+
+
+def test_sa_fifo_8k_agrees_with_the_reference_and_the_independent_recomputation():
+    # a fitted ensemble model on a warm trace (the segments model generates fastest)
+    tr = models.generate("segments", steps=640, seed=5)
+    cpp = sim.simulate(tr, "sa_fifo", 8192, warmup=384).hit_rate
+    npy = setsim.simulate_sa(tr, "sa_fifo", 8192, warmup=384).hit_rate
+    assert cpp == npy
+    assert abs(cpp - synth.REF_SA_FIFO_8K) <= 0.01, cpp
