@@ -42,36 +42,7 @@ log = logging.getLogger("offload_passes.passes.cache_writes")
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
-_LIB = torch.library.Library("offload_ge", "FRAGMENT")
-_DEFINED = False
-
-
-def _define() -> None:
-    """``offload_ge::scatter_nd_update(self, indices[n,k], updates) -> Tensor`` (functional; CPU + fake)."""
-    global _DEFINED
-    if _DEFINED or hasattr(torch.ops.offload_ge, "scatter_nd_update"):
-        _DEFINED = True
-        return
-    _LIB.define("scatter_nd_update(Tensor self, Tensor indices, Tensor updates) -> Tensor")
-
-    def cpu(self: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
-        k = indices.shape[-1]
-        if indices.dim() != 2 or k > self.dim():
-            raise ValueError(f"offload_ge::scatter_nd_update: indices must be [n, k] with k <= {self.dim()}, "
-                             f"got {list(indices.shape)}")
-        out = self.clone()
-        out[tuple(indices[:, j] for j in range(k))] = updates.to(self.dtype)
-        return out
-
-    def fake(self: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(self)
-
-    _LIB.impl("scatter_nd_update", cpu, "CompositeExplicitAutograd")
-    torch.library.register_fake("offload_ge::scatter_nd_update", fake, lib=_LIB)
-    _DEFINED = True
-
-
-_define()
+from ..custom_ops import ge_scatter  # noqa: F401,E402  (defines offload_ge::scatter_nd_update)
 
 
 @dataclass
