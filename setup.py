@@ -125,7 +125,7 @@ setup(
         "offload_passes.models": ["configs/*.yaml"],
     },
     install_requires=[
-        "torch>=2.8,<2.14",  # checked: 2.8.0 and 2.13.0 (scripts/test_matrix.sh)
+        "torch>=2.8,<2.15",  # checked: 2.8.0, 2.10.0, 2.13.0, 2.14.1 (scripts/test_matrix.sh, docs/versions.md)
         "sympy",
         "pyyaml",
         "ninja",  # the JIT fallback (custom_ops/_library.py) when no prebuilt kernels match the torch

@@ -11,7 +11,7 @@ these are *announced* (``offload_state.reset(rows=[b])``), half are *unannounced
 reset: the rewritten graph must detect them itself).
 
 After every step: the logits of the two models are compared (``max |diff|``, must be 0: the rewrite is
-bit-exact here) and the pool invariants of spec/ops.md §8.4 (pool_ids / id_to_slot inverse, set of
+bit-exact here) and the pool invariants of docs/ops.md §8.4 (pool_ids / id_to_slot inverse, set of
 each slot, no duplicate id, 0 <= lru <= 15) and §8.5 (pool rows == full-cache rows, bitwise) are
 checked on every group; each failing check counts as one violation. Prints steps, steps/s, max diff,
 hit rate, new requests (announced / unannounced), violations and RSS growth (VmRSS after the first
@@ -40,7 +40,7 @@ def _rss_kib() -> int:
 
 
 def pool_violations(state: Any, full_of: Any) -> list[str]:
-    """Spec §8.4 / §8.5 on every group of ``state``; ``full_of(layer) -> (kv [B,F,Dkv], rope [B,F,Dr])``."""
+    """docs/ops.md §8.4 / §8.5 on every group of ``state``; ``full_of(layer) -> (kv [B,F,Dkv], rope [B,F,Dr])``."""
     bad: list[str] = []
     for g in state.groups:
         pid, i2s, lru = g.pool_ids, g.id_to_slot, g.lru_counter
@@ -194,7 +194,7 @@ def summary(o: dict) -> str:
         f"  hit rate {o['hit_rate']:.1%}  (hits {o['hits']}, misses {o['misses']}, window {o['window']})",
         f"  new requests: {n['announced']} announced, {n['unannounced']} unannounced (model reset only); "
         f"by re-fill path {n.get('by_path')}; gather ledger kept: {o.get('bookkeeping')}",
-        f"  invariant violations (spec §8.4-8.5, every step): {o['invariant_violations']}",
+        f"  invariant violations (docs/ops.md §8.4-8.5, every step): {o['invariant_violations']}",
         f"  RSS: {o['rss_mib']['after_warmup']:.1f} MiB after warm-up -> {o['rss_mib']['end']:.1f} MiB at the end "
         f"(growth {o['rss_mib']['growth_after_warmup']:+.1f} MiB)",
         f"  {o['seconds']:.0f} s, {o['steps_per_s']:.1f} steps/s; graphs compiled: {o['graphs_compiled']}",

@@ -1,19 +1,34 @@
 """The one place where offload_passes uses private torch / TorchAir / npugraph_ex symbols and handles
 differences between torch versions.
 
-Supported: torch 2.8 and 2.13 (``setup.py``; ``scripts/test_matrix.sh`` runs the suite on both), with
-TorchAir / npugraph_ex from the matching torch-npu wheel (2.8.0.post5, 2.13.0). Every symbol below
-says why no public API does the job, and the versions it was checked against ("2.8/2.13": torch
-2.8.0 and 2.13.0; "npu 2.8/2.13": torch-npu 2.8.0.post5 and 2.13.0). TorchAir and npugraph_ex are
-optional (NPU modes, converter tests): their symbols are imported by functions, on first use.
+Supported: torch 2.8 through 2.14 (``setup.py``: ``>=2.8,<2.15``), with TorchAir / npugraph_ex from the
+matching torch-npu wheel (``tools/torchair_env.py``: 2.8.0.post5, 2.10.0.post4, 2.13.0, 2.14.0);
+``scripts/test_matrix.sh`` runs torch 2.8.0, 2.10.0, 2.13.0 and 2.14.1 (results: docs/versions.md).
+Every symbol below says why no public API does the job, and the versions it was checked against:
+"2.8-2.14" means torch 2.8.0, 2.10.0, 2.13.0 and 2.14.1; "npu 2.8-2.14" means torch-npu 2.8.0.post5,
+2.10.0.post4, 2.13.0 and 2.14.0 (the TorchAir / npugraph_ex Python of 2.13.0 and 2.14.0 is identical).
+TorchAir and npugraph_ex are optional (NPU modes, converter tests): their symbols are imported by
+functions, on first use. torch 2.9, 2.11 and 2.12 lie inside the range but were not run.
 
 Torch-version differences found (and where they are handled):
 
 * Inductor 2.8 cannot run a mutable custom op that has a Functionalize kernel as a FallbackKernel;
-  2.13 can. Handled version-independently by ``passes/inductor_targets.py``.
-* ``torch._dynamo.config.inline_inbuilt_nn_modules = False`` is honoured by 2.8 (module buffers
-  reach the graph as ``get_attr``) and ignored by 2.13 (deprecated, always inlined: placeholders).
-  The passes accept both (``passes/_fx.py``: :func:`is_graph_input_or_attr`, :func:`input_values`).
+  2.10 and later can. Handled version-independently by ``passes/inductor_targets.py``.
+* Inductor 2.8 decomposes ``aten._assert_async.msg`` to nothing; 2.10 and later lower it to a run-time
+  check (:func:`inductor_lowers_assert_async`).
+* ``torch._dynamo.config.inline_inbuilt_nn_modules = False`` is honoured by 2.8 and 2.10 (module
+  buffers reach the graph as ``get_attr``) and ignored by 2.13 and 2.14 (deprecated, always inlined:
+  placeholders). The passes accept both (``passes/_fx.py``: :func:`is_graph_input_or_attr`,
+  :func:`input_values`).
+* torch 2.14's C++ headers require C++20 (``#error`` under ``-std=c++17``); torch's extension builder
+  defaults to C++17 up to 2.10 and to C++20 from 2.13. ``offload_passes/_extensions.py`` therefore
+  passes no ``-std`` and lets the builder choose (setup.py, the JIT fallback and the CANN test double).
+* npugraph_ex: 2.8.0.post5 has no event-aware reinplace check, its stream / event ops in
+  ``torch.ops.air`` and nested ``CompilerConfig`` options; 2.10.0.post4, 2.13.0 and 2.14.0 have the
+  check, ``torch.ops.npugraph_ex`` and flat options (:func:`reinplace_event_protection`,
+  :func:`npugraph_ex_ops`, :func:`set_npugraph_ex_option`).
+* transformers' ``grouped_mm`` experts path does not trace on CPU with torch 2.8 or 2.10
+  (:func:`hf_grouped_mm_traceable_on_cpu`, used by ``models/hf``).
 """
 from __future__ import annotations
 
@@ -26,13 +41,13 @@ import torch
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 # ---------------------------------------------------------------------------------------- torch
-# FX call targets of ATen / custom ops; torch exposes the classes only in torch._ops (2.8/2.13).
+# FX call targets of ATen / custom ops; torch exposes the classes only in torch._ops (2.8-2.14).
 from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402
 
 
 def dispatcher_has_schema(qualname: str) -> bool:
     """``ns::name[.overload]`` is known to the dispatcher (ours, CANN's or torch_npu's). torch.library
-    has no query; ``hasattr(torch.ops.ns, name)`` would also accept Python-only packets (2.8/2.13)."""
+    has no query; ``hasattr(torch.ops.ns, name)`` would also accept Python-only packets (2.8-2.14)."""
     try:
         torch._C._dispatch_find_schema_or_throw(qualname, "")
         return True
@@ -42,7 +57,7 @@ def dispatcher_has_schema(qualname: str) -> bool:
 
 def dispatcher_schema(qualname: str) -> str | None:
     """The schema string the dispatcher holds for ``qualname`` (CANN's, when its library defined it
-    first), or None (2.8/2.13)."""
+    first), or None (2.8-2.14)."""
     try:
         return str(torch._C._dispatch_find_schema_or_throw(qualname, "").schema())
     except RuntimeError:
@@ -51,37 +66,37 @@ def dispatcher_schema(qualname: str) -> str | None:
 
 def dispatcher_op_names(namespace: str) -> list[str]:
     """Sorted ``ns::name`` of every operator the dispatcher knows in ``namespace`` (overload names
-    dropped); torch.library has no way to enumerate a namespace (2.8/2.13)."""
+    dropped); torch.library has no way to enumerate a namespace (2.8-2.14)."""
     prefix = f"{namespace}::"
     return sorted({n.split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)})
 
 
 # Schema strings parsed without registering anything (custom_ops/opspec.py); torch.library parses
-# with the same private parser and exposes none (2.8/2.13).
+# with the same private parser and exposes none (2.8-2.14).
 FunctionSchema = torch._C.FunctionSchema
 SchemaArgument = torch._C.Argument
 parse_schema = torch._C.parse_schema
 
 
 def resolve_library_path(path: str) -> str:
-    """The path ``torch.ops.load_library`` will actually load (same resolution rules) (2.8/2.13)."""
+    """The path ``torch.ops.load_library`` will actually load (same resolution rules) (2.8-2.14)."""
     return torch._utils_internal.resolve_library_path(path)
 
 
 def has_storage(t: Any) -> bool:
-    """A tensor with real storage (not a fake / meta / functional wrapper); no public query (2.8/2.13)."""
+    """A tensor with real storage (not a fake / meta / functional wrapper); no public query (2.8-2.14)."""
     return torch._C._has_storage(t)
 
 
 def dispatcher_has_kernel(qualname: str, dispatch_key: str) -> bool:
     """A kernel for ``dispatch_key`` is registered (so we never replace CANN's / torch_npu's); no
-    public query exists (2.8/2.13)."""
+    public query exists (2.8-2.14)."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, dispatch_key)
 
 
 def has_python_fake_kernel(qualname: str) -> bool:
     """A fake kernel registered with ``torch.library.register_fake`` exists (registering a second one
-    raises); only torch._library's registry knows (2.8/2.13)."""
+    raises); only torch._library's registry knows (2.8-2.14)."""
     try:
         from torch._library.simple_registry import singleton
 
@@ -92,7 +107,7 @@ def has_python_fake_kernel(qualname: str) -> bool:
 
 # Functionalize kernels for ops with CANN's fixed in-place schemas (torch.library.custom_op would
 # auto-functionalize instead, but AOT must emit our *_functional twins): the C++ functionalization
-# API as torch's own Python Functionalize kernels use it (2.8/2.13).
+# API as torch's own Python Functionalize kernels use it (2.8-2.14).
 is_functional_tensor = torch._is_functional_tensor
 from_functional_tensor = torch._from_functional_tensor
 to_functional_tensor = torch._to_functional_tensor
@@ -103,35 +118,35 @@ functionalize_commit_update = torch._functionalize_commit_update
 
 @contextlib.contextmanager
 def functionalize_excluded() -> Iterator[None]:
-    """Run the functional twin below the Functionalize key (2.8/2.13)."""
+    """Run the functional twin below the Functionalize key (2.8-2.14)."""
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)):
         yield
 
 
 def aot_module_simplified() -> Any:
     """AOTAutograd entry point for a Dynamo backend (functionalization + our compiler on the
-    functional graph); the public ``torch.compile`` offers no hook there (2.8/2.13)."""
+    functional graph); the public ``torch.compile`` offers no hook there (2.8-2.14)."""
     from torch._functorch.aot_autograd import aot_module_simplified as f
 
     return f
 
 
 def make_boxed_func() -> Any:
-    """Boxed-calling wrapper AOT expects from a compiler (2.8/2.13)."""
+    """Boxed-calling wrapper AOT expects from a compiler (2.8-2.14)."""
     from torch._functorch.aot_autograd import make_boxed_func as f
 
     return f
 
 
 def inductor_compile_fx() -> Any:
-    """Inductor's backend function, called with our post-grad pass in ``config_patches`` (2.8/2.13)."""
+    """Inductor's backend function, called with our post-grad pass in ``config_patches`` (2.8-2.14)."""
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx
 
 
 def inductor_lowers_assert_async() -> bool:
-    """Whether Inductor turns ``aten._assert_async.msg`` into a run-time check (2.13). Torch 2.8 decomposes
+    """Whether Inductor turns ``aten._assert_async.msg`` into a run-time check (2.10-2.14). Torch 2.8 decomposes
     it to nothing, so our in-graph guards would vanish in ``inductor`` mode."""
     from torch._inductor.lowering import lowerings
 
@@ -146,7 +161,7 @@ def inductor_decompositions_keeping_asserts() -> dict:
 
 
 def custom_graph_pass_base() -> type:
-    """Base class that makes a ``post_grad_custom_pre_pass`` cacheable (``uuid``) (2.8/2.13)."""
+    """Base class that makes a ``post_grad_custom_pre_pass`` cacheable (``uuid``) (2.8-2.14)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     return CustomGraphPass
@@ -154,14 +169,14 @@ def custom_graph_pass_base() -> type:
 
 def constant_source(name: str) -> Any:
     """Dynamo source for a buffer the rewrite adds to the graph module (AOT maps every lifted
-    parameter/buffer to a source via ``_param_name_to_source``) (2.8/2.13)."""
+    parameter/buffer to a source via ``_param_name_to_source``) (2.8-2.14)."""
     from torch._dynamo.source import ConstantSource
 
     return ConstantSource(name)
 
 
 def detect_fake_mode(inputs: Any) -> Any:
-    """The FakeTensorMode of a compile's example inputs (None outside one); no public twin (2.8/2.13)."""
+    """The FakeTensorMode of a compile's example inputs (None outside one); no public twin (2.8-2.14)."""
     from torch._guards import detect_fake_mode as f
 
     return f(inputs)
@@ -176,9 +191,17 @@ def functional_collectives() -> Any:
     return funcol
 
 
+def hf_grouped_mm_traceable_on_cpu() -> bool:
+    """Whether transformers' ``grouped_mm`` experts path traces under Dynamo on CPU. For torch <= 2.10
+    transformers (5.23) checks ``data_ptr() % 16`` first, which Dynamo cannot trace (``Unsupported:
+    builtin mod``), and torch 2.8 has no ``grouped_mm`` at all; checked on 2.8, 2.10 (False), 2.13, 2.14
+    (True). ``models/hf`` picks ``batched_mm`` where it is False."""
+    return TORCH_VERSION > (2, 10) and hasattr(torch.nn.functional, "grouped_mm")
+
+
 def torch_logs_registry() -> Any:
     """``torch._logging._internal``: registers ``TORCH_LOGS="offload_passes"``; torch has no public
-    API to add a log alias (2.8/2.13). None when absent."""
+    API to add a log alias (2.8-2.14). None when absent."""
     try:
         from torch._logging import _internal
     except ImportError:
@@ -189,7 +212,7 @@ def torch_logs_registry() -> Any:
 # ----------------------------------------------------------------- TorchAir / npugraph_ex (lazy)
 def torchair_ge_apis() -> Any:
     """``torchair._ge_concrete_graph.ge_apis``: the generated GE op builders (``ScatterNdUpdate`` ...);
-    ``torchair.ge`` re-exports only ``TensorMove`` (as ``Clone``) and a few others (npu 2.8/2.13)."""
+    ``torchair.ge`` re-exports only ``TensorMove`` (as ``Clone``) and a few others (npu 2.8-2.14)."""
     from torchair._ge_concrete_graph import ge_apis
 
     return ge_apis
@@ -197,7 +220,7 @@ def torchair_ge_apis() -> Any:
 
 def torchair_core_extension() -> Any:
     """``torchair.core._torchair``: TorchAir's CANN-linked module, whose ``get_registered_ir_def``
-    tells whether CANN knows a GE op type (``tools/atlas_check.py``, Atlas only) (npu 2.8/2.13)."""
+    tells whether CANN knows a GE op type (``tools/atlas_check.py``, Atlas only) (npu 2.8-2.14)."""
     from torchair.core import _torchair
 
     return _torchair
@@ -205,7 +228,7 @@ def torchair_core_extension() -> Any:
 
 def torchair_ge_graph_pass() -> Any:
     """``torchair._ge_concrete_graph.graph_pass``: its ref-op table is taught DsaServe / DsaInstall
-    (``converters/ge_ref_patch.py``); no registration API exists (npu 2.8/2.13)."""
+    (``converters/ge_ref_patch.py``); no registration API exists (npu 2.8-2.14)."""
     from torchair._ge_concrete_graph import graph_pass
 
     return graph_pass
@@ -214,7 +237,7 @@ def torchair_ge_graph_pass() -> Any:
 def torchair_fx2ge_converter() -> Any:
     """``torchair._ge_concrete_graph.fx2ge_converter``: the copy pass patched by
     ``converters/ge_ref_patch.py``; converters themselves use the public
-    ``torchair.register_fx_node_ge_converter`` (npu 2.8/2.13)."""
+    ``torchair.register_fx_node_ge_converter`` (npu 2.8-2.14)."""
     from torchair._ge_concrete_graph import fx2ge_converter
 
     return fx2ge_converter
@@ -223,7 +246,7 @@ def torchair_fx2ge_converter() -> Any:
 def npugraph_ex_tagged_event() -> Any:
     """``npugraph_ex.ops._tagged_event``: creates npugraph_ex's tagged events (its
     ``_npu_create_tagged_event`` / ``_GLOBAL_TAG_TO_EVENT``); the public ``npu_create_tagged_event``
-    is TorchAir's, with its own registry (npu 2.8/2.13)."""
+    is TorchAir's, with its own registry (npu 2.8-2.14)."""
     import npugraph_ex.ops._tagged_event as tagged
 
     return tagged
@@ -231,7 +254,7 @@ def npugraph_ex_tagged_event() -> Any:
 
 def npugraph_ex_ops() -> Any:
     """The op namespace of npugraph_ex's stream / event ops (``tagged_event_*``, ``record_tagged_stream_``,
-    ``scope_enter``): ``torch.ops.npugraph_ex`` in npu 2.13, ``torch.ops.air`` in npu 2.8.0.post5."""
+    ``scope_enter``): ``torch.ops.npugraph_ex`` in npu 2.10.0.post4-2.14, ``torch.ops.air`` in npu 2.8.0.post5."""
     npugraph_ex_tagged_event()  # registers them
     import npugraph_ex.scope  # noqa: F401
 
@@ -240,13 +263,13 @@ def npugraph_ex_ops() -> Any:
 
 
 #: npugraph_ex options whose place in ``npugraph_ex.CompilerConfig`` differs by version: flat attributes in
-#: npu 2.13; TorchAir-style nested ones in npu 2.8 (its ``_NpuGraphExConfig.OPTIONS_TO_CONFIG_MAP``).
+#: npu 2.10.0.post4-2.14; TorchAir-style nested ones in npu 2.8 (its ``_NpuGraphExConfig.OPTIONS_TO_CONFIG_MAP``).
 _NPUGRAPH_EX_NESTED = {"force_eager": "debug.run_eagerly", "frozen_parameter": "experimental_config.frozen_parameter",
                        "pattern_fusion_pass": "experimental_config.pattern_fusion_pass"}
 
 
 def set_npugraph_ex_option(cfg: Any, name: str, value: Any) -> None:
-    """``cfg.<name> = value`` on an ``npugraph_ex.CompilerConfig`` of either layout (npu 2.8/2.13)."""
+    """``cfg.<name> = value`` on an ``npugraph_ex.CompilerConfig`` of either layout (npu 2.8-2.14)."""
     if name not in _NPUGRAPH_EX_NESTED:
         raise ValueError(f"set_npugraph_ex_option: unknown option {name!r} (known: {sorted(_NPUGRAPH_EX_NESTED)})")
     flat = name in getattr(cfg, "__dict__", {})
@@ -259,7 +282,7 @@ def set_npugraph_ex_option(cfg: Any, name: str, value: Any) -> None:
 
 
 def get_npugraph_ex_option(cfg: Any, name: str) -> Any:
-    """The option set by :func:`set_npugraph_ex_option` (the config's option object) (npu 2.8/2.13)."""
+    """The option set by :func:`set_npugraph_ex_option` (the config's option object) (npu 2.8-2.14)."""
     if name in getattr(cfg, "__dict__", {}):
         return getattr(cfg, name)
     target = cfg
@@ -269,7 +292,7 @@ def get_npugraph_ex_option(cfg: Any, name: str) -> Any:
 
 
 #: Modules holding TorchAir's / npugraph_ex's reinplace registries (``converters/npu_reinplace_registry.py``
-#: registers our in-place ops there; no public registration API) (npu 2.8/2.13).
+#: registers our in-place ops there; no public registration API) (npu 2.8-2.14).
 REINPLACE_REGISTRY_MODULES = ("torchair._acl_concrete_graph.graph_pass", "npugraph_ex._acl_concrete_graph.graph_pass")
 
 
@@ -279,8 +302,8 @@ def _registry_package(registry_module: Any) -> str:
 
 def reinplace_event_protection(registry_module: Any) -> Any:
     """The package's event-aware stream check ``_utils.graph_utils.verify_cross_stream_event_protected``
-    (npugraph_ex in npu 2.13), or None: npugraph_ex 2.8 and TorchAir 2.8/2.13 only have
-    ``verify_nodes_on_same_stream``, and ``converters/stream_fence.py`` stands in (npu 2.8/2.13)."""
+    (npugraph_ex in npu 2.10.0.post4, 2.13, 2.14), or None: npugraph_ex 2.8 and TorchAir 2.8-2.14 only have
+    ``verify_nodes_on_same_stream``, and ``converters/stream_fence.py`` stands in (npu 2.8-2.14)."""
     import importlib
 
     try:
@@ -292,7 +315,7 @@ def reinplace_event_protection(registry_module: Any) -> Any:
 
 def reinplace_mutated_input_users(registry_module: Any) -> Any:
     """``_acl_concrete_graph.utils.get_inplace_op_mutated_input_users`` of the registry's package: the
-    users its own stream checker inspects, per mutated argument index (npu 2.8/2.13)."""
+    users its own stream checker inspects, per mutated argument index (npu 2.8-2.14)."""
     import importlib
 
     utils = importlib.import_module(registry_module.__name__.rsplit(".", 1)[0] + ".utils")

@@ -248,7 +248,10 @@ class OffloadBackend:
             gm, names = state_as_inputs(gm, state)
             example_inputs = list(example_inputs) + static_fakes(example_inputs, state.flat(names))
         if state.cache_refs is None or state.layouts is None:
-            # caches not identifiable (e.g. the HF form): the graph's own state, tracked but no switch rule
+            # full caches that are neither graph inputs nor attributes: the graph's own state; outside
+            # writes cannot be seen, so the binder invalidates every row before every step (cold, correct)
+            log.warning("%s: the full caches are neither graph inputs nor module buffers; the offload pools "
+                        "are invalidated before every step (docs/new-requests.md)", graph_id)
             b = StateBinder(graph_id, [], [], None, state)
         else:
             b = StateBinder(graph_id, state.layouts, state.cache_refs, names, state)

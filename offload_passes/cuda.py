@@ -20,9 +20,9 @@ tensors. Verified on CPU: the placement decisions; only a GPU can confirm the re
 * :func:`place_full_caches`: applies the plan (needs CUDA: pinning is a CUDA driver call).
 * :func:`kv_bytes`: device and host bytes of a plan (the benchmark's accounting).
 
-Not covered (a pass change, see docs/cuda.md): the unmodified model's *own* cache writes of the new
-token (the recipe's ``index_put_`` into ``kv_cache``, HF ``StaticCache.update``'s ``index_copy_``) are
-device ops on a host tensor; a CUDA run needs the decode graph's cache writes rewritten to a host write.
+The unmodified model's *own* cache writes of the new token (the recipe's ``index_put_`` into ``kv_cache``,
+HF ``StaticCache.update``'s ``index_copy_``) would be device ops on a host tensor: the CUDA lowering rewrites
+them into host writes (``passes/host_cache_writes.py``; docs/cuda.md says what a GPU must still confirm).
 """
 from __future__ import annotations
 

@@ -20,7 +20,9 @@ What the mode is (the decisions; docs/cuda.md has the reasons at length):
   of a custom op), so this mode never hands the graph to Inductor; ``torch.compile(mode=...)`` (Inductor
   settings, ``"reduce-overhead"`` = CUDA graphs / cudagraph trees) is refused by name.
 * **Host-resident KV**: the full caches may be pinned host tensors (:mod:`offload_passes.cuda`); the
-  serve kernel reads their missed rows zero-copy. Nothing here copies them.
+  serve kernel reads their missed rows zero-copy. Nothing here copies them. The model's own writes of the
+  new token into them get host operands (``passes/host_cache_writes.py``, run in :meth:`CudaLowering.after_rewrite`
+  on every graph, rewritten or not; a no-op when the devices agree).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from torch import fx
 
 from .lowering_cpu import CpuLowering
 from .options import OffloadOptions
+from .passes.host_cache_writes import HostCacheWritesReport, host_cache_writes
 from .passes.rewrite import InstallHook
 from .state import OffloadState
 
@@ -225,6 +228,8 @@ class CudaLowering:
         self.mode = mode
         self.side_stream = side_stream
         self._eager = CpuLowering("eager")
+        #: graph id -> what passes/host_cache_writes.py did to that graph
+        self.host_cache_writes: dict[str, HostCacheWritesReport] = {}
 
     def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
                 ) -> tuple[OffloadOptions, Optional[InstallHook]]:
@@ -238,6 +243,8 @@ class CudaLowering:
         if state is not None and isinstance(install_hook, CudaInstallHook):
             report.joins_before = install_hook.finish(gm.graph)
             gm.recompile()
+        # after the joins: it only adds copies of main-stream values right before their host write
+        self.host_cache_writes[str(getattr(report, "graph_id", len(self.host_cache_writes)))] = host_cache_writes(gm)
 
     def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Any) -> Callable:
         mode = (ctx.kwargs or {}).get("mode")

@@ -492,6 +492,10 @@ class StateBinder:
         else:
             st = self.registry.bind(self.graph_id, self.layouts, caches)
         self.registry.activate(st, caches)
+        if not caches:  # caches the binder cannot name: writes outside the graph cannot be seen
+            for g in st.groups:  # so every step starts cold (correct; docs/new-requests.md)
+                g.shared.external_write.fill_(1)
+                g.shared.flagged = True
         self._last = weakref.ref(st)
         self.calls += 1
         return st
@@ -505,8 +509,9 @@ class StateBinder:
         st = self.last_state
         if st is None:
             return
-        for g, cs in zip(st.groups, self.caches(args)):
-            after_step(g.shared, cs)
+        caches = self.caches(args)
+        for i, g in enumerate(st.groups):
+            after_step(g.shared, caches[i] if i < len(caches) else ())
 
     @property
     def last_state(self) -> Optional[OffloadState]:

@@ -46,6 +46,12 @@ for v in $TORCH_VERSIONS; do
   "$py" -m pip install -q "setuptools>=64" wheel ninja >/dev/null
   "$py" -m pip install -q --no-build-isolation -e ".[test,viz,hf]" \
     || { SUMMARY+=("torch $v: FAILED (pip install -e .[test,viz,hf])"); status=1; continue; }
+  # pip resolves setup.py's torch range too: a version outside it is silently swapped for one inside
+  after=$("$py" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
+  if [ "$after" != "$v" ]; then
+    SUMMARY+=("torch $v: FAILED (pip install -e replaced torch $v by ${after:-nothing}: outside setup.py's torch range?)")
+    status=1; continue
+  fi
   "$py" -c "import offload_passes.custom_ops._library as L, sys; sys.exit(L.prebuilt_library() is None)" \
     || { SUMMARY+=("torch $v: FAILED (no prebuilt C++ kernels after pip install)"); status=1; continue; }
   export TORCH_EXTENSIONS_DIR="$MATRIX_DIR/torch_extensions-$v"  # JIT builds (CANN test double) per torch ABI

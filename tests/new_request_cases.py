@@ -18,7 +18,7 @@ from offload_passes import models
 from offload_passes.backend import make_offload_backend
 
 #: re-fill paths of the recipe-form model (per batch row, through the model's own prefill)
-RECIPE_REFILLS = ("shorter", "equal", "longer", "same_len", "eager_between", "all_rows", "one_row")
+RECIPE_REFILLS = ("shorter", "equal", "longer", "same_len", "eager_between", "all_rows", "one_row", "eager_again")
 #: re-fill paths of the HF model (StaticCache: one length for the whole batch)
 HF_REFILLS = ("cache_reset_shorter", "cache_reset_equal", "cache_reset_longer", "same_len", "eager_between")
 # (each HF path starts with cache.reset(); same_len / eager_between re-fill the same length with other tokens)
@@ -109,9 +109,11 @@ class RecipeSession:
                 d.step_idx = keep  # the token stream goes on (prefill() restarts it)
             elif how == "eager_between":  # a re-fill, then one step through the unmodified module
                 d.reset_row(1, prompt_len=cur)
+            elif how == "eager_again":  # no re-fill: switching back to the unmodified module once more
+                pass
             else:
                 raise ValueError(how)
-        if how == "eager_between":
+        if how in ("eager_between", "eager_again"):  # (eager_again: its ledger must not be stale either)
             want = self.base.driver.step().logits
             got = self.comp.driver.step(None).logits  # the compiled model's own module, uncompiled
             assert torch.equal(want, got)

@@ -239,7 +239,7 @@ def _spread(vals: list) -> dict:
 
 
 def what_if(batches: Sequence[int], pools: Sequence[int], policies: Sequence[str], contexts: Sequence[int],
-            mode: str = "ge_graph", seeds: int = 2, steps: int = 1152, warmup: int = 128,
+            mode: str = "ge_graph", seeds: int = 2, steps: int = 1152, warmup: int = 384,
             models: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Fit and predict per ensemble member (module docstring); ranges over members."""
     from offload_passes.trace import models as tmodels
@@ -415,7 +415,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--mode", choices=("ge_graph", "npugraph_ex"), default="ge_graph")
     ap.add_argument("--seeds", type=int, default=2, help="traces per trace model")
     ap.add_argument("--steps", type=int, default=1152, help="measured steps per trace (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=384)
     ap.add_argument("--models", default=None, help="trace models of the ensemble (default: all)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)

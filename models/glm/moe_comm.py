@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -55,7 +56,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, scales: torch.Tensor, nu
     return recv_x, recv_e, DispatchContext(dest=dest, scales=scales, tokens=T, k=K)
 
 
-def run_local_experts(experts, recv_x: torch.Tensor, recv_e: torch.Tensor) -> torch.Tensor:
+def run_local_experts(experts: Iterable[torch.nn.Module], recv_x: torch.Tensor, recv_e: torch.Tensor) -> torch.Tensor:
     """Each local expert on every received row, kept where the row is its own (static shapes); rows
     of no expert (padding) stay zero. Returns the rows in ``recv_x``'s dtype (MC2's expand_x)."""
     acc = torch.zeros(recv_x.shape, dtype=torch.float32, device=recv_x.device)

@@ -22,6 +22,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 import yaml
 
+from offload_passes import _compat
+
 log = logging.getLogger("offload_passes.models.hf")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -89,8 +91,8 @@ def load_config(config: Union[str, Path, Mapping], **over: Any) -> tuple[Any, Hf
     runner = HfRunner(**rc)
     cfg = tf.GlmMoeDsaConfig(**mc)
     cfg._attn_implementation = runner.attn_implementation
-    if "experts_implementation" not in mc and not hasattr(torch.nn.functional, "grouped_mm"):
-        # torch < 2.10 (e.g. 2.8): under torch.compile on CPU, transformers' grouped_mm experts path checks
+    if "experts_implementation" not in mc and not _compat.hf_grouped_mm_traceable_on_cpu():
+        # torch <= 2.10 (2.8, 2.10): under torch.compile on CPU, transformers' grouped_mm experts path checks
         # data_ptr() alignment, which Dynamo cannot trace (Unsupported: builtin mod), and "eager" uses nonzero
         # (data-dependent shapes). batched_mm traces with static shapes.
         cfg._experts_implementation = "batched_mm"

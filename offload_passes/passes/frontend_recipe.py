@@ -61,7 +61,7 @@ class RecipeFrontEnd:
         geo = gn.p.geometry[s.layer]
         with ctx.g.inserting_before(s.gather):
             serve = emit_serve(ctx, gn, s.layer, geo.full_kv, geo.full_rope)
-            ledger = [_emit_ledger(b, geo, gn, gn.p.K)] if ctx.update_ledger else []
+            ledger = [_emit_ledger(b, geo, gn, gn.p.K) if ctx.update_ledger else _emit_ledger_reset(b, geo)]
         gather_name = s.gather.name
         s.gather.replace_all_uses_with(gn.act)
         ctx.g.erase_node(s.gather)
@@ -107,6 +107,16 @@ class RecipeFrontEnd:
 
     def finish(self, ctx: RewriteCtx) -> dict:
         return {}
+
+
+def _emit_ledger_reset(b: _Builder, geo: Any) -> fx.Node:
+    """Without the ledger update (``update_ledger=False``, the NPU modes' default) the ledger still must
+    not claim rows serve overwrote: mark it "nothing reusable" (-1, as the model's own reset does), so a
+    step through the unmodified module in between gathers every row afresh instead of reusing stale ones.
+    One ``[B, S, 1, K+1]`` int32 write per layer."""
+    ex = geo.status.meta["example_value"]
+    return b(aten.copy_.default, geo.status,
+             b(aten.full.default, list(ex.shape), -1, dtype=ex.dtype, device=ex.device))
 
 
 def _emit_ledger(b: _Builder, geo: Any, gn: GroupNodes, K: int) -> fx.Node:

@@ -1,8 +1,8 @@
 """Trace science on one consistent set of hit rates (issue 20): ``python -m offload_passes.trace.study``.
 
-Every figure comes from long warm traces (``--steps`` measured after ``--warmup`` steps that fill even a
-16K pool: ~840 new ids enter per step) of every model of :mod:`.models` and ``--seeds`` seeds, and is
-reported as a range over that ensemble. Sections:
+Every figure comes from long warm traces (``--steps`` measured after ``--warmup`` steps, by default
+longer than any model needs to fill a fully associative 16K pool; see ``docs/trace-science.md`` §1) of every model of
+:mod:`.models` and ``--seeds`` seeds, and is reported as a range over that ensemble. Sections:
 
 * ``locality``  — the fitted numbers, the reference's pinned SA-FIFO figures, LRU, and the bounds: MIN
   per 16-way set with and without bypass beside the fully associative MIN; the independent NumPy
@@ -78,7 +78,7 @@ def traces(seeds: int, steps: int, warmup: int, context: int = 65536,
 
 
 def ensemble_hits(policies: Sequence[str], pools: Sequence[int], seeds: int = 2, steps: int = 1152,
-                  warmup: int = 128, context: int = 65536, which: Sequence[str] = models.MODELS) -> list[dict]:
+                  warmup: int = 384, context: int = 65536, which: Sequence[str] = models.MODELS) -> list[dict]:
     """One member per (model, seed): ``{"model", "seed", "hits": {(policy, pool): hit rate}}``."""
     out = []
     for m, s, tr in traces(seeds, steps, warmup, context, which):
@@ -117,11 +117,11 @@ POLICY_STUDY = ["sa_fifo", "sa_clock", "sa_clock_ins1", "sa_lru", "srrip", "brri
 #: (metadata writes per hit at most, probes per victim search at most) of each policy's design
 DESIGN = {"sa_fifo": (0, 1), "sa_clock": (1, 17), "sa_clock_ins1": (1, 17), "sa_lru": (1, 16),
           "srrip": (1, 64), "brrip": (1, 64), "sa_rank": (1, 16), "sa_rank_P": (1, 16), "sa_clock_P": (1, 17),
-          "lru": (1, None), "clock": (1, None), "min_per_set": (None, None), "min_per_set_nobypass": (None, None),
+          "lru": (1, 1), "clock": (1, None), "min_per_set": (None, None), "min_per_set_nobypass": (None, None),
           "belady": (None, None)}
 
 
-def study(seeds: int = 3, steps: int = 1152, warmup: int = 128, sections: Sequence[str] = ("locality", "policies",
+def study(seeds: int = 3, steps: int = 1152, warmup: int = 384, sections: Sequence[str] = ("locality", "policies",
           "prefetch"), which: Sequence[str] = models.MODELS) -> dict:
     t0 = time.perf_counter()
     trs = traces(seeds, steps, warmup, which=which)
@@ -168,13 +168,13 @@ def study(seeds: int = 3, steps: int = 1152, warmup: int = 128, sections: Sequen
                 mp = max((res[(m, s, p, ps)].get("max_probes", 0) for m, s in keys), default=0)
                 wh, pr = DESIGN[p]
                 inst = w("installs")
-                ok = wh is not None and wh <= 1 and pr is not None and pr <= 17
                 rows.append({"policy": p, "pool": ps, "models": ms, "hit": _rng(hit), "gap_to_min_per_set": _rng(gap),
                              "hit_writes": w("hit_writes"), "clear_writes": w("clear_writes"),
                              "rank_writes": w("rank_writes"), "probes": w("probes"), "installs": inst,
                              "probes_per_victim": w("probes") / inst if inst else 0.0,
                              "max_probes_seen": mp or None, "design_writes_per_hit": wh, "design_max_probes": pr,
-                             "within_op_constraints": ok})
+                             "within_op_constraints": None})
+                rows[-1]["within_op_constraints"] = within_constraints(rows[-1])
         out["policies"] = rows
     if "prefetch" in sections:
         chk = []
@@ -188,6 +188,21 @@ def study(seeds: int = 3, steps: int = 1152, warmup: int = 128, sections: Sequen
         out["prefetch"] = chk
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
+
+
+def writes_per_hit(r: dict) -> float:
+    """Every metadata write (hit writes + sweep clears + rank stamps) per hit, from a policy row's means
+    (hits per step = installs per step x h / (1 - h))."""
+    h = r["hit"]["mean"]
+    hits = r["installs"] * h / (1 - h) if h < 1 else 0.0
+    total = r["hit_writes"] + r["clear_writes"] + r["rank_writes"]
+    return total / hits if hits else 0.0
+
+
+def within_constraints(r: dict) -> bool:
+    """≤ 1 metadata write per hit (all writes counted), ≤ 17 probes per victim search, per-set state."""
+    wh, pr = DESIGN.get(r["policy"], (r["design_writes_per_hit"], r["design_max_probes"]))
+    return r["policy"] not in ("lru", "clock") and wh is not None and pr is not None and pr <= 17 and writes_per_hit(r) <= 1.0
 
 
 def _merge_rng(a: dict, b: dict) -> dict:
@@ -266,19 +281,21 @@ def render(o: dict) -> str:
                       f"{100 * o['locality']['sa_fifo_cpp_vs_numpy_max_abs_diff']:.4f} points", ""]
     if "policies" in o:
         lines += ["| policy | pool | hit % (ensemble) | below per-set MIN (points) | hit writes/step | "
-                  "bit clears/step | rank stamps/step | probes/victim (max) | within op constraints |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "bit clears/step | rank stamps/step | all writes/hit | probes/victim (max) | within op constraints |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in o["policies"]:
             if not r["models"]:
                 continue
             g = r["gap_to_min_per_set"]
-            mp = r["max_probes_seen"] or r["design_max_probes"]
+            mp = r["max_probes_seen"] or DESIGN.get(r["policy"], (None, r["design_max_probes"]))[1]
+            probes = "–" if not r["probes_per_victim"] else \
+                f"{r['probes_per_victim']:.2f} ({mp if mp is not None else 'unbounded'})"
             sub = "" if len(r["models"]) == len(ms) else f" [{', '.join(r['models'])}]"
             lines.append(f"| {r['policy']}{sub} | {r['pool'] // 1024}K | {_pct(r['hit'])} | "
                          f"{100 * g['mean']:.2f} ({100 * g['min']:.2f}–{100 * g['max']:.2f}) | "
                          f"{r['hit_writes']:.0f} | "
-                         f"{r['clear_writes']:.0f} | {r['rank_writes']:.0f} | {r['probes_per_victim']:.2f} ({mp}) | "
-                         f"{'yes' if r['within_op_constraints'] else 'no'} |")
+                         f"{r['clear_writes']:.0f} | {r['rank_writes']:.0f} | {writes_per_hit(r):.2f} | {probes} | "
+                         f"{'yes' if within_constraints(r) else 'no'} |")
         lines.append("")
     if "prefetch" in o and not o["prefetch"]:
         lines.append("rank_prefetch host-rows bound: no score-model trace in this run (needs ranks beyond K)")
@@ -328,7 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = _cli.ArgumentParser(prog="python -m offload_passes.trace.study", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=1152, help="measured steps (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=384)
     ap.add_argument("--sections", default="locality,policies,prefetch")
     ap.add_argument("--models", default=",".join(models.MODELS))
     ap.add_argument("--fit", action="store_true", help="re-fit every model's two knobs and print them")
@@ -362,6 +379,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             o = merge(o, q)
     else:
         o = study(a.seeds, a.steps, a.warmup, secs, which)
+    for r in o.get("policies", []):  # derived columns: recomputed, also for saved results
+        if r["models"]:
+            r["writes_per_hit"] = writes_per_hit(r)
+            r["within_op_constraints"] = within_constraints(r)
     if a.plot and "policies" in o:
         plot(o, a.plot)
     if a.json:

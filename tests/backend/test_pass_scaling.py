@@ -38,7 +38,14 @@ from offload_passes.custom_ops import spec_for
 PS = 64
 UNIT = "FFSS"
 SIZES = (2, 4)  # units: 8 and 16 layers
-PASSES = ("detect", "group", "plan_pass", "rewrite", "reinplace")  # names in offload_passes.backend
+PASSES = ("detect", "group", "plan_pass", "rewrite", "reinplace")
+import offload_passes.lowering_cpu as lowering_mod  # noqa: E402
+import offload_passes.passes.frontend_recipe as recipe_mod  # noqa: E402
+import offload_passes.pipeline as pipeline_mod  # noqa: E402
+
+#: pass -> (module whose global the pipeline calls it through, attribute)
+PASS_SITES = {"detect": (recipe_mod, "detect"), "group": (pipeline_mod, "group"), "plan_pass": (recipe_mod, "plan"),
+              "rewrite": (pipeline_mod, "rewrite"), "reinplace": (lowering_mod, "reinplace")}
 
 
 class _Walks:
@@ -99,7 +106,8 @@ class PassCounter:
             else:
                 self._count_call(mp, cls, "recompile", "recompile")
         for name in PASSES:
-            mp.setattr(backend_mod, name, self._wrap(name, getattr(backend_mod, name)))
+            mod, attr = PASS_SITES[name]
+            mp.setattr(mod, attr, self._wrap(name, getattr(mod, attr)))
 
     def _count_call(self, mp: pytest.MonkeyPatch, cls: type, attr: str, key: str) -> None:
         orig = cls.__dict__[attr]
@@ -145,18 +153,18 @@ def scaling():
         graphs: dict[str, int] = {}
         with pytest.MonkeyPatch.context() as mp:
             counter.install(mp)
-            orig_reinplace = backend_mod.reinplace
+            orig_reinplace = lowering_mod.reinplace
 
             def reinplace(graph, _orig=orig_reinplace):
                 graphs["aot"] = len(graph.nodes)
                 return _orig(graph)
-            mp.setattr(backend_mod, "reinplace", reinplace)
-            orig_detect = backend_mod.detect
+            mp.setattr(lowering_mod, "reinplace", reinplace)
+            orig_detect = recipe_mod.detect
 
             def detect(gm, _orig=orig_detect):
                 graphs["dynamo"] = len(gm.graph.nodes)
                 return _orig(gm)
-            mp.setattr(backend_mod, "detect", detect)
+            mp.setattr(recipe_mod, "detect", detect)
             with torch.no_grad():
                 L = torch.tensor([301, 281])
                 h1, a1 = torch.compile(m, backend=be)(*m.inputs(L, 0))
@@ -182,8 +190,9 @@ def assert_walks_linear(small: dict, big: dict, passes: tuple, graph_key: Callab
     for p in passes:
         n_small, n_big = small["nodes"][graph_key(p)], big["nodes"][graph_key(p)]
         v_small, v_big = small["counts"][p]["node_visits"], big["counts"][p]["node_visits"]
-        # a bounded number of whole-graph walks per pass (no walk per site) ...
-        assert v_big <= 6 * n_big, f"{p}: {v_big} node visits on a {n_big}-node graph"
+        # a bounded number of whole-graph walks per pass (no walk per site); the rewrite's walks (hoist,
+        # lint) cover the graph it grew (plan, serves, installs, guards, invalidation), hence 7 not 6 ...
+        assert v_big <= 7 * n_big, f"{p}: {v_big} node visits on a {n_big}-node graph"
         # ... so visits grow like the graph (x~2 here), never like its square (x~4)
         assert v_big <= 1.15 * v_small * n_big / n_small, (p, v_small, v_big, n_small, n_big)
         assert big["counts"][p]["prev_next"] <= 4, f"{p}: walks the graph through Node.prev/next"

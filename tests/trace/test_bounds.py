@@ -157,3 +157,14 @@ def test_sa_fifo_8k_agrees_with_the_reference_and_the_independent_recomputation(
     npy = setsim.simulate_sa(tr, "sa_fifo", 8192, warmup=384).hit_rate
     assert cpp == npy
     assert abs(cpp - synth.REF_SA_FIFO_8K) <= 0.01, cpp
+
+
+def test_constraint_check_counts_every_write_per_hit():
+    row = {"policy": "sa_rank_P", "hit": {"mean": 0.9}, "installs": 200.0, "hit_writes": 1800.0,
+           "clear_writes": 0.0, "rank_writes": 1400.0, "design_writes_per_hit": 1, "design_max_probes": 16}
+    assert study.writes_per_hit(row) == pytest.approx(3200 / 1800)
+    assert not study.within_constraints(row)  # the rank stamps push it past 1 write per hit
+    row.update(policy="sa_clock", hit_writes=400.0, clear_writes=400.0, rank_writes=0.0)
+    assert study.within_constraints(row)
+    row.update(policy="srrip")
+    assert not study.within_constraints(row)  # up to 64 probes per victim search

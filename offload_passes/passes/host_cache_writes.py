@@ -1,0 +1,141 @@
+"""FX pass (``exe_mode="cuda"``): the decode graph's own cache writes made to land in a host-resident cache.
+
+With :func:`offload_passes.cuda.place_full_caches` the full latent / rope caches are pinned *host* tensors
+while everything the decode step computes is on the CUDA device. The unmodified model still writes the
+new token's rows into those caches itself (``models/glm``: ``kv_cache.view(-1, C).index_put_((slots,), c)``
+or, with ``cache_write: inplace``, ``offload_ref::mla_prolog_cache_write_`` / ``npu_scatter_nd_update_``;
+Hugging Face ``StaticCache.update``: ``keys.index_copy_(2, cache_position, k)``, or its
+``keys[:, :, pos] = k`` fallback). Those are device operands written into a host tensor: torch refuses
+the mix of devices.
+
+:func:`host_cache_writes` rewrites every such write: an in-place write (``_fx.written_inputs``:
+``Tensor(a!)`` schema arguments, ``x.op_()`` methods, ``operator.setitem``) whose destination is, through
+views, a graph input (placeholder or ``get_attr``) with a *host* (``cpu``) example value, while some other
+tensor operand (the written rows, the index tensors) is on another device. Each such operand is first
+copied to the host (``aten._to_copy(x, device=cpu)``, inserted right before the write; one copy per
+operand, shared by later writes that need it while nothing writes the operand in between, e.g. the one
+``slots`` of all layers); the write itself
+stays in place on the host tensor, so nothing of the cache is staged or copied. New nodes get
+``meta["val"]`` (``_fx.set_fake_val``). Nothing changes when the devices agree (every CPU run), nor for a
+write into a device tensor (``dsa_serve`` / ``dsa_install`` read the host caches zero-copy and write
+device buffers: they are not host writes).
+
+Why a synchronous copy (``non_blocking=False``): the write runs on the host right after it; an
+asynchronous device-to-host copy could still be in flight when the CPU kernel reads the rows. The copy
+synchronises the current stream, so this step's earlier device work (and, through the output join of the
+previous step, the side-stream installs) is finished before the host cache changes. Cost: one small copy
+per written operand per step (``n`` rows), not the cache.
+
+Decided in the CUDA lowering (``lowering_cuda.CudaLowering.after_rewrite``), on the pre-AOT graph after
+the offload rewrite: AOT then functionalises the host write like any other cache write and our reinplace
+pass puts it back in place (docs/cuda.md).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import fx
+
+from . import _fx
+
+log = logging.getLogger("offload_passes.passes.host_cache_writes")
+
+__all__ = ["HostCacheWritesReport", "host_cache_writes", "HOST_DEVICE_TYPE"]
+
+aten = torch.ops.aten
+#: the device type of a host-resident cache (pinned memory is a ``cpu`` tensor)
+HOST_DEVICE_TYPE = "cpu"
+
+
+@dataclass
+class HostCacheWritesReport:
+    """What :func:`host_cache_writes` did to one graph."""
+
+    rewritten: int = 0  # writes into a host graph input whose operands were moved to the host
+    nodes: List[str] = field(default_factory=list)  # their node names, in graph order
+    copies: List[str] = field(default_factory=list)  # the ``_to_copy`` nodes inserted, in graph order
+    skipped: List[Tuple[str, str]] = field(default_factory=list)  # (node name, why) of writes left as they are
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _device(node: Any) -> Optional[torch.device]:
+    """Device of a node's example value, else of the tensor it views (a view keeps the device)."""
+    v = _fx.example(node)
+    if v is None:
+        v = _fx.example(_fx.strip_views(node))
+    return v.device if v is not None else None
+
+
+def _tensor_nodes(args: Any) -> List[fx.Node]:
+    """Argument nodes (also inside tuples / lists / slices / dicts) in first-use order, each once."""
+    out: List[fx.Node] = []
+    fx.node.map_arg(args, lambda n: out.append(n) if n not in out else None)
+    return out
+
+
+def _host_destinations(node: fx.Node) -> Tuple[List[fx.Node], Optional[torch.device], Optional[str]]:
+    """The written arguments of ``node`` rooted at a graph input, their one device, and why not when the
+    write is one to leave alone (written arguments on several devices)."""
+    written = [w for w in _fx.written_inputs(node) if isinstance(w, fx.Node)]
+    if not written or not any(_fx.is_graph_input_or_attr(_fx.strip_views(w)) for w in written):
+        return [], None, None
+    # the tensor a view writes through is its root's: a view's own example value is not needed
+    devices = {_device(_fx.strip_views(w)) or _device(w) for w in written}
+    if None in devices:  # no example value: nothing to decide from (a symbolically traced graph)
+        return [], None, None
+    if len(devices) > 1:
+        return written, None, f"writes tensors on several devices {sorted(str(d) for d in devices)}"
+    return written, devices.pop(), None
+
+
+def host_cache_writes(gm: fx.GraphModule) -> HostCacheWritesReport:
+    """Move the device operands of every in-place write into a host-resident graph input to the host
+    (see the module doc); recompiles ``gm`` when it changed anything. Returns the report."""
+    rep = HostCacheWritesReport()
+    graph = gm.graph
+    moved: Dict[Tuple[fx.Node, str], fx.Node] = {}  # (operand, host device) -> its host copy
+    for node in list(graph.nodes):
+        # a host copy is shared only while its source is unchanged: an in-place write to the source
+        # (or to what it views) in between makes the next write copy it again
+        changed = {_fx.strip_views(w) for w in _fx.written_inputs(node) if isinstance(w, fx.Node)}
+        if changed:
+            for key in [k for k in moved if _fx.strip_views(k[0]) in changed]:
+                del moved[key]
+        written, dest, why = _host_destinations(node)
+        if why is not None:
+            rep.skipped.append((node.name, why))
+            log.warning("%s: not rewritten: %s", node.name, why)
+            continue
+        if dest is None or dest.type != HOST_DEVICE_TYPE:
+            continue
+        operands = [a for a in _tensor_nodes((node.args, node.kwargs)) if a not in written]
+        off = [a for a in operands if (d := _device(a)) is not None and d != dest]
+        if not off:
+            continue
+        swap: Dict[fx.Node, fx.Node] = {}
+        for a in off:
+            key = (a, str(dest))
+            if key not in moved:
+                with graph.inserting_before(node):
+                    # synchronous: the host write right after must see the rows (module doc)
+                    c = graph.create_node("call_function", aten._to_copy.default, (a,), {"device": dest},
+                                          name=f"{a.name}_host")
+                _fx.set_fake_val(c)
+                moved[key] = c
+                rep.copies.append(c.name)
+            swap[a] = moved[key]
+        node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: swap.get(n, n))
+        rep.rewritten += 1
+        rep.nodes.append(node.name)
+        log.debug("%s: %d operand(s) moved to %s before the write", node.name, len(off), dest)
+    if rep.rewritten:
+        graph.lint()
+        gm.recompile()
+        log.info("host cache writes: %d write(s) into host caches get host operands (%d copies)",
+                 rep.rewritten, len(rep.copies))
+    return rep
