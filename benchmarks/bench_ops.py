@@ -1,6 +1,6 @@
 """Kernel benchmark of the DSA offload ops at GLM-5.2 production shapes (CPU).
 
-Prints ONE table of ratios measured in the same run (spec: DESIGN.md §6):
+Prints ONE table of ratios measured in the same run (docs/design.md §5):
 
 * ``dsa_serve``   C++ vs ``torch.index_select`` of the same rows (pool rows from the pool, full rows
   from the full cache, zero rows zeroed) and vs a plain ``copy_`` of the same bytes;

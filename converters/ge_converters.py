@@ -2,7 +2,7 @@
 attention references. Imports TorchAir at module import: load it through
 :func:`offload_passes.converters.register_all`, never from CPU-only code.
 
-Contract (spec/torchair.md §3; the per-op facts are the ``custom_ops`` op specs, :class:`OpSpec`):
+Contract (docs/platform.md §3; the per-op facts are the ``custom_ops`` op specs, :class:`OpSpec`):
 
 * in-place op: one GE node on the original inputs; a mutated input is a ref pair (GE output with the
   input's name); the converter returns only what the torch schema returns (``None`` for ``-> ()``),

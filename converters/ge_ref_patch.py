@@ -3,7 +3,7 @@
 TorchAir removes the ``TensorMove`` (+ ``Assign``) that functionalization puts around an in-place GE
 op only for op types listed in ``_ge_concrete_graph/graph_pass.py::_get_output_to_input_ref_idx``.
 The DSA ops are not listed, so without this patch every decode step copies each layer's selection
-buffers (serve) and pools + metadata (install) — verified on CPU (spec/torchair.md §3).
+buffers (serve) and pools + metadata (install) — verified on CPU (docs/platform.md §3).
 
 The patch wraps the private function (it is not API): it answers from TorchAir first and adds our
 pairs only for our op types and only where the node's output name equals the referenced input's name

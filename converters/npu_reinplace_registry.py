@@ -2,7 +2,7 @@
 
 Both packages turn ``<op>_functional`` + ``copy_`` epilogues back into ``<op>`` through a private
 table, ``_acl_concrete_graph/graph_pass.py::inplaceable_npu_ops`` (one copy in ``torchair``, one in
-``npugraph_ex``; spec/torchair.md §4). Its ``register_inplaceable_npu_op`` helper only knows
+``npugraph_ex``; docs/platform.md §4). Its ``register_inplaceable_npu_op`` helper only knows
 ``torch.ops.npu``, so we write :class:`InplaceableNpuOp` entries directly, into every loaded copy of
 both modules.
 

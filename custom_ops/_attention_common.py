@@ -1,5 +1,5 @@
 """Pieces shared by the ``offload_ref::`` decode-path references (``npu_lightning_indexer.py``,
-``npu_sparse_flash_attention.py``), spec/ops.md §6.
+``npu_sparse_flash_attention.py``), docs/ops.md §6.
 
 * registration in the ``offload_ref`` namespace (one FRAGMENT library; define/impl/fake only if
   missing, so a re-import never redefines);

@@ -74,7 +74,7 @@ class CannOpStatus:
 
     name: str
     schema_owner: str  # "cann" (defined by another library) or "offload_passes"
-    schema_matches: bool  # the live schema string is CANN's string from spec/ops.md
+    schema_matches: bool  # the live schema string is CANN's string from docs/ops.md
     npu_kernel: bool  # a real PrivateUse1 kernel (not our error-raising guard)
     npu_guard: bool  # our PrivateUse1 kernel that raises "CANN ops not loaded"
     meta_kernel: bool  # a Meta kernel registered by another library (CANN's)
@@ -277,7 +277,7 @@ def load_cann_ops(path: Union[str, Path, None] = None) -> CannLibraryStatus:
         if found is None:
             raise FileNotFoundError(
                 f"CANN's custom-op library ({LIB_GLOB}) was not found: pass its path, set {ENV_VAR}, or "
-                "install the custom_ops wheel (README, 'On an Atlas A3')"
+                "install the custom_ops wheel (docs/atlas.md, 'On an Atlas A3')"
             )
     else:
         found = _resolve_env_path(str(path)) if Path(path).is_dir() else Path(path)
@@ -334,7 +334,7 @@ def npu_guard_message(name: str) -> str:
         f"custom::{name} was called on an NPU tensor, but CANN's custom-op library ({LIB_GLOB}, the "
         "custom_ops wheel of the torch_ops_extension) is not loaded, so there is no NPU kernel; "
         "offload_passes only provides CPU kernels and never runs them on device tensors. Install CANN's op "
-        "package and the custom_ops torch extension (README, 'On an Atlas A3'), then keep the wheel "
+        "package and the custom_ops torch extension (docs/atlas.md, 'On an Atlas A3'), then keep the wheel "
         f"importable (found at import), set {ENV_VAR}=/path/to/{LIB_GLOB} before importing offload_passes, "
         "or call offload_passes.load_cann_ops(path)"
     )

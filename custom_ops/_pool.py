@@ -1,4 +1,4 @@
-"""Pool geometry checks shared by ``dsa_plan`` and ``dsa_install`` (spec/ops.md §2.1, §4.1).
+"""Pool geometry checks shared by ``dsa_plan`` and ``dsa_install`` (docs/ops.md §2.1, §4.1).
 
 Both ops address the same per-group pool (``PS`` slots in 16-way sets, ``NS = PS / 16`` sets, one LRU
 counter per set), so they must agree on its limits; the checks live here once. ``dsa_serve`` reads the

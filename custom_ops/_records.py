@@ -1,4 +1,4 @@
-"""``install_records`` layout arithmetic, decoder and encoder (spec/ops.md §2.2-2.3, §4.2).
+"""``install_records`` layout arithmetic, decoder and encoder (docs/ops.md §2.2-2.3, §4.2).
 
 ``dsa_plan`` writes, per microtask ``mt = (b*S + s)*8 + m`` (m covers top-k columns
 ``[m*K/8, (m+1)*K/8)``), a slab of 16-byte records ``[set, id, seq, dst_pos]`` (int32) and a 32-byte

@@ -1,4 +1,4 @@
-"""custom::dsa_install / dsa_install_functional — refill a layer's pool after attention (spec/ops.md §4).
+"""custom::dsa_install / dsa_install_functional — refill a layer's pool after attention (docs/ops.md §4).
 
 For every valid record of ``install_records`` (written by ``dsa_plan``), per batch row and in slab
 order, with per-row dedupe (first occurrence wins), the id gets the next FIFO way of its set
@@ -74,7 +74,7 @@ def validate_dsa_install(
     metadata_update: int = 1,
     op: str = OP,
 ) -> tuple:
-    """Check every limit of spec §4.1 (sizes and dtypes only; safe in fake mode).
+    """Check every limit of docs/ops.md §4.1 (sizes and dtypes only; safe in fake mode).
 
     Returns ``(B, S, K, PS, IR)``. ``op`` names the op in messages (in-place or functional twin).
     """
@@ -228,7 +228,7 @@ def reference_dsa_install(
     metadata_update: int = 1,
     validate: bool = True,
 ) -> None:
-    """Pure-torch oracle of spec §4.2, in place (CPU base = 0 records layout).
+    """Pure-torch oracle of docs/ops.md §4.2, in place (CPU base = 0 records layout).
 
     Decoding, validity filter, dedupe and way assignment are vectorised; only the metadata eviction
     chain (whose result depends on the order when ways collide) runs as a Python loop over installs.

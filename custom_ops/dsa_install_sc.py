@@ -58,7 +58,7 @@ REF_SHIFT = SPEC.limit("REF_SHIFT")
 def validate_dsa_install_sc(plan, install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
                             pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
                             raw_seq=1, topk=2048, selection_block_size=128, metadata_update=1) -> tuple:
-    """dsa_install's limits (spec §4.1) plus ``plan`` int32 ``[B*raw_seq*topk, 2]``."""
+    """dsa_install's limits (docs/ops.md §4.1) plus ``plan`` int32 ``[B*raw_seq*topk, 2]``."""
     try:
         out = validate_dsa_install(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
                                    pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,

@@ -1,4 +1,4 @@
-"""custom::dsa_plan — classify one IndexShare group's top-k once per step (spec/ops.md §2).
+"""custom::dsa_plan — classify one IndexShare group's top-k once per step (docs/ops.md §2).
 
 Outputs ``(plan, install_records, selection_kv_actual_seq)``:
 
@@ -15,7 +15,7 @@ decoding. **The CPU kernels (C++ and reference) use ``base = 0``**: records at b
 4095 bytes of slack stay zero.
 
 Deviation (documented in the report): a 3-D top-k ``[B, X, K]`` with ``X != 1`` is rejected (the NPU
-half-supports it, spec §2.5 calls it unsupported). ``pool_ids`` and ``lru_counter`` are shape-checked
+half-supports it, docs/ops.md §2.5 calls it unsupported). ``pool_ids`` and ``lru_counter`` are shape-checked
 only, as on the NPU; ``group_id``/``owner_layer``/``group_kind`` are carried and ignored.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ SPEC = OpSpec(
 OP = SPEC.name
 L.define(SPEC.schema)
 
-# Source kinds (spec §2.4).
+# Source kinds (docs/ops.md §2.4).
 INVALID, POOL_HIT, FULL_OLD_MISS, DECODE_WINDOW, FUTURE_SKIP, NEGATIVE_STOP = range(6)
 
 MAX_TOPK, MAX_RAW_SEQ, TOPK_ALIGN = SPEC.limit_values("MAX_TOPK", "MAX_RAW_SEQ", "TOPK_ALIGN")
@@ -68,7 +68,7 @@ def validate_dsa_plan(
     lru_counter: torch.Tensor,
     raw_seq: int = 1,
 ) -> tuple:
-    """Check every limit of spec §2.1 (sizes and dtypes only; safe in fake mode).
+    """Check every limit of docs/ops.md §2.1 (sizes and dtypes only; safe in fake mode).
 
     Returns ``(B, S, K, PS, IR)``.
     """
@@ -153,7 +153,7 @@ def reference_dsa_plan(
     group_kind: int = 0,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pure-torch oracle of spec §2.4 (vectorised; CPU base = 0 records layout)."""
+    """Pure-torch oracle of docs/ops.md §2.4 (vectorised; CPU base = 0 records layout)."""
     if validate:
         validate_dsa_plan(
             selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter, raw_seq

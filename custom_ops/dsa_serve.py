@@ -1,4 +1,4 @@
-"""custom::dsa_serve / dsa_serve_functional — fill a layer's selection buffer (spec/ops.md §3).
+"""custom::dsa_serve / dsa_serve_functional — fill a layer's selection buffer (docs/ops.md §3).
 
 Every plan row ``q`` writes exactly one selection row: the pool row (kind 1), the full-cache row
 (kinds 2/3) or zeros (kinds 0/4/5 and out-of-range values). ``compact_layout=1`` writes flat row ``q``
@@ -45,7 +45,7 @@ OP, FUNCTIONAL_OP = SPEC.op_names
 L.define(SPEC.schema)
 L.define(SPEC.functional_schema)
 
-#: Plan source kinds (spec/ops.md §2.4).
+#: Plan source kinds (docs/ops.md §2.4).
 KIND_INVALID, KIND_POOL_HIT, KIND_FULL_OLD_MISS, KIND_DECODE_WINDOW, KIND_FUTURE_SKIP, KIND_NEGATIVE_STOP = range(6)
 
 #: Limits of csrc/dsa_serve.cpp: compact_layout=1 ("prod") and compact_layout=0 ("legacy").
@@ -74,7 +74,7 @@ def validate_dsa_serve(
     *,
     op: str = OP,
 ) -> None:
-    """Every check of spec/ops.md §3.1; raises ``RuntimeError("custom::dsa_serve: ...")``."""
+    """Every check of docs/ops.md §3.1; raises ``RuntimeError("custom::dsa_serve: ...")``."""
     c = L.check
     c(compact_layout in (0, 1), op, lambda: f"compact_layout must be 0 or 1, got {compact_layout}")
     compact = compact_layout == 1

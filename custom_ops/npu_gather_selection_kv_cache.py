@@ -1,11 +1,11 @@
-"""custom::npu_gather_selection_kv_cache (+ _functional) — baseline gather with a reuse ledger (spec/ops.md §1).
+"""custom::npu_gather_selection_kv_cache (+ _functional) — baseline gather with a reuse ledger (docs/ops.md §1).
 
 Per query row ``r = b*S + s`` the status row is a ledger of what the selection buffer of row ``r``
 holds (entry ``p < K``: id at selection position ``p``; entry ``K``: the length written last time).
 The op gathers the valid top-k ids of the row into the selection buffer, reusing entries that the
 ledger says are already there.
 
-Reference choices (spec/ops.md §1, the intended behaviour, not the [NPU] deviations):
+Reference choices (docs/ops.md §1, the intended behaviour, not the [NPU] deviations):
 
 * ``K > 32`` (``bsz == 1``): §1.4 exactly. When an id occurs several times in the old ledger, the
   lowest position is the one that may be kept (the spec leaves this open).
@@ -96,7 +96,7 @@ def validate_npu_gather_selection_kv_cache(
     *,
     op: str = OP,
 ) -> GatherGeometry:
-    """Every check of spec/ops.md §1.2 (plus shape agreements the copies rely on)."""
+    """Every check of docs/ops.md §1.2 (plus shape agreements the copies rely on)."""
     c = L.check
     sel_rope, sel_kv, sbt, status, topk = (
         selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,

@@ -1,4 +1,4 @@
-"""offload_ref::npu_lightning_indexer — CPU reference of torch_npu's decode lightning indexer (spec/ops.md §6.1).
+"""offload_ref::npu_lightning_indexer — CPU reference of torch_npu's decode lightning indexer (docs/ops.md §6.1).
 
 Same schema as ``torch.ops.npu.npu_lightning_indexer`` but in the ``offload_ref`` namespace, so it never
 clashes with torch_npu. Semantics (per query token ``t`` of batch ``b``, ``i`` = position of ``t`` among

@@ -1,4 +1,4 @@
-"""offload_ref::npu_sparse_flash_attention — CPU reference of torch_npu's SFA decode path (spec/ops.md §6.2).
+"""offload_ref::npu_sparse_flash_attention — CPU reference of torch_npu's SFA decode path (docs/ops.md §6.2).
 
 Same schema as ``torch.ops.npu.npu_sparse_flash_attention`` in the ``offload_ref`` namespace. Semantics
 (per query token ``t`` of batch ``b``, ``i`` = its position among the ``Sq`` query tokens of ``b``)::

@@ -7,7 +7,7 @@ registers from it; :data:`offload_passes.custom_ops.OP_SPECS` lists them all. Ev
 * schema facts, parsed from :attr:`OpSpec.schema` with torch's schema parser: mutated arguments
   (``Tensor(a!)``) and their positions, the functional twin's schema and output order
   (non-ref returns, then the mutated arguments in schema order);
-* GE facts (``ge_graph`` mode, spec/torchair.md §3): inputs = tensor arguments in schema order with
+* GE facts (``ge_graph`` mode, docs/platform.md §3): inputs = tensor arguments in schema order with
   the same names, attrs = the other arguments (renamed by :attr:`GeOp.attr_names`), outputs =
   :attr:`OpSpec.ge_outputs`; a mutated input is a *ref pair* (a GE output with the input's name),
   which gives the ref map ``output index -> input index`` (:attr:`OpSpec.ge_ref_map`);

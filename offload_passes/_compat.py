@@ -13,7 +13,7 @@ functions, on first use. torch 2.9, 2.11 and 2.12 lie inside the range but were 
 Torch-version differences found (and where they are handled):
 
 * Inductor 2.8 cannot run a mutable custom op that has a Functionalize kernel as a FallbackKernel;
-  2.10 and later can. Handled version-independently by ``passes/inductor_targets.py``.
+  2.13 can. Handled version-independently by ``passes/inductor_targets.py`` (used on every version).
 * Inductor 2.8 decomposes ``aten._assert_async.msg`` to nothing; 2.10 and later lower it to a run-time
   check (:func:`inductor_lowers_assert_async`).
 * ``torch._dynamo.config.inline_inbuilt_nn_modules = False`` is honoured by 2.8 and 2.10 (module
@@ -29,6 +29,8 @@ Torch-version differences found (and where they are handled):
   :func:`npugraph_ex_ops`, :func:`set_npugraph_ex_option`).
 * transformers' ``grouped_mm`` experts path does not trace on CPU with torch 2.8 or 2.10
   (:func:`hf_grouped_mm_traceable_on_cpu`, used by ``models/hf``).
+* Tests only: on torch 2.10 nothing in torch keeps a finished decoder's caches alive (2.13 did), so
+  the offload state they key is gone with them; ``tests/hf/hf_helpers.py`` keeps the decoder.
 """
 from __future__ import annotations
 

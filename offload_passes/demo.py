@@ -93,7 +93,7 @@ def set_threads(threads: int) -> None:
 
 
 def baseline_host_rows(topk_steps: list, lengths: list, groups: list, S: int) -> int:
-    """Rows the unmodified gather path reads from host (spec §1.4 ledger, bsz = 1).
+    """Rows the unmodified gather path reads from host (docs/ops.md §1.4 ledger, bsz = 1).
 
     Every layer of a group receives the same top-k, so its ledger evolves identically: row ``r``
     reuses an id iff the previous step placed it there and ``id <= max(L - S - 1, 0)``.

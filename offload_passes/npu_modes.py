@@ -11,7 +11,7 @@ frozen inputs) is kept:
 * ``npugraph_ex`` -> ``npugraph_ex.get_npu_backend(compiler_config)`` with ``mode="npugraph_ex"``, our
   reinplace pairs registered and ``split_install_chains`` chained into ``post_grad_custom_post_pass``.
 
-Side stream (spec/ops.md §5), the schedule the reference runs: each layer's installs (md=0 for a shared
+Side stream (docs/ops.md §5), the schedule the reference runs: each layer's installs (md=0 for a shared
 layer; on the group's last layer also the owner's md=1 install, after it on the same stream) may start
 as soon as that layer's ``dsa_serve`` has finished, so they overlap the layer's SFA and MoE:
 
@@ -476,7 +476,7 @@ def lower_npugraph_ex(gm: fx.GraphModule, example_inputs: Sequence[Any], compile
 
 
 def recipe_compiler_config(mode: str) -> Any:
-    """The compiler settings cann-recipes' GLM-5.2 runner uses for ``mode`` (spec/torchair.md §1).
+    """The compiler settings cann-recipes' GLM-5.2 runner uses for ``mode`` (docs/platform.md §1).
 
     ge_graph: ``frozen_parameter``, ``tiling_schedule_optimize``, ``topology_sorting_strategy="StableRDFS"``;
     npugraph_ex: ``frozen_parameter`` (``clone_input=False`` is applied by :func:`lower_npugraph_ex`).

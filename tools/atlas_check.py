@@ -305,7 +305,7 @@ def preflight(args: argparse.Namespace, cann: Dict[str, Any], ge_ir: Optional[Di
             bad = [f"{k} ({v})" for k, v in ge_ir.items() if v != "SUCCESS"]
             if bad:
                 msgs.append("GE op definitions not registered with CANN: " + ", ".join(bad)
-                            + " (install the DSA op package; see README 'On an Atlas A3')")
+                            + " (install the DSA op package; see docs/atlas.md, 'On an Atlas A3')")
         if msgs:
             missing[case] = msgs
     return {"cann": cann, "ge_ir": ge_ir, "missing": missing}

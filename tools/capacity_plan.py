@@ -25,7 +25,7 @@ Sources (read with the search tools; numbers restated, nothing copied):
   256 experts x 2048, dense 12288 for the first 3 layers, vocab 154880, indexer 32 x 128, top-k 2048,
   index_topk_freq 4 / offset 3, 1 MTP layer) and ``modeling_glm.py`` (indexer cache: one
   ``[blocks, BS, 1, index_head_dim]`` cache per *full* layer, bf16 when unquantised; MoE gate fp32).
-* same repo, ``models/glm_5_2/models/offload_cache.py`` and ``/work/shared/spec/ops.md`` §7: selection
+* same repo, ``models/glm_5_2/models/offload_cache.py`` and ``docs/ops.md`` §7: selection
   buffers ``ceil(K/BS)*B*(1+next_n)`` blocks of ``BS`` rows per layer plus a ``[B,1+next_n,1,K+1]``
   int32 ledger and a block table; pools ``[B, PS, 512+64]`` per layer; per group ``pool_ids [B,PS]``,
   ``id_to_slot [B, max(131072, pa_max_length)]``, ``lru_counter [B, PS/16]`` int32; the prefill
@@ -65,7 +65,7 @@ except ImportError:  # pragma: no cover - only when run as a loose script
 log = logging.getLogger("offload_passes.tools.capacity_plan")
 
 GiB = 1 << 30
-MIN_ID_RANGE = 131072       # _DSA_MIN_ID_RANGE in the recipe (spec/ops.md §7)
+MIN_ID_RANGE = 131072       # _DSA_MIN_ID_RANGE in the recipe (docs/ops.md §7)
 SET_WAYS = 16               # 16-way set-associative pool
 INT32 = 4
 

@@ -1,4 +1,4 @@
-// CPU kernel of custom::dsa_install (spec/ops.md §4.2), in place. Registered as offload_cpu::dsa_install;
+// CPU kernel of custom::dsa_install (docs/ops.md §4.2), in place. Registered as offload_cpu::dsa_install;
 // the Python wrapper validates all limits first. The install loop (parallel over batch rows, sequential
 // when PS % selection_block_size != 0) is shared with dsa_install_sc.cpp in _install_common.h; this file
 // only supplies the victim choice: round-robin FIFO, the set's counter is the next way.

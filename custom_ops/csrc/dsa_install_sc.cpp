@@ -1,4 +1,4 @@
-// CPU kernel of offload_ref::dsa_install_sc: dsa_install (spec/ops.md §4.2) with 16-way second-chance
+// CPU kernel of offload_ref::dsa_install_sc: dsa_install (docs/ops.md §4.2) with 16-way second-chance
 // replacement instead of round-robin FIFO. Opt-in only; custom::dsa_install (FIFO) is untouched.
 //
 // State layout: no new tensor. lru_counter[b, set] keeps the FIFO pointer in bits 0..3 (as FIFO) and one

@@ -1,4 +1,4 @@
-// CPU kernel of custom::dsa_plan (spec/ops.md §2). Registered as offload_cpu::dsa_plan; the Python
+// CPU kernel of custom::dsa_plan (docs/ops.md §2). Registered as offload_cpu::dsa_plan; the Python
 // wrapper validates all limits first. Work items are the (b, s) query rows, run with at::parallel_for;
 // each row writes only its own plan rows, its own actual_seq entry and its own 8 microtask slabs/counts,
 // so the result does not depend on the thread split.

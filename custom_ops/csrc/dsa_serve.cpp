@@ -1,4 +1,4 @@
-// CPU kernel of custom::dsa_serve (spec/ops.md §3.2), exposed as offload_cpu::dsa_serve.
+// CPU kernel of custom::dsa_serve (docs/ops.md §3.2), exposed as offload_cpu::dsa_serve.
 //
 // One selection row per plan row: kind 1 copies a pool row, kinds 2/3 a full-cache row, anything
 // else (and any out-of-range value) writes zeros. Rows are whole-byte copies (memcpy of D*elem

@@ -1,4 +1,4 @@
-// CPU kernel of custom::npu_gather_selection_kv_cache (spec/ops.md §1), exposed as
+// CPU kernel of custom::npu_gather_selection_kv_cache (docs/ops.md §1), exposed as
 // offload_cpu::npu_gather_selection_kv_cache.
 //
 // Query rows r = b*S + s are independent (each owns its status row and its selection blocks), so

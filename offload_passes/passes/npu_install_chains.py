@@ -9,7 +9,7 @@ arguments are all graph inputs with their own ``copy_`` epilogues.
 ``lru_counter``) as mutated. Functionalization therefore chains them: the last install reads the
 metadata *outputs* of the previous one, and only the last one gets ``copy_`` epilogues, so neither
 install is reinplaced and every step copies each pool of the group (verified on CPU with npugraph_ex).
-A ``metadata_update=0`` install leaves the metadata bit-identical (spec/ops.md §4.2), so its metadata
+A ``metadata_update=0`` install leaves the metadata bit-identical (docs/ops.md §4.2), so its metadata
 outputs equal its metadata inputs. The pass routes the next install to the graph inputs themselves and
 gives the ``metadata_update=0`` install its own (value-preserving) epilogue right after it. The rewrite
 is applied only when no other node reads the metadata inputs after the first install of the chain

@@ -15,7 +15,7 @@ the rules of Inductor's ``torch/_inductor/fx_passes/reinplace.py``:
 * **Only graph state is reinplaced**: every mutated argument must be (a view of) a graph input or an
   attribute ``P`` — or the new value of ``P`` left by an earlier reinplaced writer (a chain such as
   the install metadata md0 -> md0' -> md1). Intermediates are never reinplaced (TorchAir's multi-output
-  reinplace mishandles them, spec/torchair.md §4).
+  reinplace mishandles them, docs/platform.md §4).
 * **The graph must write P back**: a ``copy_(P, x)`` epilogue exists (otherwise the program does not
   mutate ``P``: Inductor's "no copy_ back ... cannot re-inplace"), and the op's new value flows into it,
   directly or through a later reinplaced writer of the same chain; a view of ``P`` as mutated argument

@@ -20,7 +20,7 @@ log = logging.getLogger("offload_passes.trace.kernel_replay")
 @torch.no_grad()
 def replay_kernels(trace: Trace, pool_size: int, group: int = 0, id_range: Optional[int] = None,
                    install_op: Optional[str] = None) -> np.ndarray:
-    """Plan-kind counts ``int64 [steps, 6]`` (kinds 0..5 of spec §2.4) of ``group`` under the kernels.
+    """Plan-kind counts ``int64 [steps, 6]`` (kinds 0..5 of docs/ops.md §2.4) of ``group`` under the kernels.
 
     ``install_op`` selects the install kernel: ``None`` = ``custom::dsa_install`` (FIFO), or the
     qualified name of an opt-in policy kernel whose schema is dsa_install's with the plan as an extra

@@ -1,4 +1,4 @@
-"""Shared test helpers: run baseline vs compiled, pool invariants (spec §8.4-8.5), graph checks."""
+"""Shared test helpers: run baseline vs compiled, pool invariants (docs/ops.md §8.4-8.5), graph checks."""
 from __future__ import annotations
 
 import importlib.util
@@ -27,7 +27,7 @@ def full_row(buf: torch.Tensor, B: int) -> torch.Tensor:
 
 
 def check_pool_state(state, B: int, full_of) -> int:
-    """Assert spec §8.4 (metadata consistency) and §8.5 (pool content); return resident entries.
+    """Assert docs/ops.md §8.4 (metadata consistency) and §8.5 (pool content); return resident entries.
 
     ``full_of(layer)`` gives that layer's full caches as ``(kv [B, F, Dkv], rope [B, F, Dr])``.
     """

@@ -3,7 +3,7 @@
 The unmodified model (eager, gather path) and a copy compiled with the offload backend see the same
 tokens (the driver's token stream does not depend on the logits). Per step: logits, per-layer
 attention outputs, per-layer gather/serve lengths and per-group top-k are compared, and the pool
-invariants (spec §8.4-8.5) are asserted after every step. Pool size 64 = K, so every step evicts.
+invariants (docs/ops.md §8.4-8.5) are asserted after every step. Pool size 64 = K, so every step evicts.
 """
 from __future__ import annotations
 

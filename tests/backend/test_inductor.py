@@ -44,7 +44,7 @@ def inductor_run(request):
 
 def test_outputs_equal_and_pool_invariants(inductor_run):
     r = inductor_run
-    # pool invariants (spec §8.4-8.5) were asserted after every one of the 64 steps by run_pair
+    # pool invariants (docs/ops.md §8.4-8.5) were asserted after every one of the 64 steps by run_pair
     # Tolerance, not == 0: Inductor compiles the rewritten and the unmodified graph separately and may
     # fuse the bf16 projections around attention differently (fp32 inside a fusion, bf16 between ops).
     assert r["max_a"] <= 2e-2 and r["max_h"] <= 2e-2, (r["max_a"], r["max_h"])

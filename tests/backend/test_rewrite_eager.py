@@ -64,7 +64,7 @@ def test_counters(run64):
     for c, layers in zip(counters, run64["groups"]):
         tot = c["total"]
         assert tot["steps"] == 64
-        # every valid top-k row is exactly one of hit / miss / window (spec §8.8)
+        # every valid top-k row is exactly one of hit / miss / window (docs/ops.md §8.8)
         assert tot["hits"] + tot["misses"] + tot["window"] == 64 * cfg.B * cfg.S * cfg.K
         assert tot["hits"] > 0 and tot["misses"] > 0
         assert tot["host_rows_read"] == (tot["misses"] + tot["window"]) * len(layers)

@@ -1,4 +1,4 @@
-"""Short version of ``benchmarks/soak.py`` (the long run's figures are in the README): random per-row
+"""Short version of ``benchmarks/soak.py`` (the long run's figures: docs/performance.md, "Soak"): random per-row
 new requests, announced and unannounced, every step compared with the unmodified model."""
 from __future__ import annotations
 

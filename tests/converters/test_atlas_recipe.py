@@ -2,7 +2,7 @@
 ``run_shared_indexer_offload`` (tools/atlas_recipe.py), on CPU.
 
 The real function lives in cann-recipes-infer, which cannot be installed here. ``shared_indexer_standin``
-below is a TEST DOUBLE with the same keyword interface, written from spec/ops.md §5 (owner plans, every
+below is a TEST DOUBLE with the same keyword interface, written from docs/ops.md §5 (owner plans, every
 layer serves, shared layers install with metadata_update=0, the last layer installs the owner's with
 metadata_update=1), calling our ops. It checks the adapter's plumbing (layer identity, shapes, plan
 hand-over, pools, metadata), not the reference's code.

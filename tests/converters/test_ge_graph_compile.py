@@ -70,7 +70,7 @@ def group_inputs():
 
 
 def group_step(topk, L, pool_ids, id_to_slot, lru, sbt, *layers):
-    """plan once; serve A, serve B; install B (metadata_update=0) then install A (=1), as spec/ops.md §5."""
+    """plan once; serve A, serve B; install B (metadata_update=0) then install A (=1), as docs/ops.md §5."""
     c = torch.ops.custom
     a, b = layers[:6], layers[6:]
     plan, rec, act = c.dsa_plan(topk, L, pool_ids, id_to_slot, lru, raw_seq=S)

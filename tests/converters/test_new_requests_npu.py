@@ -60,20 +60,11 @@ def test_ge_graph_invalidation_reads_the_outside_write_flag_before_every_plan(to
         assert nodes.index(flag) < nodes.index(plan)
 
 
-def test_hf_graph_in_npugraph_ex_gets_side_stream_installs_after_their_serve(npugraph_ex_pkg, torch_npu_double):
+def test_hf_graph_in_npugraph_ex_gets_side_stream_installs_after_their_serve(npugraph_ex_pkg, torch_npu_double,
+                                                                              npugraph_ex_capture):
     """The HF front-end goes through the same core as the recipe form: in npugraph_ex each layer's
     installs run in the side-stream scope, after an event recorded right after that layer's serve, and
     the refill paths still match the unmodified model."""
-    import npugraph_ex._acl_concrete_graph.graph_pass as gp
-
-    captured = {}
-    original = gp.resolve_default_stream_markers
-
-    def spy(gm):  # the last pass of npugraph_ex's optimize_graph_without_runtime
-        out = original(gm)
-        captured["graph"] = gm.graph
-        return out
-
     cfg = npugraph_ex_pkg.CompilerConfig()
     _compat.set_npugraph_ex_option(cfg, "force_eager", True)
     _compat.set_npugraph_ex_option(cfg, "pattern_fusion_pass", False)
@@ -84,12 +75,8 @@ def test_hf_graph_in_npugraph_ex_gets_side_stream_installs_after_their_serve(npu
 
     hf.build("hf-tiny", dtype="bfloat16")
     import_utils.is_torch_npu_available()
-    gp.resolve_default_stream_markers = spy
-    try:
-        with torch_npu_double.installed():
-            out = N.run_matrix_cell(N.Cell("hf-tiny", "npugraph_ex", False, 0), cfg)
-    finally:
-        gp.resolve_default_stream_markers = original
+    with npugraph_ex_capture() as captured, torch_npu_double.installed():
+        out = N.run_matrix_cell(N.Cell("hf-tiny", "npugraph_ex", False, 0), cfg)
     assert out["_rewritten"] == [1.0] and out["_resident"][0] > 0, out
     bad = {k: v for k, v in out.items() if not k.startswith("_") and max(v) > N.HF_REL_TOL}
     assert not bad, bad

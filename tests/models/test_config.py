@@ -115,7 +115,7 @@ def test_hf_config_json_reader():
 
 
 def test_78l_preset_buffers_on_meta():
-    """The real layout without allocating: buffer shapes of spec §7 and the memory footprint."""
+    """The real layout without allocating: buffer shapes of docs/ops.md §7 and the memory footprint."""
     b = models.build("glm-5.2-78l", device="meta", batch_size=2, next_n=1)
     m, r = b.model, b.runner
     B, S, K, BS, cache_len = 2, 2, 2048, 128, r.pa_max_length // 128

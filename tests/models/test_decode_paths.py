@@ -84,7 +84,7 @@ def test_selection_is_sparse_and_indexer_rows_are_suffix_padded(S):
 
 
 def _check_ledger(model, snap, topk_by_group, act_by_layer, L, S):
-    """spec/ops.md §8.9 for every layer and query row."""
+    """docs/ops.md §8.9 for every layer and query row."""
     cfg = model.config
     K, BS = cfg.index_topk, model.block_size
     C, Dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim

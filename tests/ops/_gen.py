@@ -15,7 +15,7 @@ Stable API (other test files import it; extend, do not change signatures):
     ``future`` puts an id ``> max_sel`` inside the prefix, ``dup`` duplicates an id inside the row;
     ``beyond`` (an int id_range IR, 0 = off) replaces a few ids by ids ``>= IR``.
 ``pool_state(B, PS, IR, g, fill=0.5, max_id=None, prefer=None) -> (pool_ids, id_to_slot, lru_counter)``
-    A consistent pool (spec §8.4): distinct resident ids ``< min(IR, max_id)`` in their own set,
+    A consistent pool (docs/ops.md §8.4): distinct resident ids ``< min(IR, max_id)`` in their own set,
     ``id_to_slot`` the inverse, counters in ``[0, 15]``. ``prefer`` (int tensor ``[B, ...]``, e.g.
     last step's top-k) lists ids tried first, so that a following top-k gets pool hits.
 ``garbage_state(B, PS, IR, g) -> (pool_ids, id_to_slot, lru_counter)``

@@ -8,7 +8,7 @@ stand-in of CANN's library (TEST DOUBLE, ``tests/standins/cann_custom_ops.cpp``)
 * our fake function (``_library.registered_fakes()[op]``) on the same ``meta`` tensors;
 
 and compares every output's shape and dtype (and, for ``dsa_plan``, ``install_records``' byte size
-against spec/ops.md §2.2 computed here independently). Prints one JSON line with the case counts.
+against docs/ops.md §2.2 computed here independently). Prints one JSON line with the case counts.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _align(v: int, a: int) -> int:
 
 
 def spec_records_alloc(B: int, S: int, K: int) -> int:
-    """spec/ops.md §2.2, written out again here (independent of custom_ops/_records.py)."""
+    """docs/ops.md §2.2, written out again here (independent of custom_ops/_records.py)."""
     stride = _align(-(-K // 8) * 16, 4096)
     mt = B * S * 8
     return _align(mt * stride, 4096) + _align(mt * 32, 4096) + 4095

@@ -308,7 +308,7 @@ print(json.dumps({"ok": True}))
 
 def test_fakes_agree_with_cann_meta_kernels(standin):
     """(c) our fakes vs the stand-in's Meta kernels (CANN's output shapes) over 100 random geometries per op
-    (700 calls), including ``install_records``' byte size from spec §2.2."""
+    (700 calls), including ``install_records``' byte size from docs/ops.md §2.2."""
     res = subprocess.run(
         [sys.executable, str(HERE / "cann_meta_check.py"), str(standin), "100", "20261201"],
         env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"), capture_output=True, text=True, timeout=600,

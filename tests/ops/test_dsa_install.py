@@ -1,4 +1,4 @@
-"""custom::dsa_install / dsa_install_functional: opcheck, exact semantics (spec/ops.md §4), C++ == reference, limits."""
+"""custom::dsa_install / dsa_install_functional: opcheck, exact semantics (docs/ops.md §4), C++ == reference, limits."""
 from __future__ import annotations
 
 import os
@@ -27,7 +27,7 @@ def cpp_kernels():
 
 
 # ------------------------------------------------------------------------------------------------
-# Independent oracle: literal scalar transcription of spec §4.2 (base = 0), in place.
+# Independent oracle: literal scalar transcription of docs/ops.md §4.2 (base = 0), in place.
 # ------------------------------------------------------------------------------------------------
 
 def literal_install(records, sel_kv, sel_rope, pool_kv, pool_rope, pool_ids, id_to_slot, lru, S, K, sbs, mu):
@@ -167,7 +167,7 @@ def test_cpp_matches_reference_bit_exact(chunk, cpp_kernels):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_reference_matches_literal_spec(seed):
-    """The vectorised reference equals a literal transcription of spec §4.2."""
+    """The vectorised reference equals a literal transcription of docs/ops.md §4.2."""
     args, kw = random_case(seed, max_elems=2048)
     with G.single_thread():
         ref, lit = _clone_state(args), _clone_state(args)
@@ -272,7 +272,7 @@ def test_counts_are_clamped_to_cap_and_negative_counts_skip():
 
 
 def test_metadata_update_0_is_neutral_and_picks_the_same_ways():
-    """spec §8.6: pool_ids/id_to_slot/lru bit-identical; payload equals what metadata_update=1 writes."""
+    """docs/ops.md §8.6: pool_ids/id_to_slot/lru bit-identical; payload equals what metadata_update=1 writes."""
     for seed in (0, 1, 2, 4, 5):
         args, kw = random_case(seed * 4)
         kw0, kw1 = dict(kw, metadata_update=0), dict(kw, metadata_update=1)
@@ -285,7 +285,7 @@ def test_metadata_update_0_is_neutral_and_picks_the_same_ways():
 
 
 def test_install_accounting_on_plan_records():
-    """spec §8.4/§8.7 after a plan -> install on a consistent pool."""
+    """docs/ops.md §8.4/§8.7 after a plan -> install on a consistent pool."""
     for seed in range(4):
         g = G.gen(77 + seed)
         B, S, K, PS, IR, sbs = 3, 3, 512, 256, 3000, 64
@@ -453,7 +453,7 @@ def test_opcheck(B, S, K, PS, IR, sbs, dtype, mu, which):
 
 
 # ------------------------------------------------------------------------------------------------
-# Validation: every limit of spec §4.1 once
+# Validation: every limit of docs/ops.md §4.1 once
 # ------------------------------------------------------------------------------------------------
 
 def _valid():

@@ -1,4 +1,4 @@
-"""custom::dsa_plan: schema, fake, opcheck, exact semantics (spec/ops.md §2), C++ == reference, limits."""
+"""custom::dsa_plan: schema, fake, opcheck, exact semantics (docs/ops.md §2), C++ == reference, limits."""
 from __future__ import annotations
 
 import os
@@ -25,7 +25,7 @@ def cpp_kernel():
 
 
 # ------------------------------------------------------------------------------------------------
-# Independent oracle: a literal scalar transcription of the spec §2.4 pseudo-code (no vectorisation),
+# Independent oracle: a literal scalar transcription of the docs/ops.md §2.4 pseudo-code (no vectorisation),
 # used to check the vectorised reference, which in turn is the oracle of the C++ kernel.
 # ------------------------------------------------------------------------------------------------
 
@@ -138,7 +138,7 @@ def test_cpp_matches_reference_bit_exact(chunk, cpp_kernel):
 
 @pytest.mark.parametrize("seed", range(0, 18))
 def test_reference_matches_literal_spec(seed):
-    """The vectorised reference equals a literal transcription of spec §2.4 (plan, act, records, counts)."""
+    """The vectorised reference equals a literal transcription of docs/ops.md §2.4 (plan, act, records, counts)."""
     tk, L, pid, i2s, lru, S = random_case(seed, max_elems=4096)
     B, K, PS = tk.size(0), tk.size(-1), pid.size(1)
     with G.single_thread():
@@ -270,7 +270,7 @@ def test_ids_beyond_id_range_and_stale_slots():
 
 
 def test_suffix_padded_invariants_random():
-    """spec §8.2/§8.3 on contract-respecting rows: kinds 1/2/3 fill exactly [0, act), one stop, then INVALID."""
+    """docs/ops.md §8.2/§8.3 on contract-respecting rows: kinds 1/2/3 fill exactly [0, act), one stop, then INVALID."""
     for seed in range(6):
         g = G.gen(1000 + seed)
         B, S, K, PS, IR = 3, 2, 512, 256, 4096
@@ -364,7 +364,7 @@ def test_opcheck(B, S, K, PS, IR, seed, three_d):
 
 
 # ------------------------------------------------------------------------------------------------
-# Validation: every limit of spec §2.1 once
+# Validation: every limit of docs/ops.md §2.1 once
 # ------------------------------------------------------------------------------------------------
 
 def _valid_args():

@@ -204,7 +204,7 @@ def test_semantics_hand_built_plan():
 
 
 def test_batch_row_selects_its_own_full_and_pool():
-    """Plan row q belongs to batch q // (raw_seq*topk); positional layout r*K + k (spec §8.1)."""
+    """Plan row q belongs to batch q // (raw_seq*topk); positional layout r*K + k (docs/ops.md §8.1)."""
     B, S, K, sbs, PS, F, D, Dr = 3, 2, 16, 16, 8, 10, 4, 2
     g = torch.Generator().manual_seed(3)
     full_kv, full_rope = bits((B, F, D), torch.bfloat16, g), bits((B, F, Dr), torch.bfloat16, g)
@@ -293,7 +293,7 @@ def test_cpp_entry_point_rejects_unsafe_shapes(cpp_kernel):
 
 
 # --------------------------------------------------------------------------------------------
-# validation: every limit of spec §3.1, violated once
+# validation: every limit of docs/ops.md §3.1, violated once
 # --------------------------------------------------------------------------------------------
 
 def _prod_case():

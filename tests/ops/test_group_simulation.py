@@ -1,5 +1,5 @@
-"""Randomised multi-step simulation of one 4-layer IndexShare group (spec/ops.md §5), checking the
-invariants of spec §8 items 1-9 after every op of every step, and reporting hit rates (§8.8).
+"""Randomised multi-step simulation of one 4-layer IndexShare group (docs/ops.md §5), checking the
+invariants of docs/ops.md §8 items 1-9 after every op of every step, and reporting hit rates (§8.8).
 
 Per step (owner O = layer 0, last layer Z = 3), exactly the GLM order of §5:
     plan = dsa_plan(topk, L, pool_ids, id_to_slot, lru)                      # owner, once
@@ -78,7 +78,7 @@ class Group:
         self.full_table = torch.arange(B * F // c.BS, dtype=torch.int32).view(B, F // c.BS)
 
     def reset_row(self, b: int, g: torch.Generator) -> None:
-        """A batch row starts a new request: new KV, metadata and gather ledger reset (spec §5 item 5)."""
+        """A batch row starts a new request: new KV, metadata and gather ledger reset (docs/ops.md §5 item 5)."""
         for lay in range(self.c.layers):
             self.full_kv[lay][b] = G.payload(self.full_kv[lay][b].shape, self.c.dtype, g)
             self.full_rope[lay][b] = G.payload(self.full_rope[lay][b].shape, self.c.dtype, g)

@@ -1,5 +1,5 @@
 """custom::npu_gather_selection_kv_cache (+ _functional): C++ kernel vs reference (bit-exact), ledger
-invariants (spec §8.9), hand-checked §1.4 / §1.5 examples, validation, opcheck, functionalization."""
+invariants (docs/ops.md §8.9), hand-checked §1.4 / §1.5 examples, validation, opcheck, functionalization."""
 from __future__ import annotations
 
 import os
@@ -242,7 +242,7 @@ def test_parallel_rows_match_serial():
 
 
 # --------------------------------------------------------------------------------------------
-# ledger invariants (spec §8.9) over decode sequences
+# ledger invariants (docs/ops.md §8.9) over decode sequences
 # --------------------------------------------------------------------------------------------
 
 def _check_ledger_large(case: Case, topk: torch.Tensor, act: torch.Tensor, before_kv, before_rope):
@@ -458,7 +458,7 @@ def test_non_contiguous_status_and_selection():
 
 
 # --------------------------------------------------------------------------------------------
-# validation: every limit of spec §1.2 violated once, plus the data-dependent table checks
+# validation: every limit of docs/ops.md §1.2 violated once, plus the data-dependent table checks
 # --------------------------------------------------------------------------------------------
 
 def _base() -> dict:

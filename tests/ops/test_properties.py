@@ -3,7 +3,7 @@
 * ``test_plan_serve_install_pipeline``: random B, S, K, pool sizes, id ranges, lengths (also <= 0),
   ``-1`` sentinels anywhere, other negatives, duplicate ids, ids past ``max_sel`` and past ``id_range``,
   consistent or garbage pool metadata. One decode step of a group through the C++ kernels:
-  ``dsa_plan`` == reference == literal spec §2.4 transcription; ``dsa_serve`` == reference and §8.1
+  ``dsa_plan`` == reference == literal docs/ops.md §2.4 transcription; ``dsa_serve`` == reference and §8.1
   (served rows are the full-cache rows; zeros else); ``dsa_install`` (metadata_update 0 and 1) ==
   reference == literal §4.2 transcription and §8.4 / §8.6 / §8.7.
 * ``test_gather_ledger``: ``npu_gather_selection_kv_cache`` C++ == reference, and the §8.9 ledger
@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _gen as G  # noqa: E402
-from test_dsa_install import literal_install  # noqa: E402  (literal spec §4.2)
-from test_dsa_plan import literal_plan, records_as_dict  # noqa: E402  (literal spec §2.4)
+from test_dsa_install import literal_install  # noqa: E402  (literal docs/ops.md §4.2)
+from test_dsa_plan import literal_plan, records_as_dict  # noqa: E402  (literal docs/ops.md §2.4)
 import test_npu_gather_selection_kv_cache as TG  # noqa: E402  (gather Case / ledger checker)
 
 from offload_passes.custom_ops import _library as Lib  # noqa: E402
@@ -73,7 +73,7 @@ def group_step(draw):
     sbs = draw(st.sampled_from([16, 32, 64]))
     K = draw(st.sampled_from([k for k in (64, 128, 192, 256) if k % sbs == 0]))
     PS = 16 * 2 ** draw(st.integers(0, 4))
-    assume(PS % sbs == 0)  # spec §9: install assumes PS % selection_block_size == 0
+    assume(PS % sbs == 0)  # docs/ops.md §9: install assumes PS % selection_block_size == 0
     IR = draw(st.integers(1, 3 * K))
     L = draw(st.lists(st.integers(-2, 2 * K + S), min_size=B, max_size=B))
     return dict(
@@ -104,7 +104,7 @@ def _make_step(c):
         pool_ids, i2s, lru = G.pool_state(B, PS, IR, g, fill=c["pool_fill"], prefer=tk)
     F = c["F"]
     full_kv, full_rope = G.payload((B, F, c["D"]), c["dtype"], g), G.payload((B, F, c["Dr"]), c["dtype"], g)
-    # pool content consistent with the metadata (spec §8 hypothesis), garbage elsewhere
+    # pool content consistent with the metadata (docs/ops.md §8 hypothesis), garbage elsewhere
     pool_kv, pool_rope = G.payload((B, PS, c["D"]), c["dtype"], g), G.payload((B, PS, c["Dr"]), c["dtype"], g)
     if not c["garbage"]:
         for b in range(B):
@@ -122,7 +122,7 @@ def test_plan_serve_install_pipeline(c):
     L, tk, pool_ids, i2s, lru, full_kv, full_rope, pool_kv, pool_rope = _make_step(c)
     meta0 = (pool_ids.clone(), i2s.clone(), lru.clone())
 
-    # ---- dsa_plan: C++ == reference == literal spec §2.4
+    # ---- dsa_plan: C++ == reference == literal docs/ops.md §2.4
     plan, rec, act = plan_op(tk, L, pool_ids, i2s, lru, raw_seq=S)
     rplan, rrec, ract = MP.reference_dsa_plan(tk, L, pool_ids, i2s, lru, raw_seq=S)
     assert torch.equal(plan, rplan) and torch.equal(rec, rrec) and torch.equal(act, ract)

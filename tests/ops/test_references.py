@@ -16,7 +16,7 @@ SFA = torch.ops.offload_ref.npu_sparse_flash_attention
 
 
 def loop_indexer(q, key, w, cu_q, kv_len, bt, K, mode):
-    """Straight transcription of spec/ops.md §6.1 (python loops, fp64 scores)."""
+    """Straight transcription of docs/ops.md §6.1 (python loops, fp64 scores)."""
     T = q.size(0)
     bs = key.size(1)
     out = torch.full((T, 1, K), -1, dtype=torch.int32)
@@ -42,7 +42,7 @@ def loop_indexer(q, key, w, cu_q, kv_len, bt, K, mode):
 
 
 def loop_sfa(q, key, idx, scale, bt, cu_q, kv_len, q_rope, k_rope, mode=3):
-    """Straight transcription of spec/ops.md §6.2 (python loops, fp64)."""
+    """Straight transcription of docs/ops.md §6.2 (python loops, fp64)."""
     T, N, D = q.shape
     bs = key.size(1)
     out = torch.zeros(T, N, D, dtype=torch.float64)

@@ -12,7 +12,7 @@ import torch
 import offload_passes
 from offload_passes.custom_ops import CUSTOM_OPS
 
-# Oracle: copied verbatim from spec/ops.md (§1, §2, §3, §4), i.e. CANN's ops_def_registration.cpp.
+# Oracle: copied verbatim from docs/ops.md (§1, §2, §3, §4), i.e. CANN's ops_def_registration.cpp.
 SPEC_SCHEMAS = {
     "npu_gather_selection_kv_cache": "npu_gather_selection_kv_cache(Tensor(a!) selection_k_rope, Tensor(b!) selection_kv_cache, Tensor(c!) selection_kv_block_table, Tensor(d!) selection_kv_block_status, Tensor selection_topk_indices, Tensor full_k_rope, Tensor full_kv_cache, Tensor full_kv_block_table, Tensor full_kv_actual_seq, Tensor full_q_actual_seq, *, int selection_topk_block_size=64) -> Tensor",
     "npu_gather_selection_kv_cache_functional": "npu_gather_selection_kv_cache_functional(Tensor selection_k_rope, Tensor selection_kv_cache, Tensor selection_kv_block_table, Tensor selection_kv_block_status, Tensor selection_topk_indices, Tensor full_k_rope, Tensor full_kv_cache, Tensor full_kv_block_table, Tensor full_kv_actual_seq, Tensor full_q_actual_seq, *, int selection_topk_block_size=64) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",

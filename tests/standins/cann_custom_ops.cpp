@@ -2,7 +2,7 @@
 // reference's ops/ascendc/torch_ops_extension, library custom_ops_lib*.so).
 //
 // Like the real library it owns the `custom` namespace with TORCH_LIBRARY(custom, m), defines the seven
-// DSA/gather schemas (exact strings of spec/ops.md §1-§4), and registers Meta kernels that compute the
+// DSA/gather schemas (exact strings of docs/ops.md §1-§4), and registers Meta kernels that compute the
 // output shapes CANN's Meta kernels compute, plus PrivateUse1 (NPU) kernels. It has no CPU kernels (the
 // real one has none either), and its NPU kernels only throw: nothing here runs on a device.
 #include <torch/extension.h>
@@ -16,7 +16,7 @@ constexpr int64_t kPage = 4096;
 
 int64_t align_up(int64_t v, int64_t a) { return ((v + a - 1) / a) * a; }
 
-// spec/ops.md §2.2: install_records allocation of dsa_plan (stride, rec_bytes, cnt_bytes, +4095 slack).
+// docs/ops.md §2.2: install_records allocation of dsa_plan (stride, rec_bytes, cnt_bytes, +4095 slack).
 int64_t records_alloc(int64_t batch, int64_t raw_seq, int64_t topk) {
   const int64_t stride = align_up(((topk + 7) / 8) * 16, kPage);
   const int64_t microtasks = batch * raw_seq * 8;

@@ -45,7 +45,7 @@ def test_parse_spec():
 
 
 def test_calibrated_parameters_reproduce_the_references_lru_side_numbers():
-    """Regression of the fit (README calibration table): seed 0, 64K context, K = 2048."""
+    """Regression of the fit (the calibration table of docs/trace-science.md): seed 0, 64K context, K = 2048."""
     loc = synth.locality(synth.CALIBRATED)
     assert abs(loc["adjacent"] - synth.REF_ADJACENT_K2048) < 0.005, loc
     assert abs(loc["lru_8k"] - synth.REF_LRU_8K) < 0.005, loc

@@ -4,7 +4,7 @@
 // score order), lengths int32 [T, B] (cache length incl. the step's S tokens).
 // Output: int64 [T, NCOL] per-step counters, summed over batch rows (column meaning in COLS below).
 //
-// Classification follows dsa_plan (spec/ops.md §2.4) for suffix-padded rows: per query row, the
+// Classification follows dsa_plan (docs/ops.md §2.4) for suffix-padded rows: per query row, the
 // prefix before the first negative; ids > max_sel skipped, max_valid < id <= max_sel = decode window
 // (never cached), id <= max_valid = eligible (hit if resident at step start, else miss). Hits are
 // decided on the state at step start; then hit updates (entry order), then installs of the misses in
@@ -328,7 +328,7 @@ void run_online(Trace& tr, const std::string& name, int PS, int W, int64_t* out)
   }
 }
 
-// Basic gather's selection buffer (spec §1.4, bsz = 1): each query row keeps last step's ids.
+// Basic gather's selection buffer (docs/ops.md §1.4, bsz = 1): each query row keeps last step's ids.
 void run_adjacent(Trace& tr, int64_t* out) {
   std::vector<std::vector<int64_t>> prev(tr.S, std::vector<int64_t>(tr.IR, -2));
   std::vector<int64_t> uniq_mark(tr.IR, -1);

@@ -2,7 +2,7 @@
 
 The real module is a C++ extension linked against CANN's Graph Engine; it cannot load on a machine
 without CANN. This pure-Python double provides just what TorchAir's Python code touches when it
-*builds* GE graphs (spec/torchair.md §3 "Stand-ins needed for CPU GE-graph tests"):
+*builds* GE graphs (docs/platform.md §3 "Stand-ins needed for CPU GE-graph tests"):
 
 * ``TorchNpuGraphBase``: ``load``/``set_hint_shape`` accept anything; ``compile``/``run``/``auto_tune``
   raise, because nothing can execute a GE graph here;
