@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
-# torch 2.13.0 by default; OFFLOAD_PASSES_TORCH=2.8.0 picks the other supported version (setup.py: >=2.8,<2.14;
-# scripts/test_matrix.sh runs the suite on both). The TorchAir sources below follow the installed torch.
+# torch 2.13.0 by default; OFFLOAD_PASSES_TORCH=2.8.0 / 2.10.0 / 2.14.1 picks another tested version (setup.py:
+# >=2.8,<2.15; scripts/test_matrix.sh runs them; docs/versions.md). The TorchAir sources below follow the installed torch.
 python -m pip install -q "torch==${OFFLOAD_PASSES_TORCH:-2.13.0}"
 # The C++ kernels are compiled here, at install (about 3 min on 2 cores), against the torch just installed:
 # --no-build-isolation so that pip builds with this environment's torch/setuptools/ninja instead of
