@@ -24,11 +24,17 @@ from .state import OffloadState
 
 __all__ = ["CpuLowering", "pass_uuid"]
 
-_ROOT = Path(__file__).resolve().parent
+def _package_dir(module: Any) -> Path:
+    return Path(module.__file__).resolve().parent
+
+
+from . import custom_ops as _custom_ops, passes as _passes  # noqa: E402  (their folders: custom_ops/ is mapped)
+
+_ROOT = _package_dir(__import__(__package__))
 #: Everything whose change can change what the custom Inductor pass (or the graph it sees) produces:
 #: every pass module, the op specs and kernels' Python, the FX and version glue. Inductor's FX-graph
 #: cache keys on :func:`pass_uuid`.
-UUID_FILES = (sorted((_ROOT / "passes").glob("*.py")) + sorted((_ROOT / "custom_ops").glob("*.py"))
+UUID_FILES = (sorted(_package_dir(_passes).glob("*.py")) + sorted(_package_dir(_custom_ops).glob("*.py"))
               + [_ROOT / n for n in ("_compat.py", "options.py", "modes.py", "pipeline.py", "state.py",
                                      "lowering_cpu.py")])
 

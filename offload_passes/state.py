@@ -35,7 +35,7 @@ class SharedGroup:
     """The tensors of one IndexShare group on one set of full caches (shared by every graph serving them)."""
 
     __slots__ = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external_write", "pools", "ran",
-                 "versions", "announced", "flagged", "__weakref__")
+                 "versions", "flagged", "__weakref__")
 
     def __init__(self, B: int, PS: int, IR: int, dims: Sequence[tuple[int, int, torch.dtype]],
                  device: torch.device) -> None:
@@ -46,13 +46,12 @@ class SharedGroup:
         # the previous step's cache length per row: a row whose length goes down starts a new request
         self.seen_len = torch.zeros((B,), dtype=torch.int32, device=device)
         # != 0: the host saw the full caches written outside the graph since the last step (their version
-        # counters moved): the graph invalidates every row unless the ledger names the re-filled ones
+        # counters moved): the graph invalidates every row
         self.external_write = torch.zeros((1,), dtype=torch.int32, device=device)
         self.pools = [(torch.zeros((B, PS, dkv), dtype=dt, device=device),
                        torch.zeros((B, PS, dr), dtype=dt, device=device)) for dkv, dr, dt in dims]
         self.ran = False  # has served a step (a fresh group holds nothing that could be stale)
         self.versions: Optional[tuple] = None  # the full caches' version counters after the last step
-        self.announced = False  # reset(rows=...) since the last step: outside writes are announced
         self.flagged = False  # external_write was set for the coming step
 
 
@@ -236,7 +235,6 @@ class OffloadState:
             g.id_to_slot[t] = -1
             g.lru_counter[t] = 0
             g.seen_len[t] = 0
-            g.shared.announced = True  # the re-fill of these rows is announced: the other rows stay warm
         for kv, rope in self.pools.values():
             kv[t] = 0
             rope[t] = 0
@@ -418,9 +416,11 @@ _warned_inference: set = set()
 def _check_outside_writes(sg: SharedGroup, caches: Sequence[torch.Tensor], graph_id: str) -> None:
     """Set ``external_write`` for the coming step when the full caches were written since this group's
     last step by anything but its own graph (docs/new-requests.md): their version counters moved (an
-    eager prefill or step, ``StaticCache.reset()``, a graph compiled by any AOT-based backend) and no
-    ``reset(rows=...)`` announced it. Caches without version counters (inference tensors) are treated
-    as written before every step: cold, never stale."""
+    eager prefill or step, ``StaticCache.reset()``, a graph compiled by any AOT-based backend). Caches without version counters (inference tensors) are treated
+    as written before every step: cold, never stale. A counter is per tensor, not per row: an
+    announcement (``reset(rows=...)``, the ledger) cannot prove the other rows untouched, so it does not
+    suppress the flag (a soak with one announced and one unannounced re-fill in the same step was
+    served stale when it did)."""
     v = cache_versions(caches)
     moved = v is None or (sg.versions is not None and v != sg.versions)
     if v is None and graph_id not in _warned_inference:
@@ -429,11 +429,10 @@ def _check_outside_writes(sg: SharedGroup, caches: Sequence[torch.Tensor], graph
                     "no version counter, so writes outside the compiled graph cannot be seen; the offload pools are "
                     "invalidated before every step (correct but cold). Allocate the caches outside "
                     "inference_mode (torch.no_grad() is fine) to keep the pools warm.", graph_id)
-    if moved and not sg.announced:
+    if moved:
         sg.external_write.fill_(1)
         sg.flagged = True
         log.debug("%s: full caches written outside the graph since its last step: invalidating every row", graph_id)
-    sg.announced = False
 
 
 @torch.no_grad()

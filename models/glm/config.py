@@ -36,7 +36,7 @@ log = logging.getLogger("offload_passes.models.config")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-from ...modes import EXE_MODES  # noqa: E402  (the one list of modes; offload_passes/modes.py imports nothing)
+from offload_passes.modes import EXE_MODES  # noqa: E402  (the one list of modes; offload_passes/modes.py imports nothing)
 #: ``cache_write``: ``index_put`` (``cache.view(-1, D).index_put_``) or ``inplace`` (the reference's
 #: in-place cache-write ops: MLA-prolog KV write, ``npu_scatter_nd_update_`` for the indexer cache).
 CACHE_WRITES = ("index_put", "inplace")

@@ -25,7 +25,7 @@ New requests (docs/new-requests.md): before the plan, a batch row's pool metadat
 its cache length left the continuation window ``[seen, seen + S]``, when the model reset its gather
 ledger (recipe form, ledger kept), or when the host saw the full caches written outside this graph
 (``external_write``, set by ``state.StateRegistry.activate`` from the caches' version counters; then
-every row, unless the ledger announced which rows).
+every row: a counter cannot say which rows were written).
 """
 from __future__ import annotations
 
@@ -395,8 +395,8 @@ def invalidate_new_rows(b: _Builder, p: GroupPlan, meta: dict, L: fx.Node, ledge
       count >= 0 every step, so only the model's reset leaves -1), when the ledger is kept;
     * the host saw the full caches written outside this graph since the state's last step
       (``external_write[0] != 0``: their version counters moved, ``state.StateRegistry.activate``):
-      every row, unless the ledger names the re-filled rows this step (an announcement keeps the
-      other rows warm).
+      every row. A counter is per tensor, not per row, so no announcement (the ledger,
+      ``reset(rows=...)``) can prove the other rows untouched: correctness wins over warmth.
 
     Cost: one masked pass over the group's metadata per step, no host sync. The updates are ``copy_``
     writes so that reinplacing keeps them in place (passes/reinplace.py,
@@ -406,16 +406,10 @@ def invalidate_new_rows(b: _Builder, p: GroupPlan, meta: dict, L: fx.Node, ledge
     seen = meta["seen_len"]
     new = b(aten.logical_or.default, b(aten.lt.Tensor, L, seen),
             b(aten.gt.Tensor, L, b(aten.add.Tensor, seen, S)))
+    for st in ledgers:
+        cnt = b(aten.select.int, b(aten.view.default, st, [B, -1, K + 1]), 2, K)  # [B, S]
+        new = b(aten.logical_or.default, new, b(aten.any.dim, b(aten.lt.Scalar, cnt, 0), 1))
     external = b(aten.ne.Scalar, meta["external_write"], 0)  # [1]
-    if ledgers:
-        announced = None
-        for st in ledgers:
-            cnt = b(aten.select.int, b(aten.view.default, st, [B, -1, K + 1]), 2, K)  # [B, S]
-            reset = b(aten.any.dim, b(aten.lt.Scalar, cnt, 0), 1)
-            announced = reset if announced is None else b(aten.logical_or.default, announced, reset)
-        new = b(aten.logical_or.default, new, announced)
-        external = b(aten.logical_and.default, external,
-                     b(aten.logical_not.default, b(aten.view.default, b(aten.any.default, announced), [1])))
     new = b(aten.logical_or.default, new, external)  # [B] | [1] -> [B]
     col = b(aten.view.default, new, [B, 1])
     for name, fill in (("pool_ids", -1), ("id_to_slot", -1), ("lru_counter", 0)):
