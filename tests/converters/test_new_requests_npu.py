@@ -17,18 +17,6 @@ CI_CELLS = [N.Cell("tiny", "npugraph_ex", False, 0)]
 CELLS = N.full_matrix(("npugraph_ex",)) if os.environ.get("OFFLOAD_PASSES_LONG") == "1" else CI_CELLS
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
-def test_npugraph_ex_refill_paths_match_the_unmodified_model(cell, npugraph_ex_pkg, torch_npu_double):
-    cfg = npugraph_ex_pkg.CompilerConfig()
-    _compat.set_npugraph_ex_option(cfg, "force_eager", True)
-    _compat.set_npugraph_ex_option(cfg, "pattern_fusion_pass", False)  # traces torch.ops.npu kernels, absent on CPU
-    with torch_npu_double.installed():
-        out = N.run_matrix_cell(cell, cfg)
-    assert out["_rewritten"] == [1.0] and out["_resident"][0] > 0, out
-    bad = {k: v for k, v in out.items() if not k.startswith("_") and max(v) > N.tolerance(cell)}
-    assert not bad, f"{cell.id}: steps off the unmodified model: {bad}"
-
-
 def test_ge_graph_invalidation_reads_the_outside_write_flag_before_every_plan(torchair, tmp_path):
     from offload_passes.backend import NpuOffloadBackend
 
@@ -60,8 +48,22 @@ def test_ge_graph_invalidation_reads_the_outside_write_flag_before_every_plan(to
         assert nodes.index(flag) < nodes.index(plan)
 
 
-def test_hf_graph_in_npugraph_ex_gets_side_stream_installs_after_their_serve(npugraph_ex_pkg, torch_npu_double,
-                                                                              npugraph_ex_capture):
+@pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
+def test_npugraph_ex_refill_paths_match_the_unmodified_model(cell, torchair, npugraph_ex_pkg, torch_npu_double):
+    # (torchair first: importing npugraph_ex before TorchAir's test copy breaks TorchAir's own imports)
+    cfg = npugraph_ex_pkg.CompilerConfig()
+    _compat.set_npugraph_ex_option(cfg, "force_eager", True)
+    _compat.set_npugraph_ex_option(cfg, "pattern_fusion_pass", False)  # traces torch.ops.npu kernels, absent on CPU
+    with torch_npu_double.installed():
+        out = N.run_matrix_cell(cell, cfg)
+    assert out["_rewritten"] == [1.0] and out["_resident"][0] > 0, out
+    bad = {k: v for k, v in out.items() if not k.startswith("_") and max(v) > N.tolerance(cell)}
+    assert not bad, f"{cell.id}: steps off the unmodified model: {bad}"
+
+
+
+def test_hf_graph_in_npugraph_ex_gets_side_stream_installs_after_their_serve(torchair, npugraph_ex_pkg,
+                                                                              torch_npu_double, npugraph_ex_capture):
     """The HF front-end goes through the same core as the recipe form: in npugraph_ex each layer's
     installs run in the side-stream scope, after an event recorded right after that layer's serve, and
     the refill paths still match the unmodified model."""
