@@ -135,9 +135,8 @@ def _assign_kernel(words_ptr, order_ptr, start_ptr, count_ptr, lru_ptr, pid_ptr,
 
 
 @triton.jit
-def _keys_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr,
-                 MT, S, IR, stride_w, cap, pool_row_base, UPDATE: tl.constexpr, BLOCK_CAP: tl.constexpr,
-                 MPP: tl.constexpr):
+def _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP: tl.constexpr, MPP: tl.constexpr):
+    """This program's lanes: (row b, log index g, pool slot, installs?, and the record [set, id, seq, pos])."""
     idx = tl.arange(0, MPP * BLOCK_CAP)
     mt = tl.program_id(0) * MPP + idx // BLOCK_CAP
     i = idx % BLOCK_CAP
@@ -150,6 +149,14 @@ def _keys_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr,
     x = tl.load(rb + 1, mask=inst, other=-1)
     sq = tl.load(rb + 2, mask=inst, other=-1)
     pos = tl.load(rb + 3, mask=inst, other=-1)
+    return b, g, slot, inst, st, x, sq, pos
+
+
+@triton.jit
+def _keys_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr,
+                 MT, S, IR, stride_w, cap, pool_row_base, UPDATE: tl.constexpr, BLOCK_CAP: tl.constexpr,
+                 MPP: tl.constexpr):
+    b, g, slot, inst, st, x, sq, pos = _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP, MPP)
     if UPDATE:
         old = tl.load(log_old_ptr + g, mask=inst, other=-1)
         tl.atomic_max(win_i2s_ptr + b * IR + old, 2 * g, mask=inst & (old >= 0) & (old < IR))
@@ -163,18 +170,7 @@ def _apply_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr
                   MT, S, IR, stride_w, cap, pool_row_base, blocks_per_row, sbs, Dkv, Dr,
                   UPDATE: tl.constexpr, BLOCK_CAP: tl.constexpr, BLOCK_DKV: tl.constexpr,
                   BLOCK_DR: tl.constexpr, MPP: tl.constexpr):
-    idx = tl.arange(0, MPP * BLOCK_CAP)
-    mt = tl.program_id(0) * MPP + idx // BLOCK_CAP
-    i = idx % BLOCK_CAP
-    b = (mt // (S * 8)).to(tl.int64)
-    g = mt * cap + i
-    slot = tl.load(log_slot_ptr + g, mask=(mt < MT) & (i < cap), other=-1)
-    inst = slot >= 0
-    rb = words_ptr + mt.to(tl.int64) * stride_w + 4 * i  # one 16-byte record [set, id, seq, pos]
-    st = tl.load(rb, mask=inst, other=-1)
-    x = tl.load(rb + 1, mask=inst, other=-1)
-    sq = tl.load(rb + 2, mask=inst, other=-1)
-    pos = tl.load(rb + 3, mask=inst, other=-1)
+    b, g, slot, inst, st, x, sq, pos = _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP, MPP)
     if UPDATE:
         old = tl.load(log_old_ptr + g, mask=inst, other=-1)
         ev = inst & (old >= 0) & (old < IR)
