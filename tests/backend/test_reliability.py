@@ -96,29 +96,29 @@ def test_tiny_permuted_block_table_raises():
 
 
 # -- automatic new-request detection --------------------------------------------------------------
-def test_model_ledger_reset_alone_invalidates_the_row():
-    # before: without offload_state.reset(rows=[0]) the pool served row 0's previous request (stale hits)
+def test_model_ledger_reset_and_refill_invalidates_every_row():
+    """Row 0 starts a new request of the same length (the model re-fills its caches and resets its own
+    ledger). The caches' version counters moved, and a counter cannot tell which rows were written, so
+    every row is invalidated (docs/new-requests.md: no announcement keeps other rows warm): both rows
+    then hold only what the next step installed, and no row is ever served stale."""
     cfg = synth.SynthConfig(pattern="FSS", S=1)
     base, m = synth.make_pair(cfg, [300, 280])
-    c = torch.compile(m, backend=make_offload_backend(pool_size=512))  # large: row 1 keeps its rows
+    c = torch.compile(m, backend=make_offload_backend(pool_size=512))  # large: nothing is evicted
     L = torch.tensor([300, 280])
     for s in range(6):
         L = L + 1
         assert _step_pair(base, m, c, L, s) == (0.0, 0.0)
+    st = _state_of(m)
+    assert all(int((g.pool_ids[1] >= 0).sum()) > cfg.K for g in st.groups)  # row 1 is warm before
     for mod in (base, m):  # row 0: a new request of the same length; the model resets its own ledger
         mod.prefill([int(x) for x in L], seed=99, rows=[0])
-    st = _state_of(m)
-    row1 = [g.pool_ids[1].clone() for g in st.groups]
     for s in range(6, 12):
         L = L + 1
         assert _step_pair(base, m, c, L, s) == (0.0, 0.0)
         if s == 6:
-            for g, keep in zip(st.groups, row1):
-                kept = keep[keep >= 0]
-                # row 1 kept its pool (only the new row was invalidated) ...
-                assert kept.numel() > 0 and torch.isin(kept, g.pool_ids[1]).float().mean() > 0.9
-                # ... row 0 holds only what this step installed
-                assert int(g.pool_ids[0][g.pool_ids[0] >= 0].numel()) <= cfg.K
+            for g in st.groups:  # both rows hold only what this step installed
+                for row in (0, 1):
+                    assert int((g.pool_ids[row] >= 0).sum()) <= cfg.K, (g.group_id, row)
         check_pool_invariants(st, m)  # pool content == full cache: no stale row
 
 

@@ -54,6 +54,8 @@ def test_npugraph_ex_refill_paths_match_the_unmodified_model(cell, torchair, npu
     cfg = npugraph_ex_pkg.CompilerConfig()
     _compat.set_npugraph_ex_option(cfg, "force_eager", True)
     _compat.set_npugraph_ex_option(cfg, "pattern_fusion_pass", False)  # traces torch.ops.npu kernels, absent on CPU
+    if cell.frontend.startswith("hf"):
+        _import_transformers_before_the_double()
     with torch_npu_double.installed():
         out = N.run_matrix_cell(cell, cfg)
     assert out["_rewritten"] == [1.0] and out["_resident"][0] > 0, out
@@ -70,13 +72,7 @@ def test_hf_graph_in_npugraph_ex_gets_side_stream_installs_after_their_serve(tor
     cfg = npugraph_ex_pkg.CompilerConfig()
     _compat.set_npugraph_ex_option(cfg, "force_eager", True)
     _compat.set_npugraph_ex_option(cfg, "pattern_fusion_pass", False)
-    # transformers probes for torch_npu (importlib.util.find_spec) when its modeling code is first
-    # imported; the torch_npu test double has no spec: import it before the double is in place
-    from offload_passes.models import hf
-    from transformers.utils import import_utils
-
-    hf.build("hf-tiny", dtype="bfloat16")
-    import_utils.is_torch_npu_available()
+    _import_transformers_before_the_double()
     with npugraph_ex_capture() as captured, torch_npu_double.installed():
         out = N.run_matrix_cell(N.Cell("hf-tiny", "npugraph_ex", False, 0), cfg)
     assert out["_rewritten"] == [1.0] and out["_resident"][0] > 0, out
@@ -93,3 +89,13 @@ def test_hf_graph_in_npugraph_ex_gets_side_stream_installs_after_their_serve(tor
         assert any(name[j].endswith("tagged_event_wait.default") for j in range(enter, i))
         assert enter > max(j for j in serves if j < i)
         assert exit_ > i
+
+
+def _import_transformers_before_the_double() -> None:
+    """transformers probes for torch_npu (importlib.util.find_spec) when its modeling code is first
+    imported; the torch_npu test double has no spec: import it before the double is in place."""
+    from offload_passes.models import hf
+    from transformers.utils import import_utils
+
+    hf.build("hf-tiny", dtype="bfloat16")
+    import_utils.is_torch_npu_available()
