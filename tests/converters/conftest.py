@@ -135,27 +135,8 @@ def reinplace_registered(torchair, npugraph_ex_pkg):
     return converters.register_all(ge=False, npugraph_ex=True)["reinplace"]
 
 
-@contextlib.contextmanager
-def captured_npugraph_ex_graph():
-    """Yields a dict whose ``"graph"`` is, after a compile, the FX graph npugraph_ex's graph passes
-    finished with (``resolve_default_stream_markers`` is the last of ``optimize_graph_without_runtime``)."""
-    import npugraph_ex._acl_concrete_graph.graph_pass as gp
-
-    captured: dict = {}
-    original = gp.resolve_default_stream_markers
-
-    def spy(gm):
-        out = original(gm)
-        captured["graph"] = gm.graph
-        return out
-
-    gp.resolve_default_stream_markers = spy
-    try:
-        yield captured
-    finally:
-        gp.resolve_default_stream_markers = original
-
-
 @pytest.fixture()
 def npugraph_ex_capture(npugraph_ex_pkg):
+    from npu_capture import captured_npugraph_ex_graph  # tests/npu_capture.py
+
     return captured_npugraph_ex_graph

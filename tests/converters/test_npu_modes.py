@@ -183,19 +183,10 @@ def test_ge_installs_run_on_the_side_stream_after_their_serve(ge_tiny):
 
 @pytest.fixture(scope="module")
 def ngx_tiny(npugraph_ex_pkg, torch_npu_double):
-    import npugraph_ex._acl_concrete_graph.graph_pass as gp
+    from npu_capture import captured_npugraph_ex_graph  # tests/npu_capture.py
 
     stub = torch_npu_double
-    captured = {}
-    original = gp.resolve_default_stream_markers
-
-    def spy(gm):  # the last pass of npugraph_ex's optimize_graph_without_runtime
-        out = original(gm)
-        captured["graph"] = gm.graph
-        return out
-
-    gp.resolve_default_stream_markers = spy
-    try:
+    with captured_npugraph_ex_graph() as captured:
         with stub.installed():
             torch._dynamo.reset()
             base, b = _tiny(), _tiny()
@@ -209,8 +200,6 @@ def ngx_tiny(npugraph_ex_pkg, torch_npu_double):
                 got = b.driver.step(step).logits
                 want = base.driver.step().logits
                 diffs.append((got.float() - want.float()).abs().max().item())
-    finally:
-        gp.resolve_default_stream_markers = original
     return captured["graph"], be, diffs
 
 

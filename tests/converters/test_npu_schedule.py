@@ -128,18 +128,9 @@ def test_ge_joins_and_no_copies(ge_sched):
 
 def _ngx_graph(preset, npugraph_ex_pkg, stub):
     """Compile without force_eager; npugraph_ex's passes run, capture raises in the test double."""
-    import npugraph_ex._acl_concrete_graph.graph_pass as gp
+    from npu_capture import captured_npugraph_ex_graph  # tests/npu_capture.py
 
-    captured = {}
-    original = gp.resolve_default_stream_markers  # the last pass before AclGraph is built
-
-    def spy(gm):
-        out = original(gm)
-        captured["gm"] = gm
-        return out
-
-    gp.resolve_default_stream_markers = spy
-    try:
+    with captured_npugraph_ex_graph() as captured:
         with stub.installed():
             torch._dynamo.reset()
             b = _build(preset)
@@ -150,8 +141,6 @@ def _ngx_graph(preset, npugraph_ex_pkg, stub):
             with pytest.raises(RuntimeError, match=stub.CAPTURE_UNAVAILABLE):
                 b.driver.step(step)
             assert "graph" in stub.CALLS  # it got as far as the capture context
-    finally:
-        gp.resolve_default_stream_markers = original
     assert be.reports[-1]["rewritten"], be.reports[-1]["refusals"]
     return captured["gm"].graph, be, b
 

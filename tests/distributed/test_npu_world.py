@@ -101,18 +101,9 @@ def test_ge_lowers_collectives_to_hcom_and_joins_before_them(torchair, fake_worl
 
 
 def _ngx(rank, fake_world, npugraph_ex_pkg, stub):
-    import npugraph_ex._acl_concrete_graph.graph_pass as gp
+    from npu_capture import captured_npugraph_ex_graph  # tests/npu_capture.py
 
-    captured = {}
-    original = gp.resolve_default_stream_markers  # the last pass before AclGraph is built
-
-    def spy(gm):
-        out = original(gm)
-        captured["gm"] = gm
-        return out
-
-    gp.resolve_default_stream_markers = spy
-    try:
+    with captured_npugraph_ex_graph() as captured:
         with stub.installed():
             fake_world(rank)
             torch._dynamo.reset()
@@ -124,8 +115,6 @@ def _ngx(rank, fake_world, npugraph_ex_pkg, stub):
             step = torch.compile(b.model, backend=cap, fullgraph=True)
             with pytest.raises(RuntimeError, match=stub.CAPTURE_UNAVAILABLE):
                 b.driver.step(step)
-    finally:
-        gp.resolve_default_stream_markers = original
     assert be.reports[-1]["rewritten"], be.reports[-1]["refusals"]
     return captured["gm"].graph, cap, be.reports[-1]
 
