@@ -227,6 +227,17 @@ def _validate_cpu(tensors: tuple, ints: tuple, op: str) -> None:
     _VALIDATED(L.ValidationMemo.key(op, ints, tensors), lambda: validate_dsa_serve(*tensors, *ints, op=op))
 
 
+def functional_outputs(selection_kv_cache: torch.Tensor, selection_k_rope: torch.Tensor,
+                       compact_layout: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The functional twin's output buffers (every kernel of the twin, CPU and CUDA, uses these)."""
+    if compact_layout == 1:
+        # Compact mode overwrites every element (validation pins nb*sbs == rows), so no clone.
+        return torch.empty_like(selection_kv_cache), torch.empty_like(selection_k_rope)
+    # Legacy mode writes entry 0 of each block only; the rest keeps the input (the NPU leaves it
+    # uninitialised).
+    return selection_kv_cache.clone(), selection_k_rope.clone()
+
+
 def _run_in_place(
     plan: torch.Tensor,
     full_kv_cache: torch.Tensor,
@@ -293,13 +304,7 @@ def _serve_functional_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _validate_cpu((plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
                    selection_k_rope), (raw_seq, topk, selection_block_size, compact_layout), FUNCTIONAL_OP)
-    if compact_layout == 1:
-        # Compact mode overwrites every element (validation pins nb*sbs == rows), so no clone.
-        kv, rope = torch.empty_like(selection_kv_cache), torch.empty_like(selection_k_rope)
-    else:
-        # Legacy mode writes entry 0 of each block only; the rest keeps the input (the NPU leaves
-        # it uninitialised).
-        kv, rope = selection_kv_cache.clone(), selection_k_rope.clone()
+    kv, rope = functional_outputs(selection_kv_cache, selection_k_rope, compact_layout)
     _run_in_place(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, kv, rope,
                   raw_seq, topk, selection_block_size, compact_layout)
     return kv, rope

@@ -99,10 +99,7 @@ def run_functional(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
     """``custom::dsa_serve_functional``: new selection tensors, inputs untouched (as the CPU twin)."""
     M.validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
                          selection_k_rope, raw_seq, topk, selection_block_size, compact_layout, op=FUNCTIONAL_OP)
-    if compact_layout == 1:
-        kv, rope = torch.empty_like(selection_kv_cache), torch.empty_like(selection_k_rope)
-    else:
-        kv, rope = selection_kv_cache.clone(), selection_k_rope.clone()
+    kv, rope = M.functional_outputs(selection_kv_cache, selection_k_rope, compact_layout)
     launch(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, kv, rope,
            raw_seq, topk, selection_block_size, compact_layout)
     return kv, rope
