@@ -133,7 +133,8 @@ setup(
         "numpy",  # safetensors.torch and TorchAir need it; the torch CPU wheel does not pull it in
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "protobuf>=3.13", "packaging"],
+        "test": ["pytest", "hypothesis", "protobuf>=3.13", "packaging", "scipy"],
+        "plan": ["numpy", "scipy"],  # offload-plan --what-if: the bounded least-squares fit (tools/capacity_plan_whatif.py)
         "viz": ["graphviz", "matplotlib"],  # matplotlib: offload-sim --plot
         "hf": ["transformers==5.23.0"],  # the HF front-end (models/hf, passes/detect_hf.py), verified on 5.23.0
         "cuda": ["triton>=3.2"],  # the Triton kernels (custom_ops/cuda/); tests/cuda run them in its interpreter on CPU

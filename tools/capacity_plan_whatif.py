@@ -419,6 +419,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--models", default=None, help="trace models of the ensemble (default: all)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    try:
+        import numpy  # noqa: F401
+        import scipy.optimize  # noqa: F401
+    except ImportError as e:
+        ap.error(f"--what-if needs numpy and scipy ({e}): pip install 'offload_passes[plan]'")
     from offload_passes.trace import models as tmodels
     from offload_passes.trace import sim, study
 

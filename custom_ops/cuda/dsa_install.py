@@ -36,6 +36,7 @@ import triton.language as tl  # noqa: E402
 
 OP, FUNCTIONAL_OP = M.OP, M.FUNCTIONAL_OP
 WAYS = 16
+APPLY_TILE = 8192  # elements of the copy kernel's [lanes, BLOCK_DKV] tile: 64 per thread with 4 warps
 
 
 @triton.jit
@@ -90,7 +91,8 @@ def _assign_kernel(words_ptr, order_ptr, start_ptr, count_ptr, lru_ptr, pid_ptr,
         # reference bits of this set's hits (plan rows of batch row b with kind POOL_HIT)
         SK = S * K
         refw = tl.zeros([16], dtype=tl.int32)
-        for q0 in range(0, SK, BLOCK_Q):
+        q0 = 0
+        while q0 < SK:  # not range(runtime bound): see the note in npu_gather_selection_kv_cache.py
             q = q0 + tl.arange(0, BLOCK_Q)
             qm = q < SK
             row = (b.to(tl.int64) * SK + q) * 2
@@ -99,13 +101,16 @@ def _assign_kernel(words_ptr, order_ptr, start_ptr, count_ptr, lru_ptr, pid_ptr,
             mine = qm & (kd == 1) & (v >= 0) & (v < PS) & (v // 16 == me)
             eq = mine[:, None] & ((v % 16)[:, None] == w[None, :])
             refw = refw | tl.max(eq.to(tl.int32), 0)
+            q0 += BLOCK_Q
         c = c | tl.sum(refw << (4 + w), 0)  # distinct bits: the sum is the OR
     # This set's installs, in record order (a stable sort of the install keys, done by the launcher).
     # The set's 16 pool_ids entries are owned by this program; a barrier after each write makes it
     # visible to every thread of the program before the next install reads it.
     row_ids = pid_ptr + b.to(tl.int64) * PS + me * 16
     first = tl.load(start_ptr + b * NS + me)
-    for t in range(tl.load(count_ptr + b * NS + me)):
+    n_installs = tl.load(count_ptr + b * NS + me)
+    t = 0
+    while t < n_installs:  # not range(runtime bound): see the note in npu_gather_selection_kv_cache.py
         g = tl.load(order_ptr + first + t)
         x = tl.load(words_ptr + (g // cap).to(tl.int64) * stride_w + 4 * (g % cap) + 1)
         if SECOND_CHANCE:
@@ -130,15 +135,17 @@ def _assign_kernel(words_ptr, order_ptr, start_ptr, count_ptr, lru_ptr, pid_ptr,
         tl.store(log_slot_ptr + g, me * 16 + way)
         tl.store(log_old_ptr + g, old)
         tl.debug_barrier()
+        t += 1
     if UPDATE:
         tl.store(lru_ptr + b.to(tl.int64) * NS + me, c)
 
 
 @triton.jit
-def _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP: tl.constexpr, MPP: tl.constexpr):
-    """This program's lanes: (row b, log index g, pool slot, installs?, and the record [set, id, seq, pos])."""
-    idx = tl.arange(0, MPP * BLOCK_CAP)
-    mt = tl.program_id(0) * MPP + idx // BLOCK_CAP
+def _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP: tl.constexpr, LANES: tl.constexpr):
+    """This program's LANES lanes of the (microtask, record slot) space, BLOCK_CAP slots per microtask:
+    (row b, log index g, pool slot, installs?, and the record [set, id, seq, pos])."""
+    idx = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    mt = idx // BLOCK_CAP
     i = idx % BLOCK_CAP
     b = (mt // (S * 8)).to(tl.int64)
     g = mt * cap + i
@@ -156,7 +163,8 @@ def _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP: tl.c
 def _keys_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr,
                  MT, S, IR, stride_w, cap, pool_row_base, UPDATE: tl.constexpr, BLOCK_CAP: tl.constexpr,
                  MPP: tl.constexpr):
-    b, g, slot, inst, st, x, sq, pos = _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP, MPP)
+    b, g, slot, inst, st, x, sq, pos = _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP,
+                                                     MPP * BLOCK_CAP)
     if UPDATE:
         old = tl.load(log_old_ptr + g, mask=inst, other=-1)
         tl.atomic_max(win_i2s_ptr + b * IR + old, 2 * g, mask=inst & (old >= 0) & (old < IR))
@@ -169,13 +177,14 @@ def _apply_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr
                   skv_ptr, srp_ptr, pkv_ptr, prp_ptr,
                   MT, S, IR, stride_w, cap, pool_row_base, blocks_per_row, sbs, Dkv, Dr,
                   UPDATE: tl.constexpr, BLOCK_CAP: tl.constexpr, BLOCK_DKV: tl.constexpr,
-                  BLOCK_DR: tl.constexpr, MPP: tl.constexpr):
-    b, g, slot, inst, st, x, sq, pos = _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP, MPP)
+                  BLOCK_DR: tl.constexpr, LANES: tl.constexpr):
+    # LANES x BLOCK_DKV is the copy tile: sized by the launcher (APPLY_TILE), not by the record capacity
+    b, g, slot, inst, st, x, sq, pos = _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP, LANES)
     if UPDATE:
         old = tl.load(log_old_ptr + g, mask=inst, other=-1)
         ev = inst & (old >= 0) & (old < IR)
         w_old = tl.load(win_i2s_ptr + b * IR + old, mask=ev, other=-1)
-        tl.store(i2s_ptr + b * IR + old, tl.full([MPP * BLOCK_CAP], -1, tl.int32), mask=ev & (w_old == 2 * g))
+        tl.store(i2s_ptr + b * IR + old, tl.full([LANES], -1, tl.int32), mask=ev & (w_old == 2 * g))
         w_new = tl.load(win_i2s_ptr + b * IR + x, mask=inst, other=-1)
         tl.store(i2s_ptr + b * IR + x, slot, mask=inst & (w_new == 2 * g + 1))
     dst = b * pool_row_base + slot
@@ -233,10 +242,14 @@ def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache,
     _keys_kernel[grid](words, log_slot, log_old, win_i2s, win_dst, MT, S, IR, pool_row_base=base, UPDATE=update,
                        BLOCK_CAP=block_cap, MPP=mpp, **common)
     Dkv, Dr = pkv.size(2), prp.size(2)
-    _apply_kernel[grid](words, log_slot, log_old, win_i2s, win_dst, i2s, bits(skv), bits(srp), bits(pkv),
-                        bits(prp), MT, S, IR, pool_row_base=base, blocks_per_row=(K + sbs - 1) // sbs, sbs=sbs,
-                         Dkv=Dkv, Dr=Dr, UPDATE=update, BLOCK_CAP=block_cap, BLOCK_DKV=next_pow2(Dkv),
-                         BLOCK_DR=next_pow2(Dr), MPP=mpp, **common)
+    # The copy kernel's own lanes per program: a [lanes, BLOCK_DKV] tile of at most APPLY_TILE elements (at
+    # the GLM-5 geometry, 256 record slots x 4 microtasks x 512 would be 512K elements per program: spilled
+    # registers, and minutes in Triton's compiler; tests/cuda/test_cuda_compile.py compiles it for sm_90).
+    lanes = max(1, min(mpp * block_cap, APPLY_TILE // max(next_pow2(Dkv), next_pow2(Dr))))
+    _apply_kernel[(triton.cdiv(MT * block_cap, lanes),)](
+        words, log_slot, log_old, win_i2s, win_dst, i2s, bits(skv), bits(srp), bits(pkv), bits(prp), MT, S, IR,
+        pool_row_base=base, blocks_per_row=(K + sbs - 1) // sbs, sbs=sbs, Dkv=Dkv, Dr=Dr, UPDATE=update,
+        BLOCK_CAP=block_cap, BLOCK_DKV=next_pow2(Dkv), BLOCK_DR=next_pow2(Dr), LANES=lanes, **common)
     targets = (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter)
     for dst, buf in zip(targets if update else targets[:2], bufs):
         commit(dst, buf)

@@ -70,13 +70,18 @@ def _gather_kernel(skv_ptr, srp_ptr, sbt_ptr, status_ptr, topk_ptr, fkv_ptr, frp
         tl.debug_barrier()
         # keep[p] = j: old position p keeps new id j (the lowest eligible position holding the id; when
         # several j find the same p the last one wins: atomic_max, independent of the schedule)
-        for j0 in range(0, n, CH):
+        # Loops with a runtime bound are while loops, not range(): the Triton interpreter of triton 3.4 and
+        # 3.6 (torch 2.8 and 2.10) turns range()'s bound into an int with int() on a one-element array,
+        # which numpy >= 2.4 refuses (docs/versions.md); compiled, a while loop is an scf.while of the same steps.
+        j0 = 0
+        while j0 < n:
             jj = j0 + tl.arange(0, CH)
             jm = jj < n
             xj = tl.load(ids_ptr + row_s + jj, mask=jm, other=0)
             eq = jm[:, None] & elig[None, :] & (xj[:, None] == old[None, :])
             p = tl.min(tl.where(eq, k[None, :], BLOCK_K), 1)
             tl.atomic_max(keep_ptr + row_s + p, jj, mask=jm & (p < BLOCK_K))
+            j0 += CH
         tl.debug_barrier()
         keep = tl.load(keep_ptr + row_s + k, mask=km, other=-1)
         # kept entries at/after position n move below n
@@ -90,7 +95,8 @@ def _gather_kernel(skv_ptr, srp_ptr, sbt_ptr, status_ptr, topk_ptr, fkv_ptr, frp
         tl.debug_barrier()
         # copy the ids still to write, CH at a time (todo rank t -> t-th free position)
         t0 = 0
-        for j0 in range(0, n, CH):
+        j0 = 0
+        while j0 < n:
             jj = j0 + tl.arange(0, CH)
             jm = jj < n
             xj = tl.load(ids_ptr + row_s + jj, mask=jm, other=0)
@@ -127,6 +133,7 @@ def _gather_kernel(skv_ptr, srp_ptr, sbt_ptr, status_ptr, topk_ptr, fkv_ptr, frp
                 f = tl.load(frp_ptr + f_off[:, None] * Dr + e, mask=em & ~from_sel, other=0)
                 tl.store(srp_ptr + d_off[:, None] * Dr + e, tl.where(from_sel, a, f), mask=em)
             tl.store(st_row + dst, xj, mask=todo)
+            j0 += CH
         tl.debug_barrier()
         if SMALL:
             tail_len = Lr - max_sel * bsz

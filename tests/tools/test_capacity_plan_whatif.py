@@ -3,6 +3,7 @@ predicting with one set of hit rates per trace-ensemble member (issue 20)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -99,3 +100,14 @@ def test_cli_mistakes_are_one_line_exit_2(args, msg, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_missing_scipy_is_one_line_naming_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "scipy", None)  # as if scipy were not installed
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)
+    with pytest.raises(SystemExit) as e:
+        capacity_plan.main(["--what-if"] + FAST)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--what-if needs numpy and scipy" in err and "offload_passes[plan]" in err
+    assert "Traceback" not in err and err.count("\n") == 1
