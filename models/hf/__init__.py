@@ -104,6 +104,10 @@ class HfBuilt:
     model: Any
     config: Any
     runner: HfRunner
+    # The decoder of the last run(), kept until the next one: its StaticCache owns whatever a compiler
+    # attached to it (an offload state lives as long as the caches it serves), so it can be read after
+    # run() returns. Without it the caches die with run() on torch 2.10 and live on by accident on 2.13.
+    last_decoder: Optional["HfDecoder"] = field(default=None, repr=False, compare=False)
 
     def decoder(self, batch_size: Optional[int] = None, max_cache_len: Optional[int] = None) -> "HfDecoder":
         return HfDecoder(self.model, self.config, self.runner, batch_size or self.runner.batch_size,
@@ -111,8 +115,10 @@ class HfBuilt:
 
     def run(self, step_fn: Optional[Callable] = None, steps: Optional[int] = None) -> list[torch.Tensor]:
         """Prefill (eager) + ``steps`` teacher-forced decode steps through ``step_fn``; the logits per step."""
+        self.last_decoder = None  # the previous run's caches go before this run allocates its own
         dec = self.decoder()
         dec.prefill()
+        self.last_decoder = dec
         return [dec.step(step_fn) for _ in range(self.runner.decode_steps if steps is None else steps)]
 
 
