@@ -30,6 +30,12 @@ def require_triton():
     return triton
 
 
+# Elements per program of the copy kernels' [rows, BLOCK_D] tiles (dsa_serve, dsa_install's copy): 64 per
+# thread with 4 warps. The install's copy once took its rows from the record capacity instead (512K
+# elements, 87 KB spilled per thread); tests/cuda/test_cuda_compile.py compiles both for sm_90.
+COPY_TILE = 8192
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1) (Triton block sizes must be powers of two)."""
     n = max(int(n), 1)

@@ -29,14 +29,13 @@ import torch
 from .. import _library as L
 from .. import dsa_install as M
 from .._records import records_layout
-from ._common import INT32_MAX, bits, commit, int32_words, next_pow2, out_buffer, require_triton
+from ._common import COPY_TILE, INT32_MAX, bits, commit, int32_words, next_pow2, out_buffer, require_triton
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
 
 OP, FUNCTIONAL_OP = M.OP, M.FUNCTIONAL_OP
 WAYS = 16
-APPLY_TILE = 8192  # elements of the copy kernel's [lanes, BLOCK_DKV] tile: 64 per thread with 4 warps
 
 
 @triton.jit
@@ -178,7 +177,7 @@ def _apply_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr
                   MT, S, IR, stride_w, cap, pool_row_base, blocks_per_row, sbs, Dkv, Dr,
                   UPDATE: tl.constexpr, BLOCK_CAP: tl.constexpr, BLOCK_DKV: tl.constexpr,
                   BLOCK_DR: tl.constexpr, LANES: tl.constexpr):
-    # LANES x BLOCK_DKV is the copy tile: sized by the launcher (APPLY_TILE), not by the record capacity
+    # LANES x BLOCK_DKV is the copy tile: sized by the launcher (COPY_TILE), not by the record capacity
     b, g, slot, inst, st, x, sq, pos = _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP, LANES)
     if UPDATE:
         old = tl.load(log_old_ptr + g, mask=inst, other=-1)
@@ -242,14 +241,13 @@ def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache,
     _keys_kernel[grid](words, log_slot, log_old, win_i2s, win_dst, MT, S, IR, pool_row_base=base, UPDATE=update,
                        BLOCK_CAP=block_cap, MPP=mpp, **common)
     Dkv, Dr = pkv.size(2), prp.size(2)
-    # The copy kernel's own lanes per program: a [lanes, BLOCK_DKV] tile of at most APPLY_TILE elements (at
-    # the GLM-5 geometry, 256 record slots x 4 microtasks x 512 would be 512K elements per program: spilled
-    # registers, and minutes in Triton's compiler; tests/cuda/test_cuda_compile.py compiles it for sm_90).
-    lanes = max(1, min(mpp * block_cap, APPLY_TILE // max(next_pow2(Dkv), next_pow2(Dr))))
+    # The copy kernel's own lanes per program: a [lanes, BLOCK_DKV] tile of at most COPY_TILE elements
+    block_dkv, block_dr = next_pow2(Dkv), next_pow2(Dr)
+    lanes = max(1, min(mpp * block_cap, COPY_TILE // max(block_dkv, block_dr)))
     _apply_kernel[(triton.cdiv(MT * block_cap, lanes),)](
         words, log_slot, log_old, win_i2s, win_dst, i2s, bits(skv), bits(srp), bits(pkv), bits(prp), MT, S, IR,
         pool_row_base=base, blocks_per_row=(K + sbs - 1) // sbs, sbs=sbs, Dkv=Dkv, Dr=Dr, UPDATE=update,
-        BLOCK_CAP=block_cap, BLOCK_DKV=next_pow2(Dkv), BLOCK_DR=next_pow2(Dr), LANES=lanes, **common)
+        BLOCK_CAP=block_cap, BLOCK_DKV=block_dkv, BLOCK_DR=block_dr, LANES=lanes, **common)
     targets = (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter)
     for dst, buf in zip(targets if update else targets[:2], bufs):
         commit(dst, buf)

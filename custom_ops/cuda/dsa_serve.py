@@ -17,7 +17,7 @@ import torch
 
 from .. import dsa_serve as M
 from .. import _library as L
-from ._common import bits, commit, next_pow2, out_buffer, require_triton
+from ._common import COPY_TILE, bits, commit, next_pow2, out_buffer, require_triton
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -70,7 +70,7 @@ def launch(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selecti
     kv_stride = Dkv if compact else outs[0].size(1) * Dkv
     rope_stride = Dr if compact else outs[1].size(1) * Dr
     block_dkv, block_dr = next_pow2(Dkv), next_pow2(Dr)
-    block_r = max(1, min(64, 8192 // block_dkv))
+    block_r = max(1, min(64, COPY_TILE // block_dkv))
     grid = (triton.cdiv(rows, block_r),)
     _serve_kernel[grid](
         plan.contiguous(), bits(L.dense(full_kv_cache, OP, "full_kv_cache")),

@@ -63,7 +63,6 @@ def test_npugraph_ex_refill_paths_match_the_unmodified_model(cell, torchair, npu
     assert not bad, f"{cell.id}: steps off the unmodified model: {bad}"
 
 
-
 def test_hf_graph_in_npugraph_ex_gets_side_stream_installs_after_their_serve(torchair, npugraph_ex_pkg,
                                                                               torch_npu_double, npugraph_ex_capture):
     """The HF front-end goes through the same core as the recipe form: in npugraph_ex each layer's

@@ -115,14 +115,15 @@ def _plan_serve_install(mods, c, mu, sc_policy):
         mods["dsa_install"].run(rec, *sel, table, pkv, prope, pid, i2s, lru, metadata_update=mu, **kw)
 
 
-def _gather(mods, small, K, bsz, dtype, no_rope, D, Dr, B=1, S=1):
+def _gather(mods, K, bsz, dtype, no_rope, D, Dr, B=1, S=1):
+    """One gather step; K <= 32 is the SMALL (block ledger) path, as in tests/ops."""
     case = TG.Case(3, K=K, B=B, S=S, bsz=bsz, dtype=dtype, no_rope=no_rope, layout="BSND", D=D, Dr=Dr)
     tk = case.next_topk(hole=0.0, dup=0.0, future=0.0)
     mods["npu_gather_selection_kv_cache"].run(*case.args(tk, case.clone_state()), case.bsz)
 
 
 @pytest.fixture(scope="module")
-def launches(triton_interpreted, tmp_path_factory):
+def launches(triton_interpreted):
     mods = _modules()
     log, phase = [], ["small"]
     mp = pytest.MonkeyPatch()
@@ -136,20 +137,19 @@ def launches(triton_interpreted, tmp_path_factory):
             Lib.cpu_op(op)
         # small geometries, executed: every constexpr branch (FIFO / second chance, metadata update on / off,
         # both payload widths, the gather's SMALL and rope variants)
+        for mu, sc_policy in ((1, False), (0, False), (1, True)):  # pool payloads: 16-bit in plan / serve / install
+            _plan_serve_install(mods, _step(1, 2, 64, 32, 130, 4, 2, 16, torch.bfloat16), mu, sc_policy)
         for dtype in (torch.bfloat16, torch.int8):
-            d = torch.bfloat16 if dtype == torch.int8 else dtype  # pool payloads are 16-bit in the plan/serve path
-            for mu, sc_policy in ((1, False), (0, False), (1, True)):
-                _plan_serve_install(mods, _step(1, 2, 64, 32, 130, 4, 2, 16, d), mu, sc_policy)
-            for small, K, bsz in ((True, 16, 4), (False, 64, 1)):
+            for K, bsz in ((16, 4), (64, 1)):
                 for no_rope in (False, True):
-                    _gather(mods, small, K, bsz, dtype, no_rope, 4, 2)
+                    _gather(mods, K, bsz, dtype, no_rope, 4, 2)
         # the GLM-5 decode geometry (topk 2048, selection block 128, latent 512 + rope 64, pool 8192 rows,
         # context 8192, next_n 0 and 3): the block sizes, so registers and shared memory, of production
         phase[0] = "glm5"
         for S in (1, 4):
             c = dict(_step(1, S, 2048, 8192, 65536, 512, 64, 128, torch.bfloat16), F=4 * 2048, L=[4 * 2048])
             _plan_serve_install(mods, c, 1, False)
-        _gather(mods, False, 2048, 1, torch.bfloat16, False, 512, 64)
+        _gather(mods, 2048, 1, torch.bfloat16, False, 512, 64)
     finally:
         mp.undo()
         torch.set_num_threads(threads)
