@@ -12,6 +12,10 @@ library installed as ``offload_passes.custom_ops._C_torch<version>``, and the of
 (``offload_passes/trace/csrc/trace_sim.cpp``) as ``offload_passes.trace._trace_sim_torch<version>``.
 torch must already be installed: build with ``pip install --no-build-isolation`` (an isolated build env
 would download a second, possibly CUDA, torch and build against it).
+
+The ``torch`` requirement depends on what is built: a binary wheel (``pip wheel --no-build-isolation .``)
+requires ``torch==<the torch it was compiled against>``, since its libraries load only there; an editable
+install or an sdist requires the tested range (``_extensions.torch_requirement``).
 """
 import importlib.util
 import os
@@ -19,6 +23,11 @@ import sys
 from pathlib import Path
 
 from setuptools import setup
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1: the wheel package's command
+    from wheel.bdist_wheel import bdist_wheel
 
 ROOT = Path(__file__).resolve().parent
 
@@ -88,6 +97,26 @@ class _BuildExt(BuildExtension):
         return outfile, result[1]
 
 
+class _BdistWheel(bdist_wheel):
+    """``bdist_wheel`` (``pip wheel``, ``pip install .``): the wheel's METADATA pins the torch its kernels
+    were compiled against (``_extensions.torch_requirement``).
+
+    The pin is written into the wheel's own dist-info, whether pip's metadata step made it (reused with
+    ``--dist-info-dir``) or this command did. ``pip install -e .`` (``editable_wheel``) also calls
+    ``write_wheelfile`` of this class, without ``run``: its metadata keeps the range.
+    """
+
+    def run(self):
+        self._binary_wheel = True
+        super().run()
+
+    def write_wheelfile(self, wheelfile_base, *args, **kwargs):
+        if getattr(self, "_binary_wheel", False):
+            metadata = Path(wheelfile_base) / "METADATA"
+            metadata.write_text(EXT.pin_torch_in_metadata(metadata.read_text(), torch.__version__))
+        return super().write_wheelfile(wheelfile_base, *args, **kwargs)
+
+
 # Installed name -> repository folder. Sub-packages (folders with __init__.py) are found below each.
 COMPONENTS = {
     "offload_passes": "offload_passes",
@@ -122,10 +151,11 @@ setup(
     package_data={
         "offload_passes.custom_ops": ["csrc/*.cpp", "csrc/*.h"],
         "offload_passes.trace": ["csrc/*.cpp"],
-        "offload_passes.models": ["configs/*.yaml"],
+        "offload_passes.models": ["configs/*.yaml", "glm/csrc/*.cpp"],  # serve.py builds its KV transfer op
     },
     install_requires=[
-        "torch>=2.8,<2.15",  # checked: 2.8.0, 2.10.0, 2.13.0, 2.14.1 (scripts/test_matrix.sh, docs/versions.md)
+        # the tested range; a binary wheel pins the exact torch instead (_BdistWheel below, docs/build.md)
+        EXT.torch_requirement(torch.__version__, binary_wheel=False),
         "sympy",
         "pyyaml",
         "ninja",  # the JIT fallback (custom_ops/_library.py) when no prebuilt kernels match the torch
@@ -140,7 +170,7 @@ setup(
         "cuda": ["triton>=3.2"],  # the Triton kernels (custom_ops/cuda/); tests/cuda run them in its interpreter on CPU
     },
     ext_modules=EXT_MODULES,
-    cmdclass={"build_ext": _BuildExt},
+    cmdclass={"build_ext": _BuildExt, "bdist_wheel": _BdistWheel},
     entry_points={
         "torch_dynamo_backends": ["dsa_offload = offload_passes.backend:dsa_offload_backend"],
         "console_scripts": [

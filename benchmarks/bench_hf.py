@@ -4,6 +4,13 @@ narrow elsewhere).
 
     python benchmarks/bench_hf.py                          # 4K, 16K, 32K; bf16; sdpa
     python benchmarks/bench_hf.py --contexts 4096 --steps 2 --json
+    python benchmarks/bench_hf.py --generate --contexts 4096 16384   # generate() decode tokens/s
+
+``--generate``: the user's own loop, ``model.generate(prompt of T tokens, max_new_tokens=steps + 1,
+cache_implementation="static", greedy)``, unmodified vs ``compile_config=offload_compile_config()`` (the
+decode step compiled with the backend, sparse + offload; HF runs the prefill eagerly in both). Tokens/s
+of the decode steps: a logits processor timestamps every step, the prefill's token and the first
+compiled step (it compiles) are left out.
 
 The dense model expands the whole latent cache through kv_b_proj and attends over all T positions at
 every step (O(T)); the rewritten one gathers / serves K = 2048 rows (O(K)), so the ratio grows with T.
@@ -26,7 +33,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch  # noqa: E402
 
-from offload_passes.backend import make_offload_backend  # noqa: E402
+from offload_passes.backend import make_offload_backend, offload_compile_config  # noqa: E402
 from offload_passes.models import hf  # noqa: E402
 
 
@@ -75,6 +82,59 @@ def bench(config: str, contexts: list[int], steps: int, attn: str, dtype: str) -
     return rows
 
 
+class _Stamps:
+    """A logits processor that only records when each step's logits arrive."""
+
+    def __init__(self) -> None:
+        self.t: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.t.append(time.perf_counter())
+        return scores
+
+
+def bench_generate(config: str, contexts: list[int], steps: int, attn: str, dtype: str) -> list[dict]:
+    from transformers import LogitsProcessorList
+
+    built = hf.build(config, attn=attn, dtype=dtype)
+    model = built.model
+    model.generation_config.eos_token_id = None  # random weights: every call generates all its tokens
+    vocab = model.config.vocab_size
+    rows = []
+    for ctx in contexts:
+        row: dict = {"context": ctx, "new_tokens": steps + 2}
+        ids = torch.randint(2, vocab, (1, ctx), generator=torch.Generator().manual_seed(ctx))
+        seqs = {}
+        for name in ("unmodified", "compiled"):
+            torch._dynamo.reset()
+            gc.collect()
+            kw = {}
+            if name == "compiled":
+                kw["compile_config"] = cc = offload_compile_config()
+            st = _Stamps()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 2,
+                                     do_sample=False, cache_implementation="static", pad_token_id=0,
+                                     logits_processor=LogitsProcessorList([st]), **kw)
+            row[f"{name}_total_s"] = time.perf_counter() - t0
+            row[f"{name}_prefill_s"] = st.t[0] - t0
+            # st.t[0]: the prefill's token; st.t[1]: the first decode step (compiles); then `steps` timed steps
+            row[f"{name}_tok_s"] = steps / (st.t[-1] - st.t[1])
+            seqs[name] = out[:, ctx:]
+            if name == "compiled":
+                rep = cc.backend.reports[-1]
+                row["compiled_offload"] = bool(rep["rewritten"]) and bool(rep["hf"]["offload"])
+                row["graphs"] = len(cc.backend.reports)
+        row["same_tokens"] = bool(torch.equal(seqs["unmodified"], seqs["compiled"]))
+        row["speedup"] = row["compiled_tok_s"] / row["unmodified_tok_s"]
+        rows.append(row)
+        print(f"  {ctx:>6}: generate() decode unmodified {row['unmodified_tok_s']:.3f} tok/s, compiled (sparse + "
+              f"offload) {row['compiled_tok_s']:.3f} tok/s ({row['speedup']:.1f}x; offload "
+              f"{row['compiled_offload']}, same tokens {row['same_tokens']})", file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="hf-glm5-attn")
@@ -84,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--generate", action="store_true", help="generate() decode tokens/s, unmodified vs compiled")
     a = p.parse_args(argv)
     if a.steps < 1 or any(c < 2 for c in a.contexts):
         p.error("--steps must be >= 1 and every context >= 2")
@@ -91,6 +152,17 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     print(f"bench_hf: {a.config} attn={a.attn} dtype={a.dtype} threads={torch.get_num_threads()} "
           f"steps={a.steps} (median)", file=sys.stderr)
+    if a.generate:
+        rows = bench_generate(a.config, a.contexts, a.steps, a.attn, a.dtype)
+        if a.json:
+            print(json.dumps(rows, indent=1))
+        else:
+            print("| context T | unmodified tok/s | compiled (sparse + offload) tok/s | speed-up | same tokens |")
+            print("|---:|---:|---:|---:|---|")
+            for r in rows:
+                print(f"| {r['context']} | {r['unmodified_tok_s']:.3f} | {r['compiled_tok_s']:.3f} | "
+                      f"{r['speedup']:.1f}x | {r['same_tokens']} |")
+        return 0
     rows = bench(a.config, a.contexts, a.steps, a.attn, a.dtype)
     if a.json:
         print(json.dumps(rows, indent=1))

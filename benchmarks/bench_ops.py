@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 import offload_passes  # noqa: E402,F401  (registers the ops)
 from offload_passes.custom_ops import _library as Lib  # noqa: E402
+from offload_passes.custom_ops._pool import id_range_for  # noqa: E402
 from offload_passes.custom_ops import npu_gather_selection_kv_cache as gather_mod  # noqa: E402
 from offload_passes.custom_ops import dsa_serve as serve_mod  # noqa: E402
 
@@ -113,7 +114,7 @@ Row = dict
 
 def bench_plan_serve_install(S: int, PS: int, F: int, full: tuple, repeat: int, g: torch.Generator) -> list[Row]:
     full_kv, full_rope = full
-    IR = max(131072, F)
+    IR = id_range_for(F)
     topk = make_topk(S, F, g)
     L = torch.full((B,), F, dtype=torch.int32)
     pool_ids, id_to_slot, lru = make_pool_state(topk, PS, IR, g)

@@ -1,11 +1,19 @@
 """GPU check of the CUDA lowering: one script, one run (fits 10 minutes on an H100/H200-class GPU).
 
     python benchmarks/gpu_check.py                      # all three sections, table last, gpu_check.json
-    python benchmarks/gpu_check.py --sections ops --json out.json --contexts 16384
+    python benchmarks/gpu_check.py --sections ops --merge   # rerun one section, keep the others' results
+    python benchmarks/gpu_check.py --dry-run            # no GPU: correctness parts under Triton's interpreter
 
-1. **correctness**: recipe-form ``tiny`` / ``small`` and Hugging Face ``hf-tiny`` / ``hf-glm5-attn``,
-   unmodified vs compiled with the offload backend in ``exe_mode="cuda"`` (installs on a side stream),
-   logits compared step by step (max |diff|; 0 expected where the CPU path is exact).
+Each section runs under its own wall-clock limit (``LIMITS``, 470 s together; a section past its limit
+reports ``TimeoutError`` and the next one starts).
+
+1. **correctness**: the Triton kernels on CUDA against their CPU twins (three chained plan / serve /
+   install steps with adversarial top-k, FIFO and second chance; the host-KV write into a pinned cache);
+   the recipe ``tiny`` model with its full caches pinned on the host (``place_full_caches``) against the
+   unmodified model; recipe-form ``tiny`` / ``small`` and Hugging Face ``hf-tiny`` / ``hf-glm5-attn`` (caches
+   on the device), unmodified vs compiled with the offload backend in ``exe_mode="cuda"`` (installs on a
+   side stream), logits compared step by step (max |diff|; 0 expected where the CPU path is exact).
+   Not built yet: the side-stream delay run, opcheck, the GLM-5-geometry chain.
 2. **ops**: ``dsa_serve`` hits vs a device-to-device copy of the same bytes and vs ``index_select``;
    the miss path (full caches in pinned host memory, read zero-copy) vs a pinned-host -> device copy of
    the same bytes (the host-link ceiling); ``dsa_install`` vs a device copy of the same bytes.
@@ -358,6 +366,159 @@ def bench_decode(contexts: Sequence[int], pools: Sequence[int], steps: int, dev:
     return out
 
 
+# ------------------------------------------------------------------------------------ correctness parts
+# (run on a GPU against the CPU twins, and under Triton's interpreter by --dry-run)
+
+NO_GPU = "no GPU"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.is_floating_point() else t
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(_bits(a.cpu()), _bits(b.cpu()))
+
+
+def op_chain(dev: torch.device, steps: int = 3, B: int = 2, S: int = 1, K: int = 64, PS: int = 32, F: int = 200,
+             D: int = 8, Dr: int = 4, sbs: int = 16, second_chance: bool = False, seed: int = 0) -> dict:
+    """``steps`` chained plan -> serve -> install steps, the Triton kernels on ``dev`` against the CPU twins
+    (the C++ kernels) on host copies of the same state; adversarial top-k: -1 sentinels, duplicates, ids
+    beyond the length. Returns ``{"steps", "mismatch": first differing output or None}``."""
+    from offload_passes.custom_ops.cuda import dsa_install as CI
+    from offload_passes.custom_ops.cuda import dsa_install_sc as CSC
+    from offload_passes.custom_ops.cuda import dsa_plan as CP
+    from offload_passes.custom_ops.cuda import dsa_serve as CS
+
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    host = dict(pid=torch.full((B, PS), -1, dtype=torch.int32), i2s=torch.full((B, F), -1, dtype=torch.int32),
+                lru=torch.zeros(B, PS // 16, dtype=torch.int32), pkv=torch.zeros(B, PS, D, dtype=bf),
+                prope=torch.zeros(B, PS, Dr, dtype=bf))
+    full_kv, full_rope = torch.randn(B, F, D, generator=g).to(bf), torch.randn(B, F, Dr, generator=g).to(bf)
+    on = {k: v.to(dev) for k, v in host.items()}
+    fkv_d, frope_d = full_kv.to(dev), full_rope.to(dev)
+    rows = B * S * K
+    table = torch.arange(rows // sbs, dtype=torch.int32).view(B * S, K // sbs)
+    kw = dict(raw_seq=S, topk=K, selection_block_size=sbs)
+    for step in range(steps):
+        L = torch.full((B,), 120 + 10 * step, dtype=torch.int32)
+        tk = torch.randint(-1, 140 + 10 * step, (B, S, 1, K), generator=g, dtype=torch.int32)
+        tk[..., K // 2:] = tk[..., :K // 2]  # duplicates
+        plan, rec, act = torch.ops.custom.dsa_plan(tk, L, host["pid"], host["i2s"], host["lru"], raw_seq=S)
+        plan_d, rec_d, act_d = CP.run(tk.to(dev), L.to(dev), on["pid"], on["i2s"], on["lru"], raw_seq=S)
+        for name, a, b in (("plan", plan, plan_d), ("records", rec, rec_d), ("actual_seq", act, act_d)):
+            if not _same(a, b):
+                return {"steps": step, "mismatch": f"step {step}: dsa_plan {name}"}
+        sel = [torch.zeros(rows // sbs, sbs, D, dtype=bf), torch.zeros(rows // sbs, sbs, Dr, dtype=bf)]
+        sel_d = [t.to(dev) for t in sel]
+        torch.ops.custom.dsa_serve(plan, full_kv, full_rope, host["pkv"], host["prope"], *sel, compact_layout=1, **kw)
+        CS.run(plan_d, fkv_d, frope_d, on["pkv"], on["prope"], *sel_d, compact_layout=1, **kw)
+        if not all(_same(a, b) for a, b in zip(sel, sel_d)):
+            return {"steps": step, "mismatch": f"step {step}: dsa_serve selection"}
+        state = [host[k] for k in ("pkv", "prope", "pid", "i2s", "lru")]
+        state_d = [on[k] for k in ("pkv", "prope", "pid", "i2s", "lru")]
+        if second_chance:
+            torch.ops.offload_ref.dsa_install_sc(plan, rec, *sel, table, *state, metadata_update=1, **kw)
+            CSC.run(plan_d, rec_d, *sel_d, table.to(dev), *state_d, metadata_update=1, **kw)
+        else:
+            torch.ops.custom.dsa_install(rec, *sel, table, *state, metadata_update=1, **kw)
+            CI.run(rec_d, *sel_d, table.to(dev), *state_d, metadata_update=1, **kw)
+        for k in ("pkv", "prope", "pid", "i2s", "lru"):
+            if not _same(host[k], on[k]):
+                return {"steps": step, "mismatch": f"step {step}: install {k}"}
+    return {"steps": steps, "mismatch": None}
+
+
+def host_write_check(dev: torch.device) -> Optional[str]:
+    """The host-KV write kernel against the CPU kernel (rows in any order, distinct)."""
+    from offload_passes.custom_ops.cuda import cache_write as CW
+
+    g = torch.Generator().manual_seed(1)
+    kvc, krc = torch.randn(8, 16, 1, 512, generator=g).bfloat16(), torch.randn(8, 16, 1, 64, generator=g).bfloat16()
+    idx = torch.randperm(128, generator=g)[:40]
+    kv, kr = torch.randn(40, 512, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16()
+    ref = [kvc.clone(), krc.clone()]
+    torch.ops.offload_ref.npu_mla_prolog_cache_write_(*ref, idx, kv, kr)
+    dst = [kvc.clone(), krc.clone()]
+    if dev.type == "cuda":
+        from offload_passes.cuda import host_pinned
+
+        dst = [host_pinned(t) for t in dst]  # the production case: a pinned host cache, device rows
+    CW.run(*dst, idx.to(dev), kv.to(dev), kr.to(dev))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return None if all(_same(a, b) for a, b in zip(ref, dst)) else "host write differs from the CPU kernel"
+
+
+def model_check(dev: torch.device, steps: int, preset: str = "tiny") -> dict:
+    """The recipe model with host KV (on a GPU: place_full_caches) compiled in exe_mode "cuda" against the
+    unmodified model, logits step by step; on the CPU (--dry-run) the same flow with host tensors."""
+    from offload_passes import models
+
+    torch._dynamo.reset()
+    base = models.build(preset, enable_offload=True, decode_steps=steps, device=dev)
+    comp = models.build(preset, enable_offload=True, decode_steps=steps, device=dev)
+    if dev.type == "cuda":
+        from offload_passes.cuda import place_full_caches
+
+        place_full_caches(comp.model, dev)
+    be = cuda_backend(pool_size=1024)
+    r0 = base.driver.run(steps=steps)
+    r1 = comp.driver.run(steps=steps, step_fn=torch.compile(comp.model, backend=be))
+    from offload_passes.cuda import raise_device_errors
+
+    raise_device_errors()
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(r0.logits, r1.logits))
+    return {"model": f"{preset} host KV", "max_abs_diff": diff, "steps": steps,
+            "rewritten": bool(be.reports and be.reports[-1]["rewritten"])}
+
+
+def run_section(name: str, fn: Callable[[], Any], limit_s: float) -> tuple:
+    """``fn()`` under a wall-clock limit (SIGALRM; main thread); ``(result, error, seconds)``."""
+    import signal
+
+    def _alarm(signum, frame):
+        raise TimeoutError(f"section {name} passed its limit of {limit_s:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, limit_s)
+    t0 = time.perf_counter()
+    try:
+        return fn(), None, time.perf_counter() - t0
+    except Exception as e:  # a failing section must not hide the others
+        traceback.print_exc()
+        return None, _err(e), time.perf_counter() - t0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+#: section -> seconds it may run on an H200, Triton's first compiles included (together under 8 minutes)
+LIMITS = {"correctness": 180, "ops": 90, "decode": 200}
+
+
+def dry_run_rows(steps: int) -> list:
+    """Every section's correctness part on the CPU (Triton's interpreter), timing cells "no GPU"."""
+    cpu = torch.device("cpu")
+    rows = []
+    for sc in (False, True):
+        res, err, _ = run_section("ops", lambda: op_chain(cpu, second_chance=sc), 120)
+        rows.append({"check": f"ops chain ({'second chance' if sc else 'FIFO'}) == CPU twins", "value":
+                     None if res is None else int(res["mismatch"] is None), "goal": 1,
+                     "note": err or res["mismatch"] or f"{res['steps']} steps, interpreter"})
+    res, err, _ = run_section("ops", lambda: host_write_check(cpu), 60)
+    rows.append({"check": "host-KV write == CPU kernel", "value": None if err else int(res is None), "goal": 1,
+                 "note": err or res or "interpreter"})
+    res, err, _ = run_section("models", lambda: model_check(cpu, steps), 300)
+    rows.append({"check": "correctness tiny (cuda mode, host tensors)", "value": None if res is None else
+                 res["max_abs_diff"], "goal": 0, "note": err or f"{steps} steps, rewritten {res['rewritten']}"})
+    for what in ("serve hits B=32 vs D2D", "serve hits B=128 vs D2D", "misses vs host link",
+                 "install ms", "decode ms/step hf-glm5-attn", "CUDA graph replay vs eager"):
+        rows.append({"check": what, "value": NO_GPU, "goal": None, "note": NO_GPU})
+    return rows
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
@@ -366,6 +527,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default="gpu_check.json", help="where the results go (JSON)")
+    ap.add_argument("--merge", action="store_true",
+                    help="partial rerun: keep the other sections' results already in --json")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="no GPU: every correctness part on the CPU under Triton's interpreter, timing cells 'no GPU'")
     try:
         args = ap.parse_args(argv)
         sections = [s for s in args.sections.split(",") if s]
@@ -379,6 +544,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        return _dry_run(args)
     if not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False); "
               "this check needs a GPU", file=sys.stderr)
@@ -394,18 +561,66 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     results: dict = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "steps": args.steps}
     t0 = time.perf_counter()
-    if "correctness" in sections:
-        results["correctness"] = check_correctness(args.steps, dev)
-    if "ops" in sections:
-        results["ops"] = bench_ops(dev, args.reps)
-    if "decode" in sections:
-        results["decode"] = bench_decode(contexts, pools, args.steps, dev)
+    if args.merge and os.path.exists(args.json):  # a partial rerun: the other sections' results are kept
+        with open(args.json) as f:
+            results = {**json.load(f), **results}
+
+    def equal_rows() -> list:
+        rows = []
+        for sc in (False, True):
+            r = op_chain(dev, second_chance=sc)
+            rows.append({"model": f"ops chain ({'second chance' if sc else 'FIFO'}) on CUDA vs CPU twins",
+                         "max_abs_diff": 0.0 if r["mismatch"] is None else None, "steps": r["steps"],
+                         "error": r["mismatch"]})
+        err = host_write_check(dev)
+        rows.append({"model": "host-KV write (pinned) vs CPU kernel", "max_abs_diff": None if err else 0.0,
+                     "steps": 1, "error": err})
+        rows.append(model_check(dev, args.steps))
+        return rows
+
+    plan = {"correctness": lambda: equal_rows() + check_correctness(args.steps, dev),
+            "ops": lambda: bench_ops(dev, args.reps),
+            "decode": lambda: bench_decode(contexts, pools, args.steps, dev)}
+    for name in SECTIONS:
+        if name in sections:
+            res, err, secs = run_section(name, plan[name], LIMITS[name])
+            results[name] = res if res is not None else [{"model": name, "what": name, "variant": name,
+                                                          "context": 0, "error": err}]
+            results.setdefault("section_s", {})[name] = secs
     results["wall_s"] = time.perf_counter() - t0
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
     print(f"gpu_check on {results['device']} ({results['wall_s']:.0f} s), JSON: {args.json}")
     print(format_table(summary_rows(results), ("check", "value", "goal", "note")))
     return 0
+
+
+def _dry_run(args) -> int:
+    if importlib_util_find_spec("triton") is None:
+        print("gpu_check: --dry-run needs the `triton` package (pip install 'offload_passes[cuda]')", file=sys.stderr)
+        return 2
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        print("gpu_check: --dry-run: triton was imported before TRITON_INTERPRET=1 could be set", file=sys.stderr)
+        return 2
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: the kernels run on CPU tensors
+    import offload_passes  # noqa: F401
+    from offload_passes.custom_ops import cuda as kernels
+
+    t0 = time.perf_counter()
+    rows = dry_run_rows(min(args.steps, 2))
+    results = {"device": "cpu (dry run, Triton interpreter)", "torch": torch.__version__, "dry_run": True,
+               "kernels_importable": kernels.triton_available(), "rows": rows, "wall_s": time.perf_counter() - t0}
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"gpu_check --dry-run ({results['wall_s']:.0f} s), JSON: {args.json}")
+    print(format_table(rows, ("check", "value", "goal", "note")))
+    return 0 if all(r["value"] == r["goal"] for r in rows if r["goal"] is not None) else 1
+
+
+def importlib_util_find_spec(name: str):
+    import importlib.util
+
+    return importlib.util.find_spec(name)
 
 
 if __name__ == "__main__":

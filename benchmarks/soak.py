@@ -1,6 +1,7 @@
 """Soak: thousands of decode steps of ``tiny`` with random new requests, every step checked.
 
     python benchmarks/soak.py --steps 10000 [--pool-size 128] [--p-new 0.02] [--seed 0] [--json]
+    python benchmarks/soak.py --serve --steps 5000        # the serving loop (models/glm/serve.py)
 
 Two copies of the GLM-5.2 ``tiny`` preset (offload layout: selection buffers + gather ledger): the
 unmodified one runs eager (the gather path), the other through ``torch.compile`` with the offload
@@ -201,6 +202,49 @@ def summary(o: dict) -> str:
     ] + [f"  {v}" for v in o["violation_examples"][:5]])
 
 
+def serve_main(a: argparse.Namespace) -> int:
+    """``--serve``: ``offload_passes.demo.run_serve`` with a lane told nothing beside the announcing one,
+    memory sampled as the static soak does."""
+    from offload_passes.demo import run_serve
+
+    torch.set_num_threads(a.threads)
+    rss = {"start": _rss_kib(), "after_warmup": 0}
+    rss_after = min(100, a.steps)
+
+    def on_step(i: int, srv: Any) -> None:
+        if i + 1 == rss_after:
+            rss["after_warmup"] = _rss_kib()
+        if a.log_every and (i + 1) % a.log_every == 0:
+            print(f"  step {i + 1}: admitted {srv.next_rid}, rss {_rss_kib() / 1024:.1f} MiB", file=sys.stderr,
+                  flush=True)
+
+    out = run_serve("tiny", a.steps, "eager", 256 if a.pool_size == 128 else a.pool_size, next_n=3, batch=4,
+                    seed=a.seed, threads=a.threads, unannounced=True, on_step=on_step, max_seconds=a.max_seconds)
+    end = _rss_kib()
+    out["rss_mib"] = {"start": rss["start"] / 1024, "after_warmup": rss["after_warmup"] / 1024, "end": end / 1024,
+                      "growth_after_warmup": (end - rss["after_warmup"]) / 1024}
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        u = out.get("unannounced", {})
+        st = out.get("static", {})
+        print("\n".join([
+            f"soak --serve: tiny, {out['steps']} decode steps (of {out['steps_requested']} requested), B={out['B']} "
+            f"S={out['S']} pool={out['pool_size']} seed={a.seed}; {out['requests_admitted']} requests, "
+            f"batch changed on {out['batch_changes']} steps",
+            f"  max |diff| logits vs unmodified model: announcing {out['max_abs_diff']:g}, told nothing "
+            f"{u.get('max_abs_diff', float('nan')):g}",
+            f"  hit rate: announcing {out['hit_rate']:.2%}, told nothing {u.get('hit_rate', float('nan')):.2%}, "
+            f"same requests in a static batch {st.get('hit_rate', float('nan')):.2%}",
+            f"  served / static hits {out.get('hit_ratio_vs_static', float('nan')):.4f} "
+            f"({out.get('hit_rate_points_vs_static', float('nan')):+.2f} points)",
+            f"  RSS: {out['rss_mib']['after_warmup']:.1f} MiB after warm-up -> {out['rss_mib']['end']:.1f} MiB at the "
+            f"end (growth {out['rss_mib']['growth_after_warmup']:+.1f} MiB); {out['run_s']:.0f} s",
+        ]))
+    ok = out["max_abs_diff"] == 0 and out.get("unannounced", {}).get("max_abs_diff", 0) == 0
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10000)
@@ -212,10 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop after this wall time (0: no limit)")
     p.add_argument("--bookkeeping", choices=("on", "off"), default="on",
                    help="off: no gather ledger in the rewrite (the NPU modes' default)")
+    p.add_argument("--serve", action="store_true",
+                   help="the serving loop instead (models/glm/serve.py: continuous batching on paged KV, "
+                        "B=4 rows per rank, MTP next_n=3 with varying acceptance, a C++ KV transfer); compares "
+                        "with the same requests in a static batch, in one run")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be >= 1")
+    if a.serve:
+        return serve_main(a)
     if not 0.0 <= a.p_new <= 1.0:
         p.error("--p-new must be in [0, 1]")
     torch.set_num_threads(a.threads)

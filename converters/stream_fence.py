@@ -25,7 +25,7 @@ _WAITS = ("tagged_event_wait", "tagged_event_wait_on_stream")
 _UNLABELLED = object()
 
 
-def _op_name(node: fx.Node) -> str:
+def _short_op_name(node: fx.Node) -> str:
     """``air.tagged_event_record.default`` -> ``tagged_event_record`` (any namespace: ``air`` in
     npu 2.8, ``npugraph_ex`` in 2.13)."""
     name = getattr(node.target, "__name__", str(node.target))
@@ -46,7 +46,7 @@ def _events(graph: fx.Graph) -> Tuple[Dict[fx.Node, int], Dict[str, List[Tuple[o
         pos[n] = i
         if n.op != "call_function" or not n.args or not isinstance(n.args[0], str):
             continue
-        name = _op_name(n)
+        name = _short_op_name(n)
         if name in _RECORDS:
             records.setdefault(n.args[0], []).append((_stream(n), i))
         elif name in _WAITS:

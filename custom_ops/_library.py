@@ -22,11 +22,14 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Hashable, Iterable, Optional, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Optional, Sequence, TypeVar, Union
 
 import torch
 
 from offload_passes import _compat, _extensions
+
+if TYPE_CHECKING:
+    from .opspec import OpSpec
 
 log = logging.getLogger("offload_passes.custom_ops")
 
@@ -367,3 +370,97 @@ def register_functionalization(
 
 def defined_ops() -> Iterable[str]:
     return sorted(_defined_here)
+
+
+# --------------------------------------------------------------------------------------------
+# One registration for an op and its functional twin, from its OpSpec.
+# --------------------------------------------------------------------------------------------
+
+def bind(spec: "OpSpec", args: Sequence, kwargs: dict) -> tuple:
+    """The op's arguments in schema order, defaults filled in.
+
+    The dispatcher hands a Python kernel the keyword-only arguments by name and may leave out those equal
+    to their defaults, so kernels written against the schema take ``(*args, **kwargs)`` and bind here.
+    """
+    params = spec.parsed.arguments
+    if len(args) > len(params):
+        raise TypeError(f"{spec.qualname}: {len(args)} positional arguments, the schema has {len(params)}")
+    out = list(args)
+    for p in params[len(args):]:
+        if p.name in kwargs:
+            out.append(kwargs[p.name])
+        elif p.default_value is not None or p.type.kind() == "OptionalType":
+            out.append(p.default_value)
+        else:
+            raise TypeError(f"{spec.qualname}: missing argument {p.name!r}")
+    unknown = set(kwargs) - {p.name for p in params}
+    if unknown:
+        raise TypeError(f"{spec.qualname}: unknown arguments {sorted(unknown)}")
+    return tuple(out)
+
+
+def register_twins(
+    spec: "OpSpec",
+    *,
+    validate: Callable[[tuple, str], object],
+    run: Callable[[tuple, object], object],
+    cpu_validate: Optional[Callable[[tuple, str], object]] = None,
+    twin_outputs: Optional[Callable[[tuple], tuple]] = None,
+    fake_returns: Optional[Callable[[tuple, object], object]] = None,
+) -> None:
+    """Register ``spec``'s op and, if it has one, its functional twin: CPU and fake kernels, Functionalize.
+
+    Every callable takes the bound arguments (:func:`bind`) as one tuple ``a``, in schema order:
+
+    * ``validate(a, op)``: every check of the op (``op`` names the op or its twin in the messages); the
+      fake kernels run it on every call;
+    * ``cpu_validate(a, op)``: what the CPU kernels run instead (a ``ValidationMemo`` over ``validate``);
+      its result is handed to ``run``; default ``validate``;
+    * ``run(a, checked)``: the CPU computation, writing the mutated arguments of ``a`` in place and
+      returning the op's own outputs (None when the schema returns none);
+    * ``twin_outputs(a)``: the buffers the twin writes instead of the mutated arguments, schema order;
+      default clones of them (the twin's outputs start from the inputs);
+    * ``fake_returns(a, checked)``: the op's own outputs on fake tensors (``checked``: what ``validate``
+      returned); default None.
+
+    The twin returns the op's own outputs, then the new value of each mutated argument (CANN's order,
+    ``OpSpec.functional_schema``); its fake returns ``empty_like`` of each mutated argument.
+    """
+    cpu_check = cpu_validate or validate
+    mutated = spec.mutated_positions
+
+    def op_cpu(*args, **kwargs):
+        a = bind(spec, args, kwargs)
+        return run(a, cpu_check(a, spec.name))
+
+    def op_fake(*args, **kwargs):
+        a = bind(spec, args, kwargs)
+        checked = validate(a, spec.name)
+        return fake_returns(a, checked) if fake_returns else None
+
+    register_fake(spec.name, op_fake)
+    impl(spec.name, "CPU", op_cpu)
+    if spec.functional is None:
+        return
+
+    def own_outputs(ret: object) -> tuple:
+        return () if ret is None else tuple(ret) if isinstance(ret, (tuple, list)) else (ret,)
+
+    def twin_cpu(*args, **kwargs):
+        a = bind(spec, args, kwargs)
+        checked = cpu_check(a, spec.functional)
+        outs = tuple(twin_outputs(a)) if twin_outputs else tuple(a[i].clone() for i in mutated)
+        b = list(a)
+        for i, out in zip(mutated, outs):
+            b[i] = out
+        return own_outputs(run(tuple(b), checked)) + outs
+
+    def twin_fake(*args, **kwargs):
+        a = bind(spec, args, kwargs)
+        checked = validate(a, spec.functional)
+        own = own_outputs(fake_returns(a, checked)) if fake_returns else ()
+        return own + tuple(torch.empty_like(a[i]) for i in mutated)
+
+    register_fake(spec.functional, twin_fake)
+    impl(spec.functional, "CPU", twin_cpu)
+    register_functionalization(spec.name, spec.functional, spec.mutated, spec.num_leading_outputs)

@@ -37,6 +37,7 @@ PROLOG_SPEC = OpSpec(
             "Tensor kv, Tensor kr) -> ()"),
     role="cache_write",
     summary="test double of the cache-writing half of npu_mla_prolog_v3 (rows cache_index := kv / kr)",
+    cuda_kernel="cache_write",  # the host-KV write of models/glm on CUDA (custom_ops/cuda/cache_write.py)
 )
 SCATTER_SPEC = OpSpec(
     namespace=REF_NAMESPACE,

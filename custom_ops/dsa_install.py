@@ -18,6 +18,7 @@ rows sequentially so that the result stays deterministic and equal to the refere
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -58,26 +59,16 @@ MAX_RAW_SEQ, MAX_TOPK, MAX_DKV, MAX_DR, TOPK_GRANULARITY, MIN_SBS, MAX_SBS = SPE
 PAYLOAD_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def validate_dsa_install(
-    install_records: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_k_rope: torch.Tensor,
-    selection_kv_block_table: torch.Tensor,
-    pool_kv_cache: torch.Tensor,
-    pool_k_rope: torch.Tensor,
-    pool_ids: torch.Tensor,
-    id_to_slot: torch.Tensor,
-    lru_counter: torch.Tensor,
-    raw_seq: int = 1,
-    topk: int = 2048,
-    selection_block_size: int = 128,
-    metadata_update: int = 1,
-    op: str = OP,
-) -> tuple:
+def validate_dsa_install(*args: Any, op: str = OP, **kwargs: Any) -> tuple:
     """Check every limit of docs/ops.md §4.1 (sizes and dtypes only; safe in fake mode).
 
     Returns ``(B, S, K, PS, IR)``. ``op`` names the op in messages (in-place or functional twin).
+
+    Takes the op's arguments as its schema does (positional or by name; ``L.bind``).
     """
+    (install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table, pool_kv_cache,
+     pool_k_rope, pool_ids, id_to_slot, lru_counter, raw_seq, topk, selection_block_size,
+     metadata_update) = L.bind(SPEC, args, kwargs)
     rec = install_records
     L.check(rec.dtype == torch.int8, op, f"install_records must be int8, got {rec.dtype}")
     L.check(rec.dim() == 1, op, f"install_records must be 1-D, got {rec.dim()}-D")
@@ -178,28 +169,6 @@ def validate_dsa_install(
         f"topk={topk}), got {rec.numel()}",
     )
     return B, raw_seq, topk, PS, IR
-
-
-def _fake(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-          pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter, *,
-          raw_seq=1, topk=2048, selection_block_size=128, metadata_update=1):
-    validate_dsa_install(
-        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-        raw_seq, topk, selection_block_size, metadata_update,
-    )
-    return None
-
-
-def _fake_functional(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-                     pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter, *,
-                     raw_seq=1, topk=2048, selection_block_size=128, metadata_update=1):
-    validate_dsa_install(
-        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-        raw_seq, topk, selection_block_size, metadata_update, op=FUNCTIONAL_OP,
-    )
-    return tuple(torch.empty_like(t) for t in (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter))
 
 
 def _install_order(install_records, B, S, K, NS, IR):
@@ -318,57 +287,14 @@ def reference_dsa_install_functional(*args, **kwargs) -> tuple[torch.Tensor, ...
     return tuple(outs)
 
 
-def _run_inplace(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-                 pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-                 raw_seq, topk, selection_block_size, metadata_update):
+def _run_inplace(a: tuple, _checked: object = None) -> None:
+    """The CPU kernel on the bound arguments ``a`` (schema order), writing the pool and its metadata."""
     if L.cpu_kernel_mode() == "reference":
-        reference_dsa_install(
-            install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-            pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-            raw_seq=raw_seq, topk=topk, selection_block_size=selection_block_size,
-            metadata_update=metadata_update, validate=False,
-        )
+        reference_dsa_install(*a[:9], **dict(zip(SPEC.arg_names[9:], a[9:])), validate=False)
         return
-    L.cpu_kernel(OP)(
-        install_records, selection_kv_cache, selection_k_rope,
-        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-        raw_seq, topk, selection_block_size, metadata_update,
-    )
+    # the C++ kernel takes no selection_kv_block_table: install never reads it (docs/ops.md §4.1)
+    L.cpu_kernel(OP)(*a[:3], *a[4:])
 
 
-def _cpu(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-         pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter, *,
-         raw_seq=1, topk=2048, selection_block_size=128, metadata_update=1):
-    validate_dsa_install(
-        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-        raw_seq, topk, selection_block_size, metadata_update,
-    )
-    _run_inplace(
-        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-        raw_seq, topk, selection_block_size, metadata_update,
-    )
-
-
-def _cpu_functional(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-                    pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter, *,
-                    raw_seq=1, topk=2048, selection_block_size=128, metadata_update=1):
-    validate_dsa_install(
-        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-        pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-        raw_seq, topk, selection_block_size, metadata_update, op=FUNCTIONAL_OP,
-    )
-    outs = tuple(t.clone() for t in (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter))
-    _run_inplace(
-        install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-        *outs, raw_seq, topk, selection_block_size, metadata_update,
-    )
-    return outs
-
-
-L.register_fake(OP, _fake)
-L.register_fake(FUNCTIONAL_OP, _fake_functional)
-L.impl(OP, "CPU", _cpu)
-L.impl(FUNCTIONAL_OP, "CPU", _cpu_functional)
-L.register_functionalization(OP, FUNCTIONAL_OP, SPEC.mutated, SPEC.num_leading_outputs)
+# CPU and fake kernels of the op and its twin, Functionalize (custom_ops/_library.py: register_twins)
+L.register_twins(SPEC, validate=lambda a, op: validate_dsa_install(*a, op=op), run=_run_inplace)

@@ -21,6 +21,7 @@ only, as on the NPU; ``group_id``/``owner_layer``/``group_kind`` are carried and
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -60,18 +61,15 @@ MAX_TOPK, MAX_RAW_SEQ, TOPK_ALIGN = SPEC.limit_values("MAX_TOPK", "MAX_RAW_SEQ",
 PLAN_OBSERVERS: list = []
 
 
-def validate_dsa_plan(
-    selection_topk_indices: torch.Tensor,
-    full_kv_actual_seq: torch.Tensor,
-    pool_ids: torch.Tensor,
-    id_to_slot: torch.Tensor,
-    lru_counter: torch.Tensor,
-    raw_seq: int = 1,
-) -> tuple:
+def validate_dsa_plan(*args: Any, **kwargs: Any) -> tuple:
     """Check every limit of docs/ops.md §2.1 (sizes and dtypes only; safe in fake mode).
 
     Returns ``(B, S, K, PS, IR)``.
+
+    Takes the op's arguments as its schema does (positional or by name; ``L.bind``).
     """
+    selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter, raw_seq = \
+        L.bind(SPEC, args, kwargs)[:6]
     topk = selection_topk_indices
     for name, t in (
         ("selection_topk_indices", topk),
@@ -125,13 +123,11 @@ def validate_dsa_plan(
     return B, raw_seq, K, PS, IR
 
 
-def _fake(
-    selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter, *,
-    raw_seq=1, group_id=0, owner_layer=0, group_kind=0,
-):
-    B, S, K, _, _ = validate_dsa_plan(
-        selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter, raw_seq
-    )
+def _fake(a: tuple, geometry: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outputs on fake tensors (``geometry``: what validation returned): plan ``[n, 2]``, the records
+    buffer, ``[n / K]`` lengths."""
+    selection_topk_indices = a[0]
+    B, S, K, _, _ = geometry
     n = selection_topk_indices.numel()
     lay = records_layout(B, S, K)
     plan = selection_topk_indices.new_empty([n, 2])
@@ -229,13 +225,9 @@ def reference_dsa_plan(
     return plan, records, act_full
 
 
-def _cpu(
-    selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter, *,
-    raw_seq=1, group_id=0, owner_layer=0, group_kind=0,
-):
-    validate_dsa_plan(
-        selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter, raw_seq
-    )
+def _cpu(a: tuple, _checked: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU kernel on the bound arguments ``a`` (schema order)."""
+    selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter, raw_seq = a[:6]
     for observe in PLAN_OBSERVERS:
         observe(selection_topk_indices, full_kv_actual_seq, pool_ids, raw_seq)
     if L.cpu_kernel_mode() == "reference":
@@ -249,5 +241,5 @@ def _cpu(
     return plan, records, act
 
 
-L.register_fake(OP, _fake)
-L.impl(OP, "CPU", _cpu)
+# CPU and fake kernels (custom_ops/_library.py: register_twins; dsa_plan has no twin)
+L.register_twins(SPEC, validate=lambda a, op: validate_dsa_plan(*a[:6]), run=_cpu, fake_returns=_fake)

@@ -10,6 +10,7 @@ CPU kernel: ``csrc/dsa_serve.cpp`` (byte copies of whole rows, ``at::parallel_fo
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -59,22 +60,13 @@ TOPK_GRANULARITY, MIN_SELECTION_BLOCK_SIZE, MAX_SELECTION_BLOCK_SIZE, MAX_KV_DIM
 PAYLOAD_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def validate_dsa_serve(
-    plan: torch.Tensor,
-    full_kv_cache: torch.Tensor,
-    full_k_rope: torch.Tensor,
-    pool_kv_cache: torch.Tensor,
-    pool_k_rope: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_k_rope: torch.Tensor,
-    raw_seq: int = 1,
-    topk: int = 2048,
-    selection_block_size: int = 128,
-    compact_layout: int = 1,
-    *,
-    op: str = OP,
-) -> None:
-    """Every check of docs/ops.md §3.1; raises ``RuntimeError("custom::dsa_serve: ...")``."""
+def validate_dsa_serve(*args: Any, op: str = OP, **kwargs: Any) -> None:
+    """Every check of docs/ops.md §3.1; raises ``RuntimeError("custom::dsa_serve: ...")``.
+
+    Takes the op's arguments as its schema does (positional or by name; ``L.bind``).
+    """
+    (plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache, selection_k_rope,
+     raw_seq, topk, selection_block_size, compact_layout) = L.bind(SPEC, args, kwargs)
     c = L.check
     c(compact_layout in (0, 1), op, lambda: f"compact_layout must be 0 or 1, got {compact_layout}")
     compact = compact_layout == 1
@@ -223,10 +215,6 @@ def reference_dsa_serve(
 _VALIDATED = L.ValidationMemo()
 
 
-def _validate_cpu(tensors: tuple, ints: tuple, op: str) -> None:
-    _VALIDATED(L.ValidationMemo.key(op, ints, tensors), lambda: validate_dsa_serve(*tensors, *ints, op=op))
-
-
 def functional_outputs(selection_kv_cache: torch.Tensor, selection_k_rope: torch.Tensor,
                        compact_layout: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The functional twin's output buffers (every kernel of the twin, CPU and CUDA, uses these)."""
@@ -238,23 +226,11 @@ def functional_outputs(selection_kv_cache: torch.Tensor, selection_k_rope: torch
     return selection_kv_cache.clone(), selection_k_rope.clone()
 
 
-def _run_in_place(
-    plan: torch.Tensor,
-    full_kv_cache: torch.Tensor,
-    full_k_rope: torch.Tensor,
-    pool_kv_cache: torch.Tensor,
-    pool_k_rope: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_k_rope: torch.Tensor,
-    raw_seq: int,
-    topk: int,
-    selection_block_size: int,
-    compact_layout: int,
-) -> None:
-    args = (raw_seq, topk, selection_block_size, compact_layout)
+def _run_in_place(a: tuple, _checked: object = None) -> None:
+    """The CPU kernel on the bound arguments ``a`` (schema order), writing the selection tensors."""
+    plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache, selection_k_rope = a[:7]
     if L.cpu_kernel_mode() == "reference":
-        reference_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
-                            selection_kv_cache, selection_k_rope, *args)
+        reference_dsa_serve(*a)
         return
     # The C++ kernel addresses rows by byte offset, so it needs dense row-major tensors; a
     # non-contiguous selection is served into a dense temporary and copied back.
@@ -262,98 +238,19 @@ def _run_in_place(
     L.cpu_kernel(OP)(
         plan.contiguous(), L.dense(full_kv_cache, OP, "full_kv_cache"), L.dense(full_k_rope, OP, "full_k_rope"),
         L.dense(pool_kv_cache, OP, "pool_kv_cache"), L.dense(pool_k_rope, OP, "pool_k_rope"), outs[0], outs[1],
-        *args,
+        *a[7:],
     )
     for dst, src in zip((selection_kv_cache, selection_k_rope), outs):
         if dst is not src:
             dst.copy_(src)
 
 
-def _serve_cpu(
-    plan: torch.Tensor,
-    full_kv_cache: torch.Tensor,
-    full_k_rope: torch.Tensor,
-    pool_kv_cache: torch.Tensor,
-    pool_k_rope: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_k_rope: torch.Tensor,
-    raw_seq: int = 1,
-    topk: int = 2048,
-    selection_block_size: int = 128,
-    compact_layout: int = 1,
-) -> None:
-    _validate_cpu((plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
-                   selection_k_rope), (raw_seq, topk, selection_block_size, compact_layout), OP)
-    _run_in_place(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
-                  selection_kv_cache, selection_k_rope, raw_seq, topk, selection_block_size,
-                  compact_layout)
-
-
-def _serve_functional_cpu(
-    plan: torch.Tensor,
-    full_kv_cache: torch.Tensor,
-    full_k_rope: torch.Tensor,
-    pool_kv_cache: torch.Tensor,
-    pool_k_rope: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_k_rope: torch.Tensor,
-    raw_seq: int = 1,
-    topk: int = 2048,
-    selection_block_size: int = 128,
-    compact_layout: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _validate_cpu((plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
-                   selection_k_rope), (raw_seq, topk, selection_block_size, compact_layout), FUNCTIONAL_OP)
-    kv, rope = functional_outputs(selection_kv_cache, selection_k_rope, compact_layout)
-    _run_in_place(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, kv, rope,
-                  raw_seq, topk, selection_block_size, compact_layout)
-    return kv, rope
-
-
-# --------------------------------------------------------------------------------------------
-# Fake kernels
-# --------------------------------------------------------------------------------------------
-
-def _serve_fake(
-    plan: torch.Tensor,
-    full_kv_cache: torch.Tensor,
-    full_k_rope: torch.Tensor,
-    pool_kv_cache: torch.Tensor,
-    pool_k_rope: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_k_rope: torch.Tensor,
-    raw_seq: int = 1,
-    topk: int = 2048,
-    selection_block_size: int = 128,
-    compact_layout: int = 1,
-) -> None:
-    validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
-                       selection_kv_cache, selection_k_rope, raw_seq, topk, selection_block_size,
-                       compact_layout)
-    return None
-
-
-def _serve_functional_fake(
-    plan: torch.Tensor,
-    full_kv_cache: torch.Tensor,
-    full_k_rope: torch.Tensor,
-    pool_kv_cache: torch.Tensor,
-    pool_k_rope: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_k_rope: torch.Tensor,
-    raw_seq: int = 1,
-    topk: int = 2048,
-    selection_block_size: int = 128,
-    compact_layout: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope,
-                       selection_kv_cache, selection_k_rope, raw_seq, topk, selection_block_size,
-                       compact_layout, op=FUNCTIONAL_OP)
-    return torch.empty_like(selection_kv_cache), torch.empty_like(selection_k_rope)
-
-
-L.register_fake(OP, _serve_fake)
-L.register_fake(FUNCTIONAL_OP, _serve_functional_fake)
-L.impl(OP, "CPU", _serve_cpu)
-L.impl(FUNCTIONAL_OP, "CPU", _serve_functional_cpu)
-L.register_functionalization(OP, FUNCTIONAL_OP, SPEC.mutated, SPEC.num_leading_outputs)
+# CPU and fake kernels of the op and its twin, Functionalize (custom_ops/_library.py: register_twins)
+L.register_twins(
+    SPEC,
+    validate=lambda a, op: validate_dsa_serve(*a, op=op),
+    cpu_validate=lambda a, op: _VALIDATED(L.ValidationMemo.key(op, a[7:], a[:7]),
+                                          lambda: validate_dsa_serve(*a, op=op)),
+    run=_run_in_place,
+    twin_outputs=lambda a: functional_outputs(a[5], a[6], a[10]),
+)

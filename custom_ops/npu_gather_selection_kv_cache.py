@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -81,22 +82,14 @@ class GatherGeometry:
     no_rope: bool
 
 
-def validate_npu_gather_selection_kv_cache(
-    selection_k_rope: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_kv_block_table: torch.Tensor,
-    selection_kv_block_status: torch.Tensor,
-    selection_topk_indices: torch.Tensor,
-    full_k_rope: torch.Tensor,
-    full_kv_cache: torch.Tensor,
-    full_kv_block_table: torch.Tensor,
-    full_kv_actual_seq: torch.Tensor,
-    full_q_actual_seq: torch.Tensor,
-    selection_topk_block_size: int = 64,
-    *,
-    op: str = OP,
-) -> GatherGeometry:
-    """Every check of docs/ops.md §1.2 (plus shape agreements the copies rely on)."""
+def validate_npu_gather_selection_kv_cache(*args: Any, op: str = OP, **kwargs: Any) -> GatherGeometry:
+    """Every check of docs/ops.md §1.2 (plus shape agreements the copies rely on).
+
+    Takes the op's arguments as its schema does (positional or by name; ``L.bind``).
+    """
+    (selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
+     selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
+     full_q_actual_seq, selection_topk_block_size) = L.bind(SPEC, args, kwargs)
     c = L.check
     sel_rope, sel_kv, sbt, status, topk = (
         selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
@@ -458,17 +451,17 @@ def _ledger_row_small(r: int, b: int, Lr: int, max_sel: int, bsz: int, row: torc
 _VALIDATED = L.ValidationMemo()
 
 
-def _validate_cpu(tensors: tuple, bsz: int, op: str) -> GatherGeometry:
-    return _VALIDATED(L.ValidationMemo.key(op, bsz, tensors),
-                      lambda: validate_npu_gather_selection_kv_cache(*tensors, bsz, op=op))
+def _validate_cpu(a: tuple, op: str) -> GatherGeometry:
+    return _VALIDATED(L.ValidationMemo.key(op, a[10], a[:10]),
+                      lambda: validate_npu_gather_selection_kv_cache(*a, op=op))
 
 
-def _run_in_place(sel_rope: torch.Tensor, sel_kv: torch.Tensor, sbt: torch.Tensor, status: torch.Tensor,
-                  topk: torch.Tensor, full_rope: torch.Tensor, full_kv: torch.Tensor, fbt: torch.Tensor,
-                  kv_len: torch.Tensor, q_len: torch.Tensor, bsz_arg: int, geo: GatherGeometry) -> torch.Tensor:
+def _run_in_place(a: tuple, geo: GatherGeometry) -> torch.Tensor:
+    """The CPU kernel on the bound arguments ``a`` (schema order): writes the selection buffers and the
+    ledger in place, returns the actual selection lengths."""
+    sel_rope, sel_kv, sbt, status, topk, full_rope, full_kv, fbt, kv_len, q_len, bsz_arg = a
     if L.cpu_kernel_mode() == "reference":
-        return reference_npu_gather_selection_kv_cache(
-            sel_rope, sel_kv, sbt, status, topk, full_rope, full_kv, fbt, kv_len, q_len, bsz_arg)
+        return reference_npu_gather_selection_kv_cache(*a)
     # Dense temporaries for non-contiguous mutated tensors, copied back afterwards.
     outs = [t if t.is_contiguous() else t.contiguous() for t in (sel_rope, sel_kv, status)]
     act = L.cpu_kernel(OP)(
@@ -481,107 +474,12 @@ def _run_in_place(sel_rope: torch.Tensor, sel_kv: torch.Tensor, sbt: torch.Tenso
     return act
 
 
-def _gather_cpu(
-    selection_k_rope: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_kv_block_table: torch.Tensor,
-    selection_kv_block_status: torch.Tensor,
-    selection_topk_indices: torch.Tensor,
-    full_k_rope: torch.Tensor,
-    full_kv_cache: torch.Tensor,
-    full_kv_block_table: torch.Tensor,
-    full_kv_actual_seq: torch.Tensor,
-    full_q_actual_seq: torch.Tensor,
-    selection_topk_block_size: int = 64,
-) -> torch.Tensor:
-    geo = _validate_cpu(
-        (selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
-         selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
-         full_q_actual_seq), selection_topk_block_size, OP,
-    )
-    return _run_in_place(selection_k_rope, selection_kv_cache, selection_kv_block_table,
-                         selection_kv_block_status, selection_topk_indices, full_k_rope, full_kv_cache,
-                         full_kv_block_table, full_kv_actual_seq, full_q_actual_seq,
-                         selection_topk_block_size, geo)
-
-
-def _gather_functional_cpu(
-    selection_k_rope: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_kv_block_table: torch.Tensor,
-    selection_kv_block_status: torch.Tensor,
-    selection_topk_indices: torch.Tensor,
-    full_k_rope: torch.Tensor,
-    full_kv_cache: torch.Tensor,
-    full_kv_block_table: torch.Tensor,
-    full_kv_actual_seq: torch.Tensor,
-    full_q_actual_seq: torch.Tensor,
-    selection_topk_block_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    geo = _validate_cpu(
-        (selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
-         selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
-         full_q_actual_seq), selection_topk_block_size, FUNCTIONAL_OP,
-    )
-    # The ledger keeps stale rows and reuses hits, so the outputs must start from the inputs.
-    rope, kv, table, status = (selection_k_rope.clone(), selection_kv_cache.clone(),
-                               selection_kv_block_table.clone(), selection_kv_block_status.clone())
-    act = _run_in_place(rope, kv, table, status, selection_topk_indices, full_k_rope, full_kv_cache,
-                        full_kv_block_table, full_kv_actual_seq, full_q_actual_seq,
-                        selection_topk_block_size, geo)
-    return act, rope, kv, table, status
-
-
-# --------------------------------------------------------------------------------------------
-# Fake kernels
-# --------------------------------------------------------------------------------------------
-
-def _gather_fake(
-    selection_k_rope: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_kv_block_table: torch.Tensor,
-    selection_kv_block_status: torch.Tensor,
-    selection_topk_indices: torch.Tensor,
-    full_k_rope: torch.Tensor,
-    full_kv_cache: torch.Tensor,
-    full_kv_block_table: torch.Tensor,
-    full_kv_actual_seq: torch.Tensor,
-    full_q_actual_seq: torch.Tensor,
-    selection_topk_block_size: int = 64,
-) -> torch.Tensor:
-    validate_npu_gather_selection_kv_cache(
-        selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
-        selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
-        full_q_actual_seq, selection_topk_block_size,
-    )
-    return selection_kv_block_table.new_empty([selection_kv_block_table.size(0)], dtype=torch.int32)
-
-
-def _gather_functional_fake(
-    selection_k_rope: torch.Tensor,
-    selection_kv_cache: torch.Tensor,
-    selection_kv_block_table: torch.Tensor,
-    selection_kv_block_status: torch.Tensor,
-    selection_topk_indices: torch.Tensor,
-    full_k_rope: torch.Tensor,
-    full_kv_cache: torch.Tensor,
-    full_kv_block_table: torch.Tensor,
-    full_kv_actual_seq: torch.Tensor,
-    full_q_actual_seq: torch.Tensor,
-    selection_topk_block_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    validate_npu_gather_selection_kv_cache(
-        selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
-        selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
-        full_q_actual_seq, selection_topk_block_size, op=FUNCTIONAL_OP,
-    )
-    act = selection_kv_block_table.new_empty([selection_kv_block_table.size(0)], dtype=torch.int32)
-    return (act, torch.empty_like(selection_k_rope), torch.empty_like(selection_kv_cache),
-            torch.empty_like(selection_kv_block_table), torch.empty_like(selection_kv_block_status))
-
-
-L.register_fake(OP, _gather_fake)
-L.register_fake(FUNCTIONAL_OP, _gather_functional_fake)
-L.impl(OP, "CPU", _gather_cpu)
-L.impl(FUNCTIONAL_OP, "CPU", _gather_functional_cpu)
-L.register_functionalization(OP, FUNCTIONAL_OP, SPEC.mutated, SPEC.num_leading_outputs)
+# CPU and fake kernels of the op and its twin, Functionalize (custom_ops/_library.py: register_twins). The
+# twin's outputs start from the inputs (default clones): the ledger keeps stale rows and reuses hits.
+L.register_twins(
+    SPEC,
+    validate=lambda a, op: validate_npu_gather_selection_kv_cache(*a, op=op),
+    cpu_validate=_validate_cpu,
+    run=_run_in_place,
+    fake_returns=lambda a, _geo: a[2].new_empty([a[2].size(0)], dtype=torch.int32),  # act: one per table row
+)

@@ -59,3 +59,36 @@ def ext_filename(module_name: str) -> str:
 def cpu_kernel_sources(csrc: Path) -> list[Path]:
     """All CPU-kernel translation units, sorted (one per op)."""
     return sorted(csrc.glob("*.cpp"))
+
+
+
+#: The torch versions an editable install or an sdist accepts: its kernels are compiled at install, or
+#: JIT-built at run time (``custom_ops/_library.py``), against whichever torch the environment holds.
+#: Tested versions: ``scripts/test_matrix.sh``, docs/versions.md.
+TORCH_RANGE = ">=2.8,<2.15"
+
+
+def torch_requirement(torch_version: str, *, binary_wheel: bool) -> str:
+    """The ``torch`` requirement of the package metadata.
+
+    A binary wheel carries ``_C_<torch_tag>`` libraries compiled against one torch build, and the loader
+    takes them only for that exact build, local part included (``torch_tag``: ``2.13.0+cpu`` and
+    ``2.13.0+cu130`` are different libraries). So a wheel pins ``torch==<that version>``: installed into a
+    fresh venv it brings the torch its kernels match instead of the newest one in the range, which would
+    make the first CPU call JIT-compile the kernels. Source and editable installs keep ``TORCH_RANGE``.
+    """
+    if binary_wheel:
+        return f"torch=={torch_version}"
+    return f"torch{TORCH_RANGE}"
+
+
+def pin_torch_in_metadata(metadata: str, torch_version: str) -> str:
+    """A wheel's ``METADATA`` text with its ``Requires-Dist: torch...`` line (the one without an extra
+    marker) replaced by the pin of :func:`torch_requirement`; ValueError if there is not exactly one."""
+    lines = metadata.split("\n")
+    hits = [i for i, line in enumerate(lines)
+            if re.match(r"Requires-Dist:\s*torch\s*(?:[<>=!~;(]|$)", line) and "extra ==" not in line]
+    if len(hits) != 1:
+        raise ValueError(f"wheel METADATA: expected one 'Requires-Dist: torch' line, found {len(hits)}")
+    lines[hits[0]] = "Requires-Dist: " + torch_requirement(torch_version, binary_wheel=True)
+    return "\n".join(lines)

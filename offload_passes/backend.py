@@ -21,20 +21,52 @@ import torch
 from torch import fx
 
 from .dump import Dumper
-from .modes import CPU_EXE_MODES, EXE_MODES, MODES, NPU_EXE_MODES, lowering_for
+from .modes import CPU_EXE_MODES, EXE_MODES, MODES, NPU_EXE_MODES, check_exe_mode, lowering_for
 from .options import OffloadOptions
 from .passes import _fx
 from .passes.rewrite import InstallHook, OffloadRefused
 from .passes.state_inputs import state_as_inputs, static_fakes
-from .pipeline import new_graph_id, rewrite_for_offload
+from .pipeline import OffloadWarning, new_graph_id, rewrite_for_offload, warn_once
 from .report import GraphReport
 from .state import REGISTRY, OffloadState, StateBinder
 
 log = logging.getLogger("offload_passes.backend")
 
 __all__ = ["OffloadBackend", "NpuOffloadBackend", "offload_backend", "make_offload_backend",
-           "dsa_offload_backend", "rewrite_for_offload", "OffloadRefused", "LowerContext", "Lowering",
-           "state_as_inputs"]
+           "dsa_offload_backend", "offload_compile_config", "rewrite_for_offload", "OffloadRefused", "OffloadWarning",
+           "LowerContext", "Lowering", "state_as_inputs"]
+
+#: torch.compile's ``mode`` values. They tune Inductor (and CUDA graphs for "reduce-overhead"); this backend
+#: lowers by its own ``exe_mode``, so any of them is accepted and has no effect (HF's CompileConfig passes
+#: mode="reduce-overhead" by default).
+TORCH_COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def check_torch_mode(mode: Any) -> None:
+    """Accept torch.compile's ``mode`` (ignored: the lowering is the ``exe_mode`` option); reject anything else
+    with what to pass instead."""
+    if mode not in TORCH_COMPILE_MODES:
+        raise ValueError(f"dsa_offload: mode={mode!r} is not a torch.compile mode {TORCH_COMPILE_MODES[1:]}; the "
+                         "backend's own lowering is the exe_mode option (make_offload_backend(exe_mode=...))")
+    if mode not in (None, "default"):
+        log.info("dsa_offload: torch.compile mode=%r has no effect (the lowering is exe_mode)", mode)
+
+
+def _dynamo_frame() -> Optional[dict]:
+    """Dynamo's compile id of the frame being compiled and its recompile limit (None outside Dynamo)."""
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - an older torch without compile ids: nothing to report
+        return None
+    if cid is None or cid.frame_compile_id is None:
+        return None
+    cfg = torch._dynamo.config
+    limit = getattr(cfg, "recompile_limit", None) or getattr(cfg, "cache_size_limit", None)
+    return {"frame_id": cid.frame_id, "frame_compile_id": cid.frame_compile_id, "recompile_limit": limit,
+            "last_allowed": limit is not None and cid.frame_compile_id + 1 >= limit}
+
 
 #: how many GraphReports a backend keeps (the newest); a long-lived backend must not grow without bound
 MAX_REPORTS = 256
@@ -88,8 +120,9 @@ class _Compiled:
     inputs it writes itself, so the decode graph sees a compiled prefill as an outside write."""
 
     def __init__(self, fn: Callable, binder: Optional[StateBinder], backend: "OffloadBackend", graph_id: str,
-                 bump: Sequence[int] = (), final_graph: Optional[fx.Graph] = None):
+                 bump: Sequence[int] = (), final_graph: Optional[fx.Graph] = None, report: Any = None):
         self.fn = fn
+        self.report = report  # its cold_resets follows the binder's (state.StateBinder.cold_resets)
         self.binder = binder  # owns a private state: the backend holds it weakly
         self.backend_ref = weakref.ref(backend)
         self.graph_id = graph_id
@@ -111,6 +144,8 @@ class _Compiled:
             be._last = weakref.ref(b)
         out = self.fn(*args, *extra)
         b.after_call(args)
+        if self.report is not None and b.cold_resets != (self.report.cold_resets or 0):
+            self.report.cold_resets = b.cold_resets
         return out
 
 
@@ -139,8 +174,7 @@ class OffloadBackend:
                  side_stream: bool = True, **kw: Any):
         self.options = OffloadOptions.from_any(options, **kw)
         mode = self.options.exe_mode
-        if mode not in self.modes:
-            raise ValueError(f"exe_mode must be one of {self.modes} for {type(self).__name__}, got {mode!r}")
+        check_exe_mode(mode, self.modes, where=f" for {type(self).__name__}")
         self.lowering: Lowering = lowering_for(mode, compiler_config=compiler_config,
                                                npu_options=dict(npu_options or {}), side_stream=side_stream)
         # weak: a compiled graph owns its binder; the state lives with the caches (state.REGISTRY) or,
@@ -169,6 +203,11 @@ class OffloadBackend:
     @property
     def state(self) -> Optional[OffloadState]:
         """The state of the most recently run rewritten graph (of its last call's caches)."""
+        if not self.reports:
+            warn_once(("no_graph", id(self)), "this dsa_offload backend has compiled no graph yet. Note that "
+                      "torch.compile(model).generate() compiles nothing: torch's compiled wrapper hands generate() "
+                      "to the original model; use offload(model).generate(...), model.forward = "
+                      "torch.compile(model.forward, backend=...) or generate(compile_config=...) (docs/hf.md)")
         b = self._last() if self._last is not None else None
         st = b.last_state if b is not None else None
         if st is None:
@@ -182,7 +221,14 @@ class OffloadBackend:
         for st in self.states:
             st.reset(rows)
 
+    def __deepcopy__(self, memo: dict) -> "OffloadBackend":
+        # a backend is process state (compiled graphs, their pools), like a compiled function: a deep copy of
+        # what holds it shares it. transformers' CompileConfig.to_dict() deep-copies its backend before
+        # torch.compile; a copy would collect the reports and states the user reads on the original.
+        return self
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        check_torch_mode(kwargs.pop("mode", None))
         return self.compile(gm, example_inputs, **kwargs)
 
     def final_graph(self, graph_id: Optional[str] = None) -> Optional[fx.Graph]:
@@ -210,6 +256,16 @@ class OffloadBackend:
         opts, hook = self.lowering.prepare(self.options, graph_id, self.install_hook)
         gm, state, report = rewrite_for_offload(gm, example_inputs, opts, hook, graph_id,
                                                 shared_state=self.lowering.shared_state)
+        report.dynamo = _dynamo_frame()
+        if report.dynamo is not None and report.dynamo["last_allowed"] and (report.rewritten or report.dense):
+            # past this compile Dynamo runs the frame as it is (no graph, no offload) for any shape its guards
+            # reject, and says so once in its own log; the user hears it from us too
+            msg = (f"{graph_id}: Dynamo's recompile_limit ({report.dynamo['recompile_limit']}) is reached for this "
+                   f"frame (compile #{report.dynamo['frame_compile_id'] + 1}): calls with new shapes (batch size, "
+                   "max_cache_len) will run the model unmodified, without the offload. Reuse one StaticCache "
+                   "(fixed max_cache_len) or raise torch._dynamo.config.recompile_limit (docs/hf.md)")
+            log.warning(msg)
+            warn_once(("recompile_limit", report.dynamo["frame_id"]), msg)
         self.lowering.after_rewrite(gm, state, report, opts, hook)
         binder = None
         bump: list[int] = []
@@ -233,7 +289,7 @@ class OffloadBackend:
                                                               "reinplace_s"))
         if dumper:
             dumper.report(report.to_dict())
-        compiled = _Compiled(fn, binder, self, graph_id, bump, ctx.final_graph)
+        compiled = _Compiled(fn, binder, self, graph_id, bump, ctx.final_graph, report)
         if ctx.final_graph is not None:
             self._recent_graphs.append((graph_id, ctx.final_graph))
         self._compiled[graph_id] = compiled
@@ -295,6 +351,19 @@ def backend_for_options(options: Optional[Mapping] = None) -> Any:
 def dsa_offload_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[Mapping] = None,
                         **kw: Any) -> Callable:
     """Entry point of ``torch.compile(m, backend="dsa_offload", options={...})``."""
+    check_torch_mode(kw.pop("mode", None))
     opts = dict(options or {})
     opts.update(kw)
     return backend_for_options(opts)(gm, example_inputs)
+
+
+def offload_compile_config(*, fullgraph: bool = False, dynamic: Optional[bool] = None, **options: Any) -> Any:
+    """A ``transformers.CompileConfig`` for ``model.generate(compile_config=...)`` that compiles the decode
+    step with this backend (``options`` as :func:`make_offload_backend`). ``mode`` is None: torch.compile
+    takes either a mode or options, and HF's default mode "reduce-overhead" would do nothing here. It also
+    compiles on CPU (HF compiles on accelerators only unless asked)."""
+    from transformers import CompileConfig
+
+    cc = CompileConfig(fullgraph=fullgraph, dynamic=dynamic, backend=make_offload_backend(**options), mode=None)
+    cc._compile_all_devices = True
+    return cc

@@ -20,9 +20,12 @@ tensors. Verified on CPU: the placement decisions; only a GPU can confirm the re
 * :func:`place_full_caches`: applies the plan (needs CUDA: pinning is a CUDA driver call).
 * :func:`kv_bytes`: device and host bytes of a plan (the benchmark's accounting).
 
-The unmodified model's *own* cache writes of the new token (the recipe's ``index_put_`` into ``kv_cache``,
-HF ``StaticCache.update``'s ``index_copy_``) would be device ops on a host tensor: the CUDA lowering rewrites
-them into host writes (``passes/host_cache_writes.py``; docs/cuda.md says what a GPU must still confirm).
+The recipe model's own writes of new KV rows into host caches (prefill, re-fill, decode) go through
+``offload_ref::npu_mla_prolog_cache_write_``, whose CUDA kernel stores through the pinned address
+(``custom_ops/cuda/cache_write.py``); an ATen ``index_put_`` of device rows into a host tensor is refused by
+torch and by Dynamo. HF ``StaticCache.update`` into host caches is not supported (docs/cuda.md).
+:func:`host_pinned` pins without a transient copy and without the pinned allocator's power-of-two rounding;
+:func:`raise_device_errors` reports what device-side checks flagged (the guards of the ``cuda`` mode).
 """
 from __future__ import annotations
 
@@ -32,9 +35,12 @@ from typing import Any, Iterable, List, Union
 
 import torch
 
+from .custom_ops.cuda._common import raise_device_errors  # noqa: E402  (re-exported: call it after the last step)
+
 log = logging.getLogger("offload_passes.cuda")
 
-__all__ = ["Placement", "plan_placement", "place_full_caches", "kv_bytes", "require_cuda", "HOST", "DEVICE"]
+__all__ = ["Placement", "plan_placement", "place_full_caches", "kv_bytes", "require_cuda", "raise_device_errors",
+           "host_pinned", "release_host", "host_bytes_per_token", "HOST", "DEVICE"]
 
 HOST, DEVICE = "host", "device"
 #: recipe-form attention buffers: the full caches (host) and what the offload adds beside them (device)
@@ -143,6 +149,62 @@ def require_cuda(what: str) -> None:
                            "use the CPU exe_modes (eager / inductor), whose full caches are ordinary host memory")
 
 
+#: cudaHostRegister flags: portable (every context) | mapped (a device address; under UVA the host address)
+HOST_REGISTER_FLAGS = 1 | 2
+#: data_ptr -> the host tensor registered by :func:`host_pinned` (kept alive: registered memory must not be
+#: freed while registered; :func:`release_host` unregisters it)
+_REGISTERED: dict = {}
+
+
+def host_bytes_per_token(latent: int, rope: int, layers: int, elem: int = 2) -> int:
+    """Host bytes of the full caches per token of context and batch row: ``layers * (latent + rope) * elem``
+    (GLM-5: 78 x (512 + 64) x 2 = 89,856 B, so 5.5 GiB per row at 64K and 754 GB for B = 128)."""
+    return layers * (latent + rope) * elem
+
+
+def _register(t: torch.Tensor) -> None:
+    ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, HOST_REGISTER_FLAGS))
+    if err != 0:
+        raise RuntimeError(f"offload_passes.cuda: cudaHostRegister of {nbytes} bytes failed with cudaError {err} "
+                           "(locked-memory limit? `ulimit -l`)")
+    _REGISTERED[ptr] = t
+
+
+def host_pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s contents in page-locked host memory of exactly its size, with no transient copy:
+
+    * a pinned host tensor is returned as it is;
+    * a dense pageable host tensor is registered in place (``cudaHostRegister``; no copy at all);
+    * anything else (a CUDA tensor, a strided view) is copied once into a new exact-size host tensor,
+      registered before the copy (the device writes it directly).
+
+    Why not ``Tensor.pin_memory()`` / ``torch.empty(pin_memory=True)``: torch's caching host allocator
+    rounds every block up to a power of two (a cache of ``ctx + 7`` rows takes twice its size) and
+    ``t.to("cpu").pin_memory()`` first makes a pageable copy of the whole cache.
+    """
+    require_cuda("host_pinned")
+    if t.device.type == "cpu" and t.is_pinned():
+        return t
+    if t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0 \
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        _register(t)
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype)  # pageable, exact size: registered below, then filled
+    _register(out)
+    out.copy_(t)
+    return out
+
+
+def release_host(t: torch.Tensor) -> None:
+    """Unregister a tensor :func:`host_pinned` registered (before dropping the last reference to it)."""
+    ptr = t.untyped_storage().data_ptr()
+    if _REGISTERED.pop(ptr, None) is not None:
+        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if err != 0:
+            raise RuntimeError(f"offload_passes.cuda: cudaHostUnregister failed with cudaError {err}")
+
+
 def _set(owner: Any, attr: str, t: torch.Tensor) -> None:
     if isinstance(owner, torch.nn.Module) and attr in owner._buffers:
         owner._buffers[attr] = t
@@ -166,7 +228,7 @@ def place_full_caches(obj: Any, device: Union[str, torch.device, None] = None) -
     for owner, attr, name, where in targets:
         t = getattr(owner, attr)
         if where == HOST:
-            new = t if (t.device.type == "cpu" and t.is_pinned()) else t.to("cpu").pin_memory()
+            new = host_pinned(t)
         else:
             new = t.to(dev)
         if new is not t:

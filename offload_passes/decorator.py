@@ -7,7 +7,15 @@
 
 Both expose ``offload_state`` (one ``OffloadState`` over every graph serving the module's caches, graph
 breaks included; empty before the first call), ``offload_backend`` (the ``OffloadBackend``) and
-``offload_reports``.
+``offload_reports``. A Hugging Face model's caches are not module buffers (they live in the ``StaticCache``
+that ``generate()`` builds): its ``offload_state`` is then the state bound to the caches of the
+backend's most recently run rewritten graph, i.e. of the last ``generate()`` call.
+
+Hugging Face models (``generate()``): the class form compiles ``nn.Module.__call__``, which ``generate``
+calls, so it offloads as it is. The instance form keeps ``generate``: ``offload(model).generate(...)``
+runs the model's own ``generate`` with its ``forward`` compiled by the backend for the duration of the
+call (``torch.compile(model).generate()`` compiles nothing: torch's wrapper hands ``generate`` to the
+original module; see docs/hf.md).
 
 ``copy.deepcopy``, ``torch.save`` / ``torch.load(..., weights_only=False)`` and ``pickle`` keep the
 module's parameters and buffers and its offload options; the copy (or loaded module) is compiled again
@@ -46,8 +54,15 @@ class _ExposesOffload:
 
     @property
     def offload_state(self) -> OffloadState:
-        """The state of every graph that serves this module (``reset(rows=...)`` covers them all)."""
-        return module_state(self._offload_target())
+        """The state of every graph that serves this module (``reset(rows=...)`` covers them all); for a
+        module whose caches are not its buffers (HF ``StaticCache``), the state of the last rewritten
+        graph's caches."""
+        st = module_state(self._offload_target())
+        if not st.groups and self.offload_backend.reports:
+            last = self.offload_backend.state
+            if last is not None:
+                return last
+        return st
 
     @property
     def offload_reports(self) -> list:
@@ -63,12 +78,32 @@ class OffloadedModule(_ExposesOffload, nn.Module):
         self.offload_backend = backend
         self._offload_rebuild = _rebuild_options(backend, options or {})
         self._compiled = torch.compile(module, backend=backend)
+        # generate() (HF GenerationMixin) calls the module's forward: compiled per call, see generate()
+        self._compiled_forward = torch.compile(module.forward, backend=backend) if hasattr(module, "generate") \
+            else None
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate`` with its ``forward`` compiled by the backend during the call."""
+        m = self.module
+        if self._compiled_forward is None:
+            raise AttributeError(f"{type(m).__name__} has no generate()")
+        had = "forward" in m.__dict__
+        prev = m.__dict__.get("forward")
+        m.forward = self._compiled_forward
+        try:
+            return m.generate(*args, **kwargs)
+        finally:
+            if had:
+                m.forward = prev
+            else:
+                del m.forward
 
     def __getstate__(self) -> dict:
         # the backend (weak references, compiled graphs) and the compiled wrapper are process state: a copy
         # gets its own in __setstate__ (pickling them fails deep inside a WeakValueDictionary)
         state = dict(self.__dict__)
         state.pop("offload_backend", None)
+        state.pop("_compiled_forward", None)
         state["_modules"] = {k: v for k, v in self._modules.items() if k != "_compiled"}
         return state
 
@@ -76,6 +111,8 @@ class OffloadedModule(_ExposesOffload, nn.Module):
         super().__setstate__(state)
         self.offload_backend = make_offload_backend(**self._offload_rebuild)
         self._compiled = torch.compile(self.module, backend=self.offload_backend)
+        self._compiled_forward = torch.compile(self.module.forward, backend=self.offload_backend) \
+            if hasattr(self.module, "generate") else None
 
     def _offload_target(self) -> nn.Module:
         return self.module
@@ -110,6 +147,29 @@ def _wrap_class(cls: type, opts: dict) -> type:
     Offloaded.__module__ = cls.__module__
     Offloaded.__doc__ = cls.__doc__
     return Offloaded
+
+
+class _CacheTensors:
+    """The tensors of a cache object in layer order, for ``module_state`` (which reads ``buffers()``)."""
+
+    def __init__(self, tensors: list):
+        self._tensors = tensors
+
+    def buffers(self) -> Any:
+        return iter(self._tensors)
+
+
+def static_cache_state(cache: Any) -> OffloadState:
+    """The offload state bound to a Hugging Face ``StaticCache`` (``generate(..., return_dict_in_generate=True)
+    .past_key_values``): its pools and counters, every group whose caches are this cache's layers. Empty when
+    no rewritten graph ran on it."""
+    tensors = []
+    for layer in getattr(cache, "layers", ()):
+        for name in ("keys", "values", "indexer_keys"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                tensors.append(t)
+    return module_state(_CacheTensors(tensors))
 
 
 def offload(target: Any = None, /, **options: Any) -> Any:

@@ -21,75 +21,13 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ._cli import EXIT_CHECK_FAILED, EXIT_OK, ArgumentParser, UsageError, run_cli, writable_dir, writable_file
-
-ATTN_TOL = 2e-2
-LOGITS_TOL = 5e-2
-#: ``--threads`` above the machine's CPUs only oversubscribes, and torch's thread pool segfaults on huge
-#: counts (100000 did): the limit is ``os.cpu_count()``.
-MAX_THREADS = os.cpu_count() or 1
-
-#: The one ``--json`` schema of both front-ends (``run`` and ``demo_hf.run_hf`` build it with ``result``).
-RESULT_KEYS = (
-    "model", "config", "mode", "steps", "B", "S", "K", "T", "prefill", "attn_implementation", "dtype",
-    "pool_size", "rewritten", "sparse_layers", "groups", "offload", "ops", "replacement_policy",
-    "hits", "misses", "window", "hit_rate", "host_rows_read", "baseline_host_rows_read", "host_rows_saved",
-    "reference", "max_abs_diff", "max_rel_diff", "tolerance", "within_tolerance",
-    "refusals", "offload_refusals", "dense_masks_left",
-    "compile_s", "pass_s", "timings", "state_bytes", "run_s", "trace",
-)
-#: The outputs each difference measure is reported for (``None`` where the front-end has no such output).
-DIFF_OUTPUTS = ("logits", "attn")
-#: The difference measures; ``tolerance`` is keyed the same way.
-DIFF_MEASURES = ("max_abs_diff", "max_rel_diff")
-
-
-def result(**fields: Any) -> dict:
-    """A ``--json`` object: every key of ``RESULT_KEYS`` in that order, ``None`` where not given."""
-    unknown = sorted(set(fields) - set(RESULT_KEYS))
-    if unknown:  # a front-end adding a key of its own would split the schema again
-        raise TypeError(f"demo result: keys {unknown} are not in RESULT_KEYS")
-    return {k: fields.get(k) for k in RESULT_KEYS}
-
-
-def per_output(**values: Optional[float]) -> dict:
-    """``{"logits": ..., "attn": ...}`` (the outputs not given are ``None``)."""
-    return {k: values.get(k) for k in DIFF_OUTPUTS}
-
-
-def max_diffs(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> tuple[float, float]:
-    """``(max |out - ref|, max over pairs of |out - ref| / max |ref|)``; a zero reference counts the
-    absolute difference (0 when both are 0)."""
-    d_abs = d_rel = 0.0
-    for r, o in zip(refs, outs, strict=True):
-        d = float((o.float() - r.float()).abs().max())
-        scale = float(r.float().abs().max())
-        d_abs = max(d_abs, d)
-        d_rel = max(d_rel, d / scale if scale > 0 else d)
-    return d_abs, d_rel
-
-
-def op_counts(rep: dict, replacement_policy: str) -> dict:
-    """dsa_plan / dsa_serve / dsa_install (+ dsa_install_sc under second chance) in the final graph."""
-    ops_after = rep.get("ops", {}).get("after", {})
-    return {k: ops_after.get(k, 0) for k in ("dsa_plan", "dsa_serve", "dsa_install")
-            + (("dsa_install_sc",) if replacement_policy != "fifo" else ())}
-
-
-def check_threads(threads: int) -> int:
-    """``threads`` if in ``[0, MAX_THREADS]``; ``UsageError`` naming the limit otherwise."""
-    if not 0 <= threads <= MAX_THREADS:
-        raise UsageError(f"--threads must be in [0, {MAX_THREADS}] (0 = torch default; at most os.cpu_count() "
-                         f"= {MAX_THREADS}), got {threads}")
-    return threads
-
-
-def set_threads(threads: int) -> None:
-    """``torch.set_num_threads`` for ``threads`` in ``[1, MAX_THREADS]``; 0 keeps torch's default."""
-    if check_threads(threads) > 0:
-        torch.set_num_threads(threads)
+from .demo_common import (  # noqa: F401  (the schema and helpers are part of demo's interface)
+    ATTN_TOL, DIFF_MEASURES, DIFF_OUTPUTS, LOGITS_TOL, MAX_THREADS, RESULT_KEYS, check_threads, max_diffs,
+    op_counts, per_output, result, set_threads)
 
 
 def baseline_host_rows(topk_steps: list, lengths: list, groups: list, S: int) -> int:
@@ -195,6 +133,146 @@ def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: O
     )
 
 
+def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: Optional[int] = None,
+              next_n: int = 3, batch: int = 4, seed: int = 0, threads: int = 1, unannounced: bool = False,
+              on_step: Optional[Any] = None, max_seconds: float = 0.0) -> dict:
+    """The serving loop (``models/glm/serve.py``: continuous batching on the cache manager's block tables,
+    a C++ KV transfer that moves no version counter, varying MTP acceptance) with the unmodified model and
+    the compiled one (``OffloadState.move_rows`` on every batch change) side by side; ``unannounced`` adds
+    a third lane compiled the same way that is told nothing (per-row in-graph signals only).
+
+    The static-batch comparison on the same trace: every request's recorded top-k (what the compiled
+    lane's ``dsa_plan`` received) replayed through the same plan / install kernels in a row of its own
+    for its whole life (``trace.kernel_replay``): what a static batch, whose rows keep their request,
+    would hit on exactly these requests. ``on_step(i, server)`` runs after each step (the soak samples
+    memory there); ``max_seconds`` > 0 stops after that wall time (``steps`` then says how many ran)."""
+    from . import models
+    from .backend import make_offload_backend
+    from .models.glm.serve import Lane, Server, ServeConfig
+    from .state import module_state
+    from .trace.format import Trace
+    from .trace.kernel_replay import replay_kernels
+    from .trace.record import PlanRecorder
+
+    set_threads(threads)
+    over: dict[str, Any] = {"enable_offload": True, "batch_size": batch, "next_n": next_n}
+    r = models.load_config(config, **over).runner
+    over.update(prefill_len=min(r.prefill_len, r.pa_max_length // 2), decode_steps=1)
+    ref = models.build(config, **over)
+    comp = models.build(config, **over)
+    pm = models.build(config, **dict(over, batch_size=1)).model
+    opts: dict[str, Any] = {"exe_mode": mode, "pa_block_size": r.pa_block_size, "next_n": r.next_n}
+    if pool_size is not None:
+        opts["pool_size"] = pool_size
+    backend = make_offload_backend(**opts)
+    ref_fn = torch.compile(ref.model, backend="inductor") if mode == "inductor" else None
+    lanes = [Lane(ref.model, ref_fn),
+             Lane(comp.model, torch.compile(comp.model, backend=backend),
+                  lambda src: module_state(comp.model).move_rows(src))]
+    backend2 = None
+    if unannounced:
+        comp2 = models.build(config, **over)
+        backend2 = make_offload_backend(**opts)
+        lanes.append(Lane(comp2.model, torch.compile(comp2.model, backend=backend2)))
+    K, cap = ref.config.index_topk, r.pa_max_length
+    cfg = ServeConfig(seed=seed, prompt_len=(K, max(K, cap // 2)), output_len=(4, 64))
+    srv = Server(lanes, pm, cfg)
+    diffs = [0.0] * (len(lanes) - 1)
+    IR = None
+    ptrs: dict[int, int] = {}
+    live: dict[int, list] = {}  # request id -> its steps: ([G, S, K] top-k, length)
+    kinds = np.zeros(6, dtype=np.int64)
+    replayed = [True]
+
+    def replay(steps_of: list) -> None:
+        # one request alone in a row for its whole life: the static batch, same kernels, same top-k
+        topk = np.stack([tk for tk, _ in steps_of])[:, :, None]  # [n, G, 1, S, K]
+        lens = np.array([[L] for _, L in steps_of], dtype=np.int32)
+        tr = Trace(topk, lens, K, [list(g.layers) for g in st.groups], config, "compiled")
+        for g in range(topk.shape[1]):
+            kinds[:] += replay_kernels(tr, backend.options.resolved_pool_size, group=g, id_range=IR).sum(0)
+
+    t0 = time.perf_counter()
+    done = 0
+    st = None
+    with PlanRecorder() as recorder:
+        for i in range(steps):
+            if max_seconds > 0 and time.perf_counter() - t0 > max_seconds:
+                break
+            outs = srv.step()
+            for j, o in enumerate(outs[1:]):
+                diffs[j] = max(diffs[j], (outs[0].float() - o.float()).abs().max().item())
+            if st is None:
+                st = module_state(comp.model)
+                ptrs = {g.pool_ids.data_ptr(): n for n, g in enumerate(st.groups)}
+                IR = int(st.groups[0].id_to_slot.size(1)) if st.groups else None
+            calls = [c for c in recorder.calls if c[0] in ptrs]  # this step, the announcing lane only
+            recorder.calls.clear()
+            if len(calls) != len(ptrs) or not ptrs:
+                replayed[0] = False
+            else:
+                calls.sort(key=lambda c: ptrs[c[0]])
+                for b, rid in enumerate(srv.rows):
+                    live.setdefault(rid, []).append((np.stack([c[1][b].numpy() for c in calls]), int(calls[0][2][b])))
+                for rid in [r for r in live if r not in srv.rows]:
+                    replay(live.pop(rid))
+            if on_step is not None:
+                on_step(i, srv)
+            done = i + 1
+        for rid in list(live):
+            replay(live.pop(rid))
+    run_s = time.perf_counter() - t0
+    steps_requested, steps = steps, done
+    st = module_state(comp.model)
+    rep = backend.reports[-1] if backend.reports else {}
+
+    def rate(h: int, m: int) -> float:
+        return h / (h + m) if h + m else 0.0
+
+    tot = st.totals()
+    out = {"config": config, "mode": mode, "steps": steps, "steps_requested": steps_requested, "B": batch,
+           "S": srv.S, "K": K,
+           "pool_size": backend.options.resolved_pool_size, "rewritten": bool(rep.get("rewritten")),
+           "paged": [bool(g.get("paged")) for g in rep.get("groups", [])],
+           "requests_finished": srv.finished, "requests_admitted": srv.next_rid, "batch_changes": srv.batch_changes,
+           "hits": tot["hits"], "misses": tot["misses"], "window": tot["window"],
+           "hit_rate": rate(tot["hits"], tot["misses"]), "max_abs_diff": diffs[0],
+           "tolerance": LOGITS_TOL if mode == "inductor" else 0.0, "run_s": run_s}
+    if replayed[0] and steps:
+        out["static"] = {"hits": int(kinds[1]), "misses": int(kinds[2]), "window": int(kinds[3]),
+                         "hit_rate": rate(int(kinds[1]), int(kinds[2]))}
+        out["hit_ratio_vs_static"] = tot["hits"] / int(kinds[1]) if kinds[1] else 0.0
+        out["hit_rate_points_vs_static"] = 100.0 * (out["hit_rate"] - out["static"]["hit_rate"])
+    if backend2 is not None:
+        st2 = module_state(lanes[2].model)
+        t2 = st2.totals()
+        out["unannounced"] = {"hits": t2["hits"], "misses": t2["misses"], "hit_rate": rate(t2["hits"], t2["misses"]),
+                              "max_abs_diff": diffs[1]}
+    out["within_tolerance"] = max(diffs) <= out["tolerance"]
+    return out
+
+
+def _summary_serve(o: dict) -> str:
+    lines = [
+        f"offload demo --serve: config={o['config']} mode={o['mode']} steps={o['steps']} B={o['B']} S={o['S']} "
+        f"K={o['K']} pool={o['pool_size']}",
+        f"  requests: {o['requests_admitted']} admitted, {o['requests_finished']} finished; batch changed on "
+        f"{o['batch_changes']} steps; rewritten: {o['rewritten']} (paged groups: {o['paged']})",
+        f"  pool: hits {o['hits']}  misses {o['misses']}  window {o['window']}  hit rate {o['hit_rate']:.1%}",
+    ]
+    if "static" in o:
+        lines.append(f"  same requests in a static batch (same kernels, same top-k): hit rate "
+                     f"{o['static']['hit_rate']:.1%}; served / static hits {o['hit_ratio_vs_static']:.4f} "
+                     f"({o['hit_rate_points_vs_static']:+.2f} points)")
+    if "unannounced" in o:
+        u = o["unannounced"]
+        lines.append(f"  told nothing (in-graph per-row signals only): hit rate {u['hit_rate']:.1%}, "
+                     f"max |diff| {u['max_abs_diff']:.3g}")
+    lines.append(f"  max |diff| vs the unmodified model, every step: logits {o['max_abs_diff']:.3g}  "
+                 f"({'within' if o['within_tolerance'] else 'OUTSIDE'} tolerance)")
+    return "\n".join(lines)
+
+
 def _save_trace(recorder, state, config: str, path: str) -> str:
     from .trace.format import save_trace
 
@@ -229,10 +307,11 @@ def _summary(o: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = ArgumentParser(prog="offload-demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=("glm", "hf"), default="glm",
-                   help="glm: the recipe-form GLM-5.2 model; hf: the unmodified transformers GlmMoeDsaForCausalLM")
+                   help="glm: the recipe-form GLM-5.2 model; hf: an unmodified transformers DSA model (docs/hf.md)")
     p.add_argument("--config", default=None,
                    help="model preset (tiny, small, glm-5.2-78l, tiny-w8a8, glm-5.2-78l-w8a8; with --model hf: "
-                        "hf-tiny, hf-glm5-attn) or yaml path (default tiny / hf-tiny)")
+                        "hf-tiny, hf-glm5-attn, hf-deepseek-v32, hf-hy-v4, hf-dots3-note, hf-glm5-next, "
+                        "hf-deepseek-v4) or yaml path (default tiny / hf-tiny)")
     p.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="--model hf: attn_implementation")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="--model hf: model dtype (bfloat16 enables the offload ops)")
@@ -251,6 +330,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--world", type=int, default=1, metavar="N",
                    help="spawn N ranks (gloo, loopback) of the recipe's multi-rank layout and compare every rank "
                         "with its own unmodified model (offload_passes/demo_world.py; --model glm)")
+    p.add_argument("--serve", action="store_true",
+                   help="the serving loop (models/glm/serve.py): continuous batching on paged KV, B=4 rows, "
+                        "next_n 3 unless given; --model glm")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, stream=sys.stderr)
@@ -273,6 +355,8 @@ def _main(a: argparse.Namespace) -> int:
     if a.record_trace:
         writable_file(a.record_trace, "--record-trace")
     _check_config_fits_model(a.model, a.config)
+    if a.serve and (a.world != 1 or a.model != "glm"):
+        raise UsageError("--serve applies to --model glm on one process (no --world)")
     if a.world != 1:  # the multi-rank demo (demo_world.py)
         from .demo_world import MAX_WORLD, main_world
 
@@ -292,6 +376,13 @@ def _main(a: argparse.Namespace) -> int:
         return EXIT_OK if out["within_tolerance"] else EXIT_CHECK_FAILED
     if a.attn or a.dtype:
         raise UsageError("--attn / --dtype apply to --model hf only")
+    if a.serve:
+        if a.record_trace or a.replacement_policy != "fifo" or a.dump_dir:
+            raise UsageError("--serve does not take --record-trace / --replacement-policy / --dump-dir")
+        out = run_serve(a.config or "tiny", a.steps, a.mode, a.pool_size, 3 if a.next_n is None else a.next_n,
+                        threads=a.threads)
+        print(json.dumps(out, indent=1) if a.json else _summary_serve(out))
+        return EXIT_OK if out["within_tolerance"] else EXIT_CHECK_FAILED
     out = run(a.config or "tiny", a.steps, a.mode, a.pool_size, a.next_n, a.dump_dir, a.threads, a.record_trace,
               a.replacement_policy)
     print(json.dumps(out, indent=1) if a.json else _summary(out))

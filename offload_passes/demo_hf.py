@@ -1,6 +1,8 @@
-"""``offload-demo --model hf``: the unmodified Hugging Face ``transformers`` GLM-5 DSA model
-(``GlmMoeDsaForCausalLM``, random init from a preset such as ``hf-tiny``) vs the same model compiled
-with the backend: prefill, then N teacher-forced decode steps on a ``StaticCache``, side by side.
+"""``offload-demo --model hf``: an unmodified Hugging Face ``transformers`` DSA model (random init from
+a preset: ``hf-tiny`` is ``GlmMoeDsaForCausalLM``; ``hf-deepseek-v32``, ``hf-hy-v4``, ``hf-dots3-note``,
+``hf-glm5-next``, ``hf-deepseek-v4`` the other families, the class chosen from the preset's model type)
+vs the same model compiled with the backend: prefill, then N teacher-forced decode steps on a
+``StaticCache`` (a ``DynamicCache`` where the preset says so), side by side.
 
 fp32 presets get the sparse rewrite only (the offload ops take f16/bf16 KV; reported, not an error);
 ``--dtype bfloat16`` adds the shared-indexer offload. Tolerances: fp32 1e-4 relative to the largest
@@ -11,12 +13,15 @@ reported beside it; ``attn`` is null in both (the HF model does not expose its a
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Optional
 
 import torch
 
-from .demo import max_diffs, op_counts, per_output, result, set_threads
+from .demo_common import max_diffs, op_counts, per_output, result, set_threads
+
+log = logging.getLogger("offload_passes.demo_hf")
 
 FP32_REL_TOL = 1e-4
 BF16_REL_TOL = 2e-2
@@ -41,10 +46,12 @@ def run_hf(config: str = "hf-tiny", steps: int = 64, mode: str = "eager", pool_s
     if dump_dir:
         opts["dump_dir"] = dump_dir
     backend = make_offload_backend(**opts)
-    step_fn = torch.compile(comp.model, backend=backend, fullgraph=True)
+    # a DynamicCache (deepseek_v4's compressor state) graph-breaks in transformers' own cache code
+    fullgraph = comp.runner.cache == "static"
+    step_fn = torch.compile(comp.model, backend=backend, fullgraph=fullgraph)
     # inductor mode: the reference goes through Inductor too (its bf16 fusions round differently from
     # eager), so the difference measures the rewrite, not Inductor's numerics
-    base_fn = torch.compile(base.model, backend="inductor", fullgraph=True) if mode == "inductor" else None
+    base_fn = torch.compile(base.model, backend="inductor", fullgraph=fullgraph) if mode == "inductor" else None
     t0 = time.perf_counter()
     ref = base.run(base_fn, steps=steps)
     t_base = time.perf_counter() - t0
@@ -60,6 +67,8 @@ def run_hf(config: str = "hf-tiny", steps: int = 64, mode: str = "eager", pool_s
     hfr = rep.get("hf", {})
     sites = hfr.get("sites", [])
     hits, misses = tot["hits"], tot["misses"]
+    log.info("hf demo: %s (%s) compiled %d graph(s)", type(comp.model).__name__,
+             getattr(comp.config, "model_type", "?"), len(backend.reports))
     return result(
         model="hf", config=config, mode=mode, steps=steps,
         B=comp.runner.batch_size, S=sites[0].get("S") if sites else None, K=sites[0]["K"] if sites else None,
@@ -89,7 +98,7 @@ def run_hf(config: str = "hf-tiny", steps: int = 64, mode: str = "eager", pool_s
 
 def summary_hf(o: dict) -> str:
     lines = [
-        f"offload demo: model=hf (transformers GlmMoeDsaForCausalLM) config={o['config']} "
+        f"offload demo: model=hf (transformers) config={o['config']} "
         f"attn={o['attn_implementation']} "
         f"dtype={o['dtype']} mode={o['mode']} steps={o['steps']} B={o['B']} K={o['K']} T={o['T']}",
         f"  rewritten: {o['rewritten']}   sparse layers: {o['sparse_layers']}   groups: {o['groups']}   "

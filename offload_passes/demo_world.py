@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
-from .npu_modes import MC2_OPS, is_collective, op_name as _op_name
+from .npu_modes import MC2_OPS, is_collective, namespace_and_op
 
 log = logging.getLogger("offload_passes.demo_world")
 
@@ -61,7 +61,7 @@ def collective_sequence(graph: fx.Graph | fx.GraphModule) -> list[tuple]:
     out = []
     for n in g.nodes:
         if is_collective(n):
-            op = _op_name(n)[1]
+            op = namespace_and_op(n)[1]
             args = [_shape(a) for a in n.args] + [[k, _shape(v)] for k, v in sorted(n.kwargs.items())]
             out.append((op, json.loads(json.dumps(args, default=str))))
     return out
@@ -76,7 +76,7 @@ def collective_kinds(graph: fx.Graph | fx.GraphModule) -> list[tuple]:
     out = []
     for n in g.nodes:
         if is_collective(n):
-            ns, op = _op_name(n)
+            ns, op = namespace_and_op(n)
             out.append((NPUGRAPH_EX_COLLECTIVES.get((ns, op), op), _shape(n.args[0])))
     return out
 
@@ -137,7 +137,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_path: str) -> Non
 def _run_rank(rank: int, world: int, spec: dict) -> dict:
     from . import models
     from .backend import make_offload_backend
-    from .demo import ATTN_TOL, LOGITS_TOL, max_diffs
+    from .demo_common import ATTN_TOL, LOGITS_TOL, max_diffs
 
     mode, steps = spec.get("mode", "eager"), int(spec.get("steps", 8))
     layout = models.ParallelLayout.current()

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from . import _compat
-from .modes import CPU_EXE_MODES
+from .modes import CPU_EXE_MODES, check_exe_mode
 from .options import OffloadOptions
 from .passes import _fx
 from .passes.inductor_targets import define_aliases, retarget_for_inductor
@@ -91,8 +91,7 @@ class CpuLowering:
     shared_state = True
 
     def __init__(self, mode: str, **npu_kw: Any):
-        if mode not in CPU_EXE_MODES:
-            raise ValueError(f"exe_mode must be one of {CPU_EXE_MODES} for the CPU lowering, got {mode!r}")
+        check_exe_mode(mode, CPU_EXE_MODES, where=" for the CPU lowering")
         given = sorted(k for k, v in npu_kw.items() if v not in (None, {}, True))
         if given:
             raise ValueError(f"{given} only apply to the NPU exe_modes, not {mode!r}")

@@ -20,9 +20,13 @@ What the mode is (the decisions; docs/cuda.md has the reasons at length):
   of a custom op), so this mode never hands the graph to Inductor; ``torch.compile(mode=...)`` (Inductor
   settings, ``"reduce-overhead"`` = CUDA graphs / cudagraph trees) is refused by name.
 * **Host-resident KV**: the full caches may be pinned host tensors (:mod:`offload_passes.cuda`); the
-  serve kernel reads their missed rows zero-copy. Nothing here copies them. The model's own writes of the
-  new token into them get host operands (``passes/host_cache_writes.py``, run in :meth:`CudaLowering.after_rewrite`
-  on every graph, rewritten or not; a no-op when the devices agree).
+  serve kernel reads their missed rows zero-copy. Nothing here copies them. The model writes its new rows
+  into them with the cache-write op (device stores through the pinned address, ``custom_ops/cuda/cache_write.py``);
+  ``passes/host_cache_writes.py`` (run in :meth:`CudaLowering.after_rewrite` on every graph) gives host operands
+  only to an ATen write into a host graph input, which Dynamo-traced graphs do not contain.
+* **Guards**: every ``aten._assert_async.msg`` of the rewrite (a device-side assert on CUDA, fatal to the
+  context) becomes ``offload_cuda::guard``: raised at once on the host, a pinned error word on the device,
+  raised by the lowered step before its next call (:func:`device_safe_guards`, ``custom_ops/cuda/guard.py``).
 """
 from __future__ import annotations
 
@@ -34,7 +38,9 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 from torch import fx
 
+from .custom_ops.cuda._common import raise_device_errors
 from .lowering_cpu import CpuLowering
+from .modes import CUDA_EXE_MODES, check_exe_mode
 from .options import OffloadOptions
 from .passes.host_cache_writes import HostCacheWritesReport, host_cache_writes
 from .passes.rewrite import InstallHook
@@ -42,8 +48,8 @@ from .state import OffloadState
 
 log = logging.getLogger("offload_passes.lowering_cuda")
 
-__all__ = ["CudaLowering", "CudaInstallHook", "CUDA_MODE", "STREAM_NAMESPACE", "STREAM_OPS", "StreamRuntime",
-           "RUNTIME", "UNSUPPORTED_COMPILE_MODES"]
+__all__ = ["CudaLowering", "CudaInstallHook", "CUDA_MODE", "STREAM_NAMESPACE", "STREAM_OPS", "GUARD_OP",
+           "StreamRuntime", "RUNTIME", "UNSUPPORTED_COMPILE_MODES", "device_safe_guards", "raise_device_errors"]
 
 CUDA_MODE = "cuda"
 STREAM_NAMESPACE = "offload_cuda"
@@ -134,6 +140,23 @@ _LIB.impl("scope_exit", lambda tag: RUNTIME.scope_exit(tag), "CompositeExplicitA
 _LIB.impl("stream_join", lambda tag: RUNTIME.join(tag), "CompositeExplicitAutograd")
 
 
+def _guard(ok: torch.Tensor, msg: str) -> None:
+    """The rewrite's run-time guard in this mode: on the host ``RuntimeError(msg)`` now (what
+    ``aten._assert_async`` does on a CPU tensor); on a CUDA tensor a device flag, raised by the lowered
+    step before its next call (``custom_ops/cuda/guard.py``), never a device-side assert."""
+    if ok.device.type == "cpu":
+        if not bool(ok):
+            raise RuntimeError(msg)
+        return
+    from .custom_ops.cuda import guard as G
+
+    G.flag(ok, msg)
+
+
+_LIB.define("guard(Tensor ok, str msg) -> ()")
+_LIB.impl("guard", _guard, "CompositeExplicitAutograd")
+
+
 def _fake_tag(tag: int) -> None:
     return None
 
@@ -145,6 +168,7 @@ def _fake_record(t: torch.Tensor, tag: int) -> None:
 for _name in _SCHEMAS:
     torch.library.register_fake(f"{STREAM_NAMESPACE}::{_name}", _fake_record if _name == "record_stream" else _fake_tag,
                                 lib=_LIB)
+torch.library.register_fake(f"{STREAM_NAMESPACE}::guard", lambda ok, msg: None, lib=_LIB)
 
 _ops = getattr(torch.ops, STREAM_NAMESPACE)
 #: The stream ops, by name. They return nothing and mutate nothing, so they are declared side-effectful
@@ -152,6 +176,26 @@ _ops = getattr(torch.ops, STREAM_NAMESPACE)
 STREAM_OPS = {n: getattr(_ops, n).default for n in _SCHEMAS}
 for _op in STREAM_OPS.values():
     fx.node.has_side_effect(_op)
+#: the guard of this mode (replaces ``aten._assert_async.msg``); side-effectful like the stream ops
+GUARD_OP = _ops.guard.default
+fx.node.has_side_effect(GUARD_OP)
+
+
+def device_safe_guards(gm: fx.GraphModule) -> List[str]:
+    """Replace every ``aten._assert_async.msg(ok, msg)`` of ``gm`` by ``offload_cuda::guard(ok, msg)`` (same
+    place, same arguments); returns the replaced node names."""
+    done = []
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten._assert_async.msg:
+            with gm.graph.inserting_before(n):
+                new = gm.graph.call_function(GUARD_OP, tuple(n.args))
+            new.meta.update(n.meta)
+            n.replace_all_uses_with(new)
+            gm.graph.erase_node(n)
+            done.append(n.name)
+    if done:
+        gm.recompile()
+    return done
 
 _TAGS = itertools.count(1)
 
@@ -219,8 +263,7 @@ class CudaLowering:
 
     def __init__(self, mode: str = CUDA_MODE, compiler_config: Any = None, npu_options: Any = None,
                  side_stream: bool = True):
-        if mode != CUDA_MODE:
-            raise ValueError(f"exe_mode must be {CUDA_MODE!r} for the CUDA lowering, got {mode!r}")
+        check_exe_mode(mode, CUDA_EXE_MODES, where=" for the CUDA lowering")
         given = [k for k, v in (("compiler_config", compiler_config), ("npu_options", npu_options))
                  if v not in (None, {})]
         if given:
@@ -230,6 +273,10 @@ class CudaLowering:
         self._eager = CpuLowering("eager")
         #: graph id -> what passes/host_cache_writes.py did to that graph
         self.host_cache_writes: dict[str, HostCacheWritesReport] = {}
+        #: graph id -> the guards made device-safe (:func:`device_safe_guards`)
+        self.guards: dict[str, List[str]] = {}
+        #: graph id -> the lowered step (raises a pending device error before it runs)
+        self.steps: dict[str, Callable] = {}
 
     def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
                 ) -> tuple[OffloadOptions, Optional[InstallHook]]:
@@ -244,7 +291,9 @@ class CudaLowering:
             report.joins_before = install_hook.finish(gm.graph)
             gm.recompile()
         # after the joins: it only adds copies of main-stream values right before their host write
-        self.host_cache_writes[str(getattr(report, "graph_id", len(self.host_cache_writes)))] = host_cache_writes(gm)
+        gid = str(getattr(report, "graph_id", len(self.host_cache_writes)))
+        self.host_cache_writes[gid] = host_cache_writes(gm)
+        self.guards[gid] = device_safe_guards(gm)
 
     def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Any) -> Callable:
         mode = (ctx.kwargs or {}).get("mode")
@@ -253,4 +302,13 @@ class CudaLowering:
                 f"exe_mode='cuda' does not support torch.compile(mode={mode!r}): the mode runs the offload graph "
                 "op by op after AOT (Inductor would reorder the ops across the install side stream), and CUDA "
                 "graphs (cudagraph trees) are not supported; call torch.compile without mode=")
-        return self._eager.lower(gm, example_inputs, ctx)
+        fn = self._eager.lower(gm, example_inputs, ctx)
+
+        def step(*args: Any) -> Any:
+            # a guard or kernel that failed on the device in an earlier call raises here, on the host
+            raise_device_errors()
+            return fn(*args)
+
+        step.__wrapped__ = fn  # type: ignore[attr-defined]
+        self.steps[str(ctx.graph_id)] = step
+        return step

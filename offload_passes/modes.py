@@ -11,7 +11,12 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Mode", "MODES", "EXE_MODES", "CPU_EXE_MODES", "NPU_EXE_MODES", "CUDA_EXE_MODES", "lowering_for"]
+__all__ = ["Mode", "MODES", "EXE_MODES", "CPU_EXE_MODES", "NPU_EXE_MODES", "CUDA_EXE_MODES", "REPLACEMENT_POLICIES",
+           "check_exe_mode", "check_replacement_policy", "lowering_for"]
+
+#: The pool replacement policies: ``fifo`` (CANN's ``custom::dsa_install``) and ``second_chance``
+#: (``offload_ref::dsa_install_sc``, CPU / CUDA only). Each mode lists the ones its platform has.
+REPLACEMENT_POLICIES: tuple[str, ...] = ("fifo", "second_chance")
 
 
 @dataclass(frozen=True)
@@ -39,11 +44,32 @@ NPU_EXE_MODES: tuple[str, ...] = tuple(n for n, m in MODES.items() if m.platform
 CUDA_EXE_MODES: tuple[str, ...] = tuple(n for n, m in MODES.items() if m.platform == "cuda")
 
 
+def check_exe_mode(mode: Any, allowed: tuple[str, ...] = EXE_MODES, *, name: str = "exe_mode", where: str = "") -> str:
+    """``mode`` if it is one of ``allowed``, else ``ValueError("<name> must be one of <allowed><where>, got ...")``.
+
+    The one exe_mode check: options, the backend classes, the lowerings and the model config call it with
+    their own ``allowed`` subset (``CPU_EXE_MODES`` ...) and wording (``name``, ``where``).
+    """
+    if mode not in allowed:
+        want = f"be {allowed[0]!r}" if len(allowed) == 1 else f"be one of {allowed}"
+        raise ValueError(f"{name} must {want}{where}, got {mode!r}")
+    return mode
+
+
+def check_replacement_policy(policy: Any, mode: str | None = None, *, name: str = "replacement_policy") -> str:
+    """``policy`` if it is a known replacement policy (and, with ``mode``, one that mode's platform has)."""
+    if policy not in REPLACEMENT_POLICIES:
+        raise ValueError(f"{name} must be one of {REPLACEMENT_POLICIES}, got {policy!r}")
+    if mode is not None and policy not in MODES[mode].replacement_policies:
+        ok = tuple(n for n, m in MODES.items() if policy in m.replacement_policies)
+        raise ValueError(f"{name}={policy!r} needs exe_mode in {ok}: CANN's NPU kernels implement only 'fifo'")
+    return policy
+
+
 def lowering_for(mode: str, **kw: Any) -> Any:
     """The lowering of ``mode``; ``kw`` are the NPU-only settings (``compiler_config``, ``npu_options``,
     ``side_stream``), refused by name for a mode whose lowering takes none."""
-    if mode not in MODES:
-        raise ValueError(f"exe_mode must be one of {EXE_MODES}, got {mode!r}")
+    check_exe_mode(mode)
     module, cls = MODES[mode].lowering.split(":")
     factory: Callable[..., Any] = getattr(importlib.import_module(module), cls)
     return factory(mode, **kw)

@@ -45,19 +45,18 @@ from torch import fx
 
 from . import _compat
 from .custom_ops import spec_for
-from .modes import NPU_EXE_MODES
+from .modes import NPU_EXE_MODES, check_exe_mode
 from .options import OffloadOptions
 from .state import OffloadState
 
 log = logging.getLogger("offload_passes.npu_modes")
 
-NPU_MODES = NPU_EXE_MODES  # modes.py holds the one list
 #: Stream label of the install side stream (``_user_stream_label``).
 SIDE_STREAM_LABEL = "dsa_offload_install"
 
 __all__ = ["NpuLowering", "lower_ge_graph", "lower_npugraph_ex", "recipe_compiler_config",
            "acl_install_hook", "ge_install_hook", "AclInstallHook", "GeInstallHook", "strip_bookkeeping", "ge_config",
-           "npugraph_ex_config", "NPU_MODES", "SIDE_STREAM_LABEL"]
+           "npugraph_ex_config", "SIDE_STREAM_LABEL"]
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -108,6 +107,11 @@ def _base(n: Any) -> Any:
 def _serve_of(install: fx.Node) -> Optional[fx.Node]:
     """The serve that filled the selection buffer this install reads (its layer's serve)."""
     sel = _base(install.args[_INSTALL_SELECTION])
+    # a paged group (passes/frontend_recipe.py) keeps the model's gather after the serve: it writes the
+    # rest of the selection buffer, so the installs start after it
+    for u in sel.users:
+        if "npu_gather_selection_kv_cache" in str(u.target) and any(_base(a) is sel for a in u.args[:2]):
+            return u
     for u in sel.users:
         if "dsa_serve" in str(u.target) and len(u.args) > _SERVE_SELECTION and _base(u.args[_SERVE_SELECTION]) is sel:
             return u
@@ -155,7 +159,7 @@ MC2_OPS = ("npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2")
 NPUGRAPH_EX_COLLECTIVES = {("npu_define", "all_to_all_single_npu"): "all_to_all_single"}
 
 
-def op_name(n: fx.Node) -> tuple:
+def namespace_and_op(n: fx.Node) -> tuple:
     """``(namespace, op)`` of a call to a torch op (overload or packet), else ``("", "")``."""
     t = n.target
     if isinstance(t, _compat.OpOverload):
@@ -176,7 +180,7 @@ def is_collective(n: fx.Node) -> bool:
     """
     if n.op != "call_function":
         return False
-    ns, op = op_name(n)
+    ns, op = namespace_and_op(n)
     return (ns == "_c10d_functional" and op != "wait_tensor") or op in MC2_OPS or (ns, op) in NPUGRAPH_EX_COLLECTIVES
 
 
@@ -495,7 +499,7 @@ def recipe_compiler_config(mode: str) -> Any:
         cfg = npugraph_ex.CompilerConfig()
         _compat.set_npugraph_ex_option(cfg, "frozen_parameter", True)  # flat (npu 2.13) or nested (2.8)
         return cfg
-    raise ValueError(f"mode must be one of {NPU_MODES}, got {mode!r}")
+    raise ValueError(f"mode must be one of {NPU_EXE_MODES}, got {mode!r}")
 
 
 def _with_ge_dump(cfg: Any, folder: Path) -> Any:
@@ -511,7 +515,7 @@ def _with_ge_dump(cfg: Any, folder: Path) -> Any:
 
 
 class NpuLowering:
-    """The NPU part of the offload backend (``backend.LOWERINGS`` for ``ge_graph`` / ``npugraph_ex``): the
+    """The NPU part of the offload backend (``modes.MODES`` names it for ``ge_graph`` / ``npugraph_ex``): the
     core rewrites, binds the state, dumps and reports; this adds the side-stream install hook, drops the
     per-step bookkeeping unless ``npu_bookkeeping``, and compiles with TorchAir / npugraph_ex.
 
@@ -524,8 +528,7 @@ class NpuLowering:
 
     def __init__(self, mode: str, compiler_config: Any = None, npu_options: Optional[Mapping[str, Any]] = None,
                  side_stream: bool = True):
-        if mode not in NPU_MODES:
-            raise ValueError(f"exe_mode must be one of {NPU_MODES} for the NPU lowering, got {mode!r}")
+        check_exe_mode(mode, NPU_EXE_MODES, where=" for the NPU lowering")
         self.mode = mode
         self.compiler_config = compiler_config
         self.npu_options = dict(npu_options or {})

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from .custom_ops import spec_for
 from .custom_ops._library import is_pow2
+from .custom_ops._pool import pool_size_problem
 
 _INSTALL = spec_for("dsa_install")  # the pool's limits are the install's (its OpSpec)
 DEFAULT_POOL_SIZE = 8192
@@ -24,11 +25,9 @@ LARGE_POOL_SIZE = 16384
 MAX_POOL_SIZE = _INSTALL.limit("MAX_POOL")
 WAYS = _INSTALL.limit("WAYS")
 MAX_NEXT_N = _INSTALL.limit("MAX_RAW_SEQ") - 1  # raw_seq = 1 + next_n
-MIN_ID_RANGE = 131072
 #: id_to_slot is [B, id_range] int32 per group: bounded by the install kernel's limit (1.4 M ids, 5.4 MiB a row)
 MAX_ID_RANGE = _INSTALL.limit("MAX_ID_RANGE")
-from .modes import CPU_EXE_MODES, EXE_MODES, MODES  # the one list of modes
-REPLACEMENT_POLICIES = ("fifo", "second_chance")
+from .modes import check_exe_mode, check_replacement_policy  # noqa: E402  (modes.py: the one list of each)
 
 RECIPE_KEYS = ("enable_offload", "shared_indexer_offload", "enlarge_pool_size", "pa_block_size", "next_n",
                "exe_mode")
@@ -42,7 +41,8 @@ class OffloadOptions:
     exe_mode: ``eager`` (default) or ``inductor`` on CPU; the NPU modes live in ``npu_modes.py``.
     dump_dir: write graphs before/after each pass and ``report.json`` there (env ``OFFLOAD_PASSES_DUMP``).
     strict: raise ``RuntimeError`` on any refusal instead of compiling the graph unmodified.
-    id_range: ``id_to_slot`` width (IR); ``None`` = max(131072, cache length F).
+    id_range: ``id_to_slot`` width (IR); ``None`` = max(131072, cache length F) (``custom_ops/_pool.py``:
+        ``id_range_for``).
     update_ledger: keep the model's gather ledger (``sel_status``) valid after serve.
     replacement_policy: ``fifo`` (default: CANN's 16-way set-associative FIFO, ``custom::dsa_install``) or
         ``second_chance`` (opt-in, CPU modes only: ``offload_ref::dsa_install_sc``, 16-way second chance, one
@@ -70,15 +70,10 @@ class OffloadOptions:
     def __post_init__(self) -> None:
         _check_types(self)
         ps = self.resolved_pool_size
-        if ps <= 0 or ps > MAX_POOL_SIZE:
-            raise ValueError(f"option pool_size must be in (0, {MAX_POOL_SIZE}], got {ps}")
-        if ps % WAYS:
-            raise ValueError(f"option pool_size must be a multiple of {WAYS} (16-way sets), got {ps}")
-        if not is_pow2(ps // WAYS):
-            raise ValueError(f"option pool_size: pool_size/16 (the number of sets) must be a power of two, "
-                             f"got pool_size={ps}")
-        if self.exe_mode not in EXE_MODES:
-            raise ValueError(f"option exe_mode must be one of {EXE_MODES}, got {self.exe_mode!r}")
+        problem = pool_size_problem(ps)
+        if problem is not None:
+            raise ValueError(f"option pool_size {problem[0]}, got {problem[1]}")
+        check_exe_mode(self.exe_mode, name="option exe_mode")
         if self.id_range is not None and self.id_range <= 0:
             raise ValueError(f"option id_range must be > 0, got {self.id_range}")
         if self.id_range is not None and self.id_range > MAX_ID_RANGE:
@@ -89,13 +84,7 @@ class OffloadOptions:
                              f"{MAX_NEXT_N + 1}), got {self.next_n}")
         if self.pa_block_size is not None and not (is_pow2(self.pa_block_size) and 16 <= self.pa_block_size <= 128):
             raise ValueError(f"option pa_block_size must be a power of two in [16, 128], got {self.pa_block_size}")
-        if self.replacement_policy not in REPLACEMENT_POLICIES:
-            raise ValueError(f"option replacement_policy must be one of {REPLACEMENT_POLICIES}, "
-                             f"got {self.replacement_policy!r}")
-        if self.replacement_policy not in MODES[self.exe_mode].replacement_policies:
-            ok = tuple(n for n, m in MODES.items() if self.replacement_policy in m.replacement_policies)
-            raise ValueError(f"option replacement_policy={self.replacement_policy!r} needs exe_mode in "
-                             f"{ok}: CANN's NPU kernels implement only 'fifo'")
+        check_replacement_policy(self.replacement_policy, self.exe_mode, name="option replacement_policy")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):  # a PathLike: keep it as text
             object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import warnings
 from typing import Any, Optional, Sequence
 
+import torch
 from torch import fx
 
 from .options import OffloadOptions
@@ -32,7 +34,23 @@ from .state import OffloadState
 
 log = logging.getLogger("offload_passes.pipeline")
 
-__all__ = ["rewrite_for_offload", "FRONT_ENDS", "OffloadRefused", "new_graph_id"]
+__all__ = ["rewrite_for_offload", "FRONT_ENDS", "OffloadRefused", "OffloadWarning", "new_graph_id"]
+
+
+class OffloadWarning(UserWarning):
+    """A graph compiled without (some of) the offload: issued once per distinct reason, so a user who
+    configured no logging sees it (``warnings`` shows it; the ``offload_passes`` loggers say it each time)."""
+
+
+_warned: set = set()
+
+
+def warn_once(key: Any, msg: str) -> None:
+    """``warnings.warn(msg, OffloadWarning)`` the first time ``key`` is seen in this process."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(msg, OffloadWarning, stacklevel=3)
 
 #: The front-ends, tried in order; the first whose detection finds DSA sites rewrites the graph.
 FRONT_ENDS: tuple[FrontEnd, ...] = (RECIPE, HF)
@@ -110,10 +128,29 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
     grp = timed("group", group, det)
     partial = getattr(fe, "partial_on_refusal", False)
     blocking, quiet = fe.screen(det) if hasattr(fe, "screen") else (list(det.refusals), [])
+    if blocking and fe is HF:
+        alloc = _allocated_caches(gm)
+        if alloc:
+            # the first call on a new StaticCache allocates the cache inside the graph (HF's lazy
+            # initialisation, i.e. generate()'s prefill): there is no cache to keep a pool of yet, and the
+            # whole prompt attends densely anyway. Dense by design, not a refusal; strict does not apply.
+            report.dense = {"reason": "prefill", "detail": f"the graph allocates the KV caches it writes "
+                            f"({', '.join(alloc[:2])}{', ...' if len(alloc) > 2 else ''}): a prefill on a new "
+                            "cache runs dense by design; the decode graphs that read the cache are rewritten"}
+            log.info("%s: %s", graph_id, report.dense["detail"])
+            return gm, None, report
     if quiet and not blocking:
         report.refusals = [r.to_dict() for r in quiet]
+        report.dense = {"reason": quiet[0].reason, "detail": quiet[0].detail}
         log.info("%s: %s", graph_id, "; ".join(r.detail for r in quiet))
         return gm, None, report
+    if not blocking:
+        # Dynamo's dynamic shapes: the sites' sizes (B, S, T, K, ...) become concrete here, with guards
+        # (docs/hf.md "Dynamic shapes"): the offload state, its selection buffers and the ops' limits are
+        # per geometry, so the rewritten graph is static and Dynamo recompiles for another geometry.
+        spec = _specialise(det)
+        if spec:
+            report.specialised = spec
     offload_on = opts.enable_offload and opts.shared_indexer_offload
     pr = timed("plan", fe.plan, gm, grp, example_inputs, opts) if offload_on and not blocking else PlanReport([], [])
     report.groups = [p.to_dict() for p in pr.groups]
@@ -128,8 +165,15 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
         return gm, None, report
     if offload_refusals:  # HF: the sparse rewrite stays (it is exact), without the offload
         report.hf["offload_refusals"] = [r.to_dict() for r in offload_refusals]
-        _refuse(graph_id, offload_refusals, opts.strict, f"shared-indexer offload not applied to the {fe.name} graph",
-                "sparse attention only")
+        if {r.reason for r in offload_refusals} == {"raw_seq"}:
+            # a prompt (chunk) of S > MAX_RAW_SEQ tokens on an existing cache: the offload serves decode
+            # graphs; sparse attention is exact here, so this is the prefill's design, not a refusal
+            report.dense = {"reason": "prefill", "detail": f"a prefill of S = {det.sites[0].dims['S']} "
+                            "query tokens: sparse attention without the offload (it serves decode graphs)"}
+            log.info("%s: %s", graph_id, report.dense["detail"])
+        else:
+            _refuse(graph_id, offload_refusals, opts.strict,
+                    f"shared-indexer offload not applied to the {fe.name} graph", "sparse attention only")
     plans = pr.groups if offload_on else []
     state = None
     if plans:
@@ -153,6 +197,44 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
     log.info("%s: %s form: rewrote %d DSA layers in %d groups %s%s", graph_id, fe.name, len(rr.sites),
              len(grp.groups), [g.layers for g in grp.groups], "" if rr.offload else " (sparse attention, no offload)")
     return gm, state, report
+
+
+_ALLOC = {"zeros", "empty", "full", "ones", "new_zeros", "new_empty", "new_full", "zeros_like", "empty_like"}
+
+
+def _allocated_caches(gm: fx.GraphModule) -> list[str]:
+    """Tensors allocated inside the graph and written by ``index_copy_`` (a KV cache the graph creates:
+    HF's ``StaticCache`` initialises its layers lazily on their first update)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method") or not n.args:
+            continue
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if name not in ("index_copy_", "index_copy"):
+            continue
+        dst = _fx.strip_views(n.args[0]) if isinstance(n.args[0], fx.Node) else None
+        if dst is not None and dst.op in ("call_function", "call_method"):
+            dname = dst.target if dst.op == "call_method" else getattr(dst.target, "__name__", "")
+            if str(dname).split(".")[0] in _ALLOC:
+                out.append(dst.name)
+    return out
+
+
+def _specialise(det: Any) -> dict:
+    """Symbolic sizes of the DSA sites -> concrete ints. ``guard_int`` records the guard in Dynamo's
+    ShapeEnv, so Dynamo checks it before reusing the graph and recompiles for other sizes."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    done: dict = {}
+    for s in getattr(det, "sites", ()):
+        dims = getattr(s, "dims", None)
+        if not isinstance(dims, dict):
+            continue
+        for k, v in list(dims.items()):
+            if isinstance(v, torch.SymInt):
+                dims[k] = guard_int(v)
+                done.setdefault(k, {"symbol": str(v), "value": dims[k]})
+    return done
 
 
 def _passes(fe: FrontEnd) -> list[dict]:
@@ -189,3 +271,5 @@ def _refuse(graph_id: str, refusals: Sequence[Refusal], strict: bool, what: str,
     if strict:
         raise OffloadRefused(msg)
     log.warning("%s; %s", msg, fallback)
+    warn_once((what, tuple(sorted({r.reason for r in refusals}))), f"{msg}; {fallback} (warned once per reason; "
+              "the backend's reports list every graph)")

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, Optional
 
 #: fields dropped from ``to_dict()`` while they are None (they apply to some graphs / modes only)
-_OPTIONAL = ("frontend", "state_bytes", "buffers", "guards", "hf", "reinplace", "state_per_caches", "side_stream",
-             "bookkeeping", "joins_before", "bookkeeping_nodes_removed")
+_OPTIONAL = ("frontend", "dense", "specialised", "dynamo", "state_bytes", "buffers", "guards", "hf", "reinplace",
+             "state_per_caches", "side_stream", "bookkeeping", "joins_before", "bookkeeping_nodes_removed", "cold_resets")
 
 
 @dataclass(eq=False)
@@ -35,6 +35,9 @@ class GraphReport(Mapping):
     state_bytes: Optional[int] = None
     buffers: Optional[dict] = None
     guards: Optional[list] = None
+    dense: Optional[dict] = None  # {"reason", "detail"}: left dense by design (a prefill), not a refusal
+    specialised: Optional[dict] = None  # symbolic site sizes made concrete with guards: {dim: {symbol, value}}
+    dynamo: Optional[dict] = None  # Dynamo's compile id for the frame and its recompile limit
     hf: Optional[dict] = None  # HF front-end facts (form, sites, offload, erased nodes, masks left)
     reinplace: Optional[dict] = None  # CPU lowerings: the reinplace pass's report ({"cached": True} on a warm cache)
     state_per_caches: Optional[bool] = None  # state chosen per call by the caches (True) or graph buffers
@@ -42,6 +45,8 @@ class GraphReport(Mapping):
     bookkeeping: Optional[bool] = None
     joins_before: Optional[list] = None
     bookkeeping_nodes_removed: Optional[int] = None
+    # rewritten graphs: how often the stale-state rule reset the pools before a call (state.StateBinder)
+    cold_resets: Optional[int] = None
 
     def to_dict(self) -> dict:
         out = {}

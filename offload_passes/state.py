@@ -7,10 +7,12 @@ Per layer ``l``: ``pool_kv [B, PS, Dkv]``, ``pool_rope [B, PS, Dr]`` (KV dtype).
 window = kind 3; host rows read = (misses + window) × layers of the group (every layer serves the
 same plan from its own host cache). ``seen_len [B]`` int32: each row's cache length at the previous
 step; ``external_write [1]`` int32: set by the host when the full caches were written outside the graph
-since the last step (version counters). The graph uses both to invalidate new requests' rows
+since the last step (version counters). Paged groups also keep ``seen_table [B, maxblk]`` int32, each
+row's block table at the previous step. The graph uses them to invalidate new requests' rows; the host
+side (``OffloadState.begin_request`` / ``move_rows``) is the engine's account of its batch
 (docs/new-requests.md).
 
-Ownership (issue 11): the tensors belong to the full caches, not to a graph. In the CPU modes they are
+Ownership: the tensors belong to the full caches, not to a graph. In the CPU modes they are
 extra inputs of the rewritten graph, chosen per call by :class:`StateBinder` from :data:`REGISTRY`
 (keyed by the live cache tensors; graphs with the same group layout on the same caches share them);
 in the NPU modes they are buffers of the graph (private) and the same stale-state rule applies. Every
@@ -35,10 +37,10 @@ class SharedGroup:
     """The tensors of one IndexShare group on one set of full caches (shared by every graph serving them)."""
 
     __slots__ = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external_write", "pools", "ran",
-                 "versions", "flagged", "__weakref__")
+                 "versions", "flagged", "seen_table", "announced", "__weakref__")
 
     def __init__(self, B: int, PS: int, IR: int, dims: Sequence[tuple[int, int, torch.dtype]],
-                 device: torch.device) -> None:
+                 device: torch.device, table_cols: int = 0) -> None:
         self.pool_ids = torch.full((B, PS), -1, dtype=torch.int32, device=device)
         self.id_to_slot = torch.full((B, IR), -1, dtype=torch.int32, device=device)
         self.lru_counter = torch.zeros((B, PS // 16), dtype=torch.int32, device=device)
@@ -50,6 +52,13 @@ class SharedGroup:
         self.external_write = torch.zeros((1,), dtype=torch.int32, device=device)
         self.pools = [(torch.zeros((B, PS, dkv), dtype=dt, device=device),
                        torch.zeros((B, PS, dr), dtype=dt, device=device)) for dkv, dr, dt in dims]
+        # paged groups: each row's block table at the previous step; a row whose blocks of the prefix it
+        # already served changed holds another request (docs/new-requests.md, "Paged KV")
+        self.seen_table = (torch.full((B, table_cols), -1, dtype=torch.int32, device=device) if table_cols
+                           else None)
+        # begin_request / move_rows since the last step: the engine named every row it wrote outside the
+        # graph, so an outside write seen by the version counters invalidates only those rows
+        self.announced = False
         self.ran = False  # has served a step (a fresh group holds nothing that could be stale)
         self.versions: Optional[tuple] = None  # the full caches' version counters after the last step
         self.flagged = False  # external_write was set for the coming step
@@ -71,12 +80,16 @@ class GroupState:
     stats = property(lambda self: self.shared.stats)
     seen_len = property(lambda self: self.shared.seen_len)
     external_write = property(lambda self: self.shared.external_write)
+    seen_table = property(lambda self: self.shared.seen_table)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         g = self.group_id
-        return {f"pool_ids_g{g}": self.pool_ids, f"id_to_slot_g{g}": self.id_to_slot,
-                f"lru_counter_g{g}": self.lru_counter, f"stats_g{g}": self.stats, f"seen_len_g{g}": self.seen_len,
-                f"external_write_g{g}": self.external_write}
+        out = {f"pool_ids_g{g}": self.pool_ids, f"id_to_slot_g{g}": self.id_to_slot,
+               f"lru_counter_g{g}": self.lru_counter, f"stats_g{g}": self.stats, f"seen_len_g{g}": self.seen_len,
+               f"external_write_g{g}": self.external_write}
+        if self.seen_table is not None:
+            out[f"seen_table_g{g}"] = self.seen_table
+        return out
 
 
 @dataclass
@@ -90,15 +103,21 @@ class GroupLayout:
     pool_size: int
     id_range: int
     dims: list[tuple[int, int, torch.dtype]]  # per layer of the group: (Dkv, Dr, dtype)
+    table_cols: int = 0  # paged groups: block-table columns (seen_table); 0: identity layout
+    # where the pools and metadata live: the selection buffers' device, not the full caches' (those may
+    # be pinned host memory on CUDA, docs/cuda.md); None: the full caches' device
+    device: Optional[str] = None
 
     @classmethod
-    def from_plan(cls, p) -> "GroupLayout":
+    def from_plan(cls, p, device: Optional[str] = None) -> "GroupLayout":
+        geo = p.geometry[p.owner_layer]
+        cols = geo.F // geo.FBS if getattr(p, "paged", False) and getattr(geo, "FBS", 0) else 0
         return cls(p.group_id, p.owner_layer, list(p.layers), p.B, p.pool_size, p.id_range,
-                   [(p.geometry[l].Dkv, p.geometry[l].Dr, p.geometry[l].dtype) for l in p.layers])
+                   [(p.geometry[l].Dkv, p.geometry[l].Dr, p.geometry[l].dtype) for l in p.layers], cols, device)
 
     @property
     def signature(self) -> tuple:
-        return (self.B, self.pool_size, self.id_range, tuple(self.dims))
+        return (self.B, self.pool_size, self.id_range, tuple(self.dims), self.table_cols)
 
 
 @dataclass
@@ -125,7 +144,8 @@ class OffloadState:
         layouts = [p if isinstance(p, GroupLayout) else GroupLayout.from_plan(p) for p in plans]
         dev = device or torch.device("cpu")
         return cls.from_shared(graph_id, layouts,
-                               [SharedGroup(g.B, g.pool_size, g.id_range, g.dims, dev) for g in layouts])
+                               [SharedGroup(g.B, g.pool_size, g.id_range, g.dims, dev, g.table_cols)
+                                for g in layouts])
 
     @classmethod
     def from_shared(cls, graph_id: str, layouts: Sequence[GroupLayout], shared: Sequence[SharedGroup]
@@ -241,6 +261,51 @@ class OffloadState:
         if counters:
             self.reset_counters()
 
+    def _shared_groups(self) -> list[SharedGroup]:
+        out: list[SharedGroup] = []
+        for g in self.groups:
+            if all(g.shared is not o for o in out):
+                out.append(g.shared)
+        return out
+
+    @torch.no_grad()
+    def begin_request(self, rows: Iterable[int]) -> None:
+        """The engine's per-step announcement: batch ``rows`` start new requests, and they are **every** row
+        whose full KV was written outside the compiled decode graph since the previous step (a prefill, a
+        KV transfer, any write, with or without version counters). Their pool rows are forgotten at once;
+        an outside write the version counters show then invalidates only these rows, not the batch
+        (docs/new-requests.md, "The engine's contract"). ``rows`` may be empty (nothing new)."""
+        self.reset(rows=rows)
+        for sg in self._shared_groups():
+            sg.announced = True
+
+    @torch.no_grad()
+    def move_rows(self, src: Sequence[int]) -> None:
+        """The batch changed between steps: row ``b`` now holds the request that was at row ``src[b]``
+        (``-1``: a new request). The pool rows follow their request (copied in place, once per change);
+        rows with ``-1`` start cold. Like :meth:`begin_request`, it names every row written outside the
+        graph: only the ``-1`` rows may have been (docs/new-requests.md)."""
+        src = [int(x) for x in src]
+        if not self.groups:  # nothing compiled yet: nothing cached
+            return
+        if len(src) != self.B:
+            raise RuntimeError(f"move_rows: src must have one entry per batch row (B={self.B}), got {len(src)}")
+        bad = [x for x in src if not -1 <= x < self.B]
+        if bad:
+            raise RuntimeError(f"move_rows: src entries must be in [-1, B={self.B}), got {bad}")
+        kept = [x for x in src if x >= 0]
+        if len(set(kept)) != len(kept):
+            raise RuntimeError(f"move_rows: a request cannot move to two rows, got src={src}")
+        if src != list(range(self.B)):
+            idx = torch.tensor([max(x, 0) for x in src], dtype=torch.long)
+            for sg in self._shared_groups():
+                ts = [sg.pool_ids, sg.id_to_slot, sg.lru_counter, sg.seen_len]
+                ts += [sg.seen_table] if sg.seen_table is not None else []
+                ts += [t for pair in sg.pools for t in pair]
+                for t in ts:
+                    t.copy_(t[idx.to(t.device)])
+        self.begin_request([b for b, x in enumerate(src) if x < 0])
+
     @torch.no_grad()
     def reset_counters(self) -> None:
         for g in self.groups:
@@ -321,7 +386,8 @@ class StateRegistry:
             ref = self._shared.get(skey)
             sg = ref() if ref is not None else None
             if sg is None:
-                sg = SharedGroup(lay.B, lay.pool_size, lay.id_range, lay.dims, cs[0].device)
+                sg = SharedGroup(lay.B, lay.pool_size, lay.id_range, lay.dims,
+                                 torch.device(lay.device) if lay.device else cs[0].device, lay.table_cols)
                 self._shared[skey] = weakref.ref(sg)
                 for t in cs:
                     self._watch(t, skey)
@@ -396,7 +462,8 @@ def module_state(module: Any, registry: Optional[StateRegistry] = None) -> Offlo
     for gi, (layers, sg) in enumerate(entries):
         B, PS = sg.pool_ids.shape
         layouts.append(GroupLayout(gi, layers[0], layers, int(B), int(PS), int(sg.id_to_slot.size(1)),
-                                   [(kv.size(-1), rope.size(-1), kv.dtype) for kv, rope in sg.pools]))
+                                   [(kv.size(-1), rope.size(-1), kv.dtype) for kv, rope in sg.pools],
+                                   int(sg.seen_table.size(1)) if sg.seen_table is not None else 0))
     return OffloadState.from_shared("module", layouts, [sg for _, sg in entries])
 
 
@@ -420,9 +487,16 @@ def _check_outside_writes(sg: SharedGroup, caches: Sequence[torch.Tensor], graph
     as written before every step: cold, never stale. A counter is per tensor, not per row: an
     announcement (``reset(rows=...)``, the ledger) cannot prove the other rows untouched, so it does not
     suppress the flag (a soak with one announced and one unannounced re-fill in the same step was
-    served stale when it did)."""
+    served stale when it did). ``begin_request`` / ``move_rows`` do: they are the engine's complete account
+    of the rows it wrote (``SharedGroup.announced``)."""
     v = cache_versions(caches)
     moved = v is None or (sg.versions is not None and v != sg.versions)
+    if moved and v is not None and sg.announced:
+        # the engine named every row it wrote (begin_request / move_rows): those rows were reset at once,
+        # the others are trusted (docs/new-requests.md, "The engine's contract")
+        log.debug("%s: outside write covered by an announcement: only the announced rows were invalidated",
+                  graph_id)
+        moved = False
     if v is None and graph_id not in _warned_inference:
         _warned_inference.add(graph_id)
         log.warning("%s: the full caches are inference tensors (created under torch.inference_mode), which have "
@@ -440,6 +514,7 @@ def after_step(sg: SharedGroup, caches: Sequence[torch.Tensor]) -> None:
     """After the group's graph ran: remember the caches' versions (its own cache writes included) and
     clear the flag the step consumed."""
     sg.versions = cache_versions(caches)
+    sg.announced = False  # an announcement covers the interval before one step
     if sg.flagged:
         sg.external_write.zero_()
         sg.flagged = False
@@ -480,6 +555,10 @@ class StateBinder:
         self._initial = initial if self.input_names is None else None  # a private state lives with the graph
         self._last: Optional["weakref.ref[OffloadState]"] = weakref.ref(initial)
         self.calls = 0
+        # times the stale-state rule reset this graph's pools before a call: other offload state (another
+        # graph's layout, another backend's private state) served its caches in between. More than one
+        # means a pattern that keeps the pool cold (alternating graphs over the same caches).
+        self.cold_resets = 0
 
     def caches(self, args: Sequence[Any]) -> list[list[torch.Tensor]]:
         return [[args[v] if kind == "arg" else v for kind, v in refs] for refs in self.cache_refs]
@@ -490,7 +569,14 @@ class StateBinder:
             st = self._initial
         else:
             st = self.registry.bind(self.graph_id, self.layouts, caches)
-        self.registry.activate(st, caches)
+        if self.registry.activate(st, caches):
+            self.cold_resets += 1
+            if self.cold_resets == 2:
+                log.warning("%s: its offload pools were reset again because other offload state served the same "
+                            "caches in between (graphs with another batch size / pool layout, or another backend, "
+                            "alternating over one set of caches): the pools stay cold, every step pays the offload "
+                            "and gains nothing. The report's 'cold_resets' counts it (docs/new-requests.md).",
+                            self.graph_id)
         if not caches:  # caches the binder cannot name: writes outside the graph cannot be seen
             for g in st.groups:  # so every step starts cold (correct; docs/new-requests.md)
                 g.shared.external_write.fill_(1)

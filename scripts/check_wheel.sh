@@ -3,13 +3,14 @@
 #
 #   bash scripts/check_wheel.sh            # work folder: a new /tmp/check_wheel.XXXXXX (kept, printed)
 #   CHECK_WHEEL_DIR=/tmp/cw bash scripts/check_wheel.sh
-#   CHECK_WHEEL_TORCH="torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu" bash scripts/check_wheel.sh
-#       (where pip's configured indexes do not serve the running torch's exact build)
+#   CHECK_WHEEL_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu" bash scripts/check_wheel.sh
+#       (where pip's configured indexes do not serve the running torch's exact build, e.g. 2.13.0+cpu)
 #
 # 1. builds a wheel of a clean copy of this checkout (pip wheel --no-build-isolation --no-deps: against the
-#    running torch; cold build, nothing from build/ or an editable install's .so files);
-# 2. creates a fresh venv, installs the running torch version (exact local version, e.g. 2.13.0+cpu, so
-#    pip takes the on-disk / cached CPU build and never a CUDA one), then the wheel with its [test] extra;
+#    running torch; cold build, nothing from build/ or an editable install's .so files) and checks that its
+#    metadata pins that exact torch (Requires-Dist: torch==<version>, offload_passes/_extensions.py);
+# 2. creates a fresh venv (no system site-packages) and installs only the wheel with its [test] extra:
+#    pip picks torch from the wheel's pin, and the torch it installed must be the one the wheel was built with;
 # 3. seals the run: PATH = the venv's bin plus an empty folder (no cc/c++/gcc/clang reachable),
 #    CC/CXX = a file that does not exist, TORCH_EXTENSIONS_DIR = an empty folder;
 #    control: a forced JIT build (OFFLOAD_PASSES_JIT_KERNELS=1) must fail there;
@@ -69,15 +70,33 @@ if "$PYTHON" -m pip wheel -q --no-build-isolation --no-deps -w "$WORK/dist" "$WO
 else
   record FAIL "pip wheel (log: $WORK/wheel.log)"; finish
 fi
+requires=$("$PYTHON" - "$whl" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    print(" ".join(l.split(":", 1)[1].strip() for l in z.read(meta).decode().splitlines()
+                   if l.startswith("Requires-Dist: torch") and "extra ==" not in l))
+PY
+)
+if [ "$requires" = "torch==$torch_version" ]; then
+  record PASS "wheel metadata pins the torch it was built with: Requires-Dist: $requires"
+else
+  record FAIL "wheel metadata: expected Requires-Dist: torch==$torch_version, got: ${requires:-none}"
+fi
 
-# 2. fresh venv with the same torch, then the wheel
+# 2. fresh venv (nothing from the system site-packages), then the wheel alone: torch comes from its pin
 venv="$WORK/venv"
 rm -rf "$venv"
 start=$(date +%s)
+# shellcheck disable=SC2086  # CHECK_WHEEL_PIP_ARGS holds several pip options
 if "$PYTHON" -m venv "$venv" \
-   && "$venv/bin/python" -m pip install -q ${CHECK_WHEEL_TORCH:-"torch==$torch_version"} >"$WORK/install.log" 2>&1 \
-   && "$venv/bin/python" -m pip install -q "${whl}[test]" >>"$WORK/install.log" 2>&1; then
-  record PASS "fresh venv: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') + wheel[test] installed in $(( $(date +%s) - start )) s"
+   && "$venv/bin/python" -m pip install -q ${CHECK_WHEEL_PIP_ARGS:-} "${whl}[test]" >"$WORK/install.log" 2>&1; then
+  venv_torch=$("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>>"$WORK/install.log")
+  if [ "$venv_torch" = "$torch_version" ]; then
+    record PASS "fresh venv: wheel[test] installed in $(( $(date +%s) - start )) s; pip chose torch $venv_torch (the build's)"
+  else
+    record FAIL "fresh venv: pip installed torch ${venv_torch:-?}, the wheel was built against $torch_version"
+  fi
 else
   record FAIL "venv install (log: $WORK/install.log)"; finish
 fi
@@ -108,11 +127,11 @@ fi
 rm -rf "$WORK/torch_extensions"/*  # the control may leave a half-made build folder
 
 # 4. the installed package, from outside the checkout
-cp -r "$ROOT/tests/." "$WORK/run/tests/"  # all of tests/ (op tests use stand-ins from other folders); run: tests/ops
+cp -r "$WORK/src/tests/." "$WORK/run/tests/"  # all of tests/ of the copy the wheel was built from (op tests use stand-ins from other folders); run: tests/ops
 find "$WORK/run/tests" -name __pycache__ -prune -exec rm -rf {} +
-where=$(run python -c "import offload_passes, offload_passes.custom_ops._library as L; print(offload_passes.__file__, L.cpu_kernels_origin())" 2>"$WORK/where.log")
+where=$(run python -c "import torch, offload_passes, offload_passes.custom_ops._library as L; print(torch.__file__, offload_passes.__file__, L.cpu_kernels_origin())" 2>"$WORK/where.log")
 case "$where" in
-  "$venv"/lib/*" prebuilt") record PASS "installed package imported: $where" ;;
+  "$venv"/lib/*" $venv"/lib/*" prebuilt") record PASS "torch and the installed package imported from the venv: $where" ;;
   *) record FAIL "import offload_passes from the venv with prebuilt kernels, got: ${where:-error, see $WORK/where.log}" ;;
 esac
 

@@ -108,6 +108,7 @@ def _layers(model) -> List[Any]:
 def recipe_route(path: str | Path, built, pool_size: Optional[int] = None, fn: Any = None) -> Iterator[RecipeCache]:
     """Within the block, every gather of ``built.model`` runs the reference's path for its layer."""
     from offload_passes.models.glm import npu_ops
+    from offload_passes.custom_ops._pool import id_range_for
     from offload_passes.options import OffloadOptions
 
     run = fn if fn is not None else import_recipe(path)
@@ -121,7 +122,7 @@ def recipe_route(path: str | Path, built, pool_size: Optional[int] = None, fn: A
     F = sample.shape[0] * sample.shape[1] // B
     ps = OffloadOptions(pool_size=pool_size).resolved_pool_size
     cache = RecipeCache(built.driver.groups, {i: (m.sel_kv, m.sel_rope) for i, m in enumerate(attn)},
-                        {i: m.sel_block_table for i, m in enumerate(attn)}, B, ps, max(131072, F), sample.device)
+                        {i: m.sel_block_table for i, m in enumerate(attn)}, B, ps, id_range_for(F), sample.device)
     original = npu_ops.gather_selection_kv_cache
 
     def route(sel_rope, sel_kv, sel_table, sel_status, topk4, full_rope, full_kv, block_table, kv_len, cu_q,

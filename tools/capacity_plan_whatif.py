@@ -7,8 +7,9 @@ Model (one rank = one 910C die; attention data-parallel, so every rank runs ``b 
     T_offload    = A_m + b * t_row + b * t_serve(h) + O_m + H(b, h) * row_bytes / BW_h2d
 
 * ``t_row``: HBM time one decode row adds per step: sparse attention reading its ``S*K`` selected latent
-  rows in every layer plus the lightning indexer reading ``context`` keys in every full layer, at the
-  die's HBM bandwidth. Public constants only (not fitted).
+  rows in every layer plus the lightning indexer reading ``context`` keys in every full layer (the
+  production int8 key cache and its fp16 per-token scale), at the die's HBM bandwidth. Public constants
+  only (not fitted).
 * ``t_serve(h)``: the extra HBM traffic of the offload path per row: ``dsa_serve`` writes the selection
   buffer (``S*K`` rows per layer) and reads the pool for hits; ``dsa_install`` copies the misses into the
   pool (read + write). Public constants only.
@@ -71,7 +72,8 @@ class Shape:
     kv_row: int = 512 + 64        # latent + rope elements per token
     kv_bytes: int = 2             # 16-bit KV cache (W8A8C16)
     index_dim: int = 128
-    index_bytes: int = 2
+    index_bytes: int = 1          # int8 indexer key cache (li_cache_quant_mode: int8, docs/models.md)
+    index_scale_bytes: int = 2    # + one fp16 dequant scale per token
     K: int = 2048
     S: int = 4                    # 1 + next_n (MTP3)
     ranks: int = 32
@@ -82,6 +84,31 @@ class Shape:
         return self.kv_row * self.kv_bytes
 
 
+#: The reference's measured 8K-minus-16K latency per exec mode (batch 128, 64K; from :data:`REFERENCE`).
+REFERENCE_DELTA_MS = {m: round(next(ms for mm, off, ps, _, ms in REFERENCE if mm == m and off and ps == 8192)
+                               - next(ms for mm, off, ps, _, ms in REFERENCE if mm == m and off and ps == 16384), 2)
+                      for m in ("ge_graph", "npugraph_ex")}
+
+
+def anchored_ms(h: float, h16: float, h8: float = REFERENCE_HIT[8192], mode: str = "ge_graph") -> float:
+    """Latency of a pool with hit rate ``h`` minus the reference's SA-FIFO 16K latency, ms per step at the
+    reference's batch 128, 64K, anchored on the measured difference (:data:`REFERENCE_DELTA_MS`).
+
+    At fixed mode and batch the model's latency is affine in the hit rate with a slope that does not
+    depend on the pool (``t_serve`` and ``host_rows`` are linear in ``h``; ``A_m``, ``O_m`` are shared), so
+    ``T(h) - T(h16) = delta * (h16 - h) / (h16 - h8)`` whatever the fitted constants: the only unknowns are
+    the real SA-FIFO rates ``h8`` (stated ≈ 85 %) and ``h16`` (stated > 90 %), and the answer "does a
+    policy at 8K reach the 16K-FIFO latency" is ``h >= h16``. Raises ``ValueError`` unless
+    ``0 <= h8 < h16 <= 1``."""
+    if mode not in REFERENCE_DELTA_MS:
+        raise ValueError(f"mode must be one of {', '.join(REFERENCE_DELTA_MS)}, got {mode!r}")
+    if not 0.0 <= h8 < h16 <= 1.0:
+        raise ValueError(f"need 0 <= h8 < h16 <= 1 (SA-FIFO 8K / 16K hit rates), got h8={h8}, h16={h16}")
+    if not 0.0 <= h <= 1.0:
+        raise ValueError(f"hit rate must be in [0, 1], got {h}")
+    return REFERENCE_DELTA_MS[mode] * (h16 - h) / (h16 - h8)
+
+
 def hbm_bw_rank() -> float:
     return CONSTANTS["hbm_bw_chip"][0] / CONSTANTS["dies_per_chip"][0]
 
@@ -89,7 +116,7 @@ def hbm_bw_rank() -> float:
 def t_row(s: Shape) -> float:
     """Seconds of HBM traffic one decode row adds per step without offload."""
     attn = s.layers * s.S * s.K * s.row_bytes
-    indexer = s.full_layers * s.context * s.index_dim * s.index_bytes
+    indexer = s.full_layers * s.context * (s.index_dim * s.index_bytes + s.index_scale_bytes)
     return (attn + indexer) / hbm_bw_rank()
 
 
@@ -387,6 +414,128 @@ def render(o: dict) -> str:
     return "\n".join(lines)
 
 
+def h16_consistency(h16s: Sequence[float], h8: float = REFERENCE_HIT[8192]) -> list[dict]:
+    """For each candidate real SA-FIFO 16K rate: the fit's worst in-sample error and its parameters, or its
+    refusal — which 16K rates the reference's latency table allows."""
+    out = []
+    for h16 in h16s:
+        try:
+            f = fit(hits={8192: h8, 16384: h16}, tol_pct=float("inf"))
+        except NonPhysicalFit as e:
+            out.append({"h16": h16, "refused": " ".join(str(e).split())})
+            continue
+        out.append({"h16": h16, "worst_error_pct": max(abs(r["error_pct"]) for r in f.residuals),
+                    "O_ms": {k: round(v * 1e3, 2) for k, v in f.O.items()}, "bw_h2d_GBps": round(f.bw_h2d / 1e9, 1),
+                    "constrained": f.constrained, "ms_per_point": round(REFERENCE_DELTA_MS["ge_graph"] / (100 * (h16 - h8)), 3)})
+    return out
+
+
+def consistency_table(h16s: Sequence[float], h8: float = REFERENCE_HIT[8192]) -> list[str]:
+    """Markdown rows of :func:`h16_consistency`: how well each candidate real 16K rate fits the reference."""
+    out = ["| real SA-FIFO 16K rate | worst fit error | O ge_graph / npugraph_ex ms | host GB/s | bounds active | "
+           "ms per hit-rate point (ge_graph) |", "|---|---|---|---|---|---|"]
+    for r in h16_consistency(h16s, h8):
+        if "refused" in r:
+            out.append(f"| {100 * r['h16']:.1f} % | refused: {r['refused']} | | | | |")
+            continue
+        out.append(f"| {100 * r['h16']:.1f} % | {r['worst_error_pct']:.2f} % | {r['O_ms']['ge_graph']:.2f} / "
+                   f"{r['O_ms']['npugraph_ex']:.2f} | {r['bw_h2d_GBps']:.1f} | {', '.join(r['constrained']) or '–'} | "
+                   f"{r['ms_per_point']:.3f} |")
+    return out
+
+
+def anchored_table(study: dict, h16s: Sequence[float], h8: float = REFERENCE_HIT[8192], pool: int = 8192,
+                   mode: str = "ge_graph") -> list[str]:
+    """Markdown rows: each policy of a policy-study result (``python -m offload_passes.trace.study
+    --json``) at ``pool``, its hit rate on the models consistent with the reference's SA-FIFO 8K, and its
+    latency minus the 16K-FIFO latency for each candidate real 16K rate (:func:`anchored_ms`; the
+    consistent models' mean, with the range over their members)."""
+    head = ["| policy | hit % at " + f"{pool // 1024}K (consistent models) | "
+            + " | ".join(f"h16 = {100 * h:.1f} %" for h in h16s) + " |",
+            "|---|---|" + "---|" * len(h16s)]
+    rows = []
+    for r in study.get("policies", []):
+        if r["pool"] != pool or not r.get("hit_consistent"):
+            continue
+        hc = r["hit_consistent"]
+        cells = []
+        for h16 in h16s:
+            lo, mid, hi = (anchored_ms(min(x, 1.0), h16, h8, mode) for x in (hc["max"], hc["mean"], hc["min"]))
+            cells.append(f"{mid:+.2f} ({lo:+.2f} to {hi:+.2f})")
+        rows.append(f"| {r['policy']} | {_pct_rng(hc)} | " + " | ".join(cells) + " |")
+    return head + rows
+
+
+def _pct_rng(r: dict) -> str:
+    return f"{100 * r['mean']:.2f} ({100 * r['min']:.2f}–{100 * r['max']:.2f})"
+
+
+def predict_trace(tr: Any, policy: str, pool: int, batch: int = 128, mode: str = "ge_graph", warmup: int = 0,
+                  h8: Optional[float] = None, h16: Optional[float] = None) -> dict:
+    """A recorded (or synthetic) trace -> the per-step latency of ``policy`` with ``pool`` slots.
+
+    Hit rates come from the trace (``offload-sim``'s C++ core, or :mod:`offload_passes.trace.setsim` for
+    the study's variants): the policy's, and SA-FIFO's at 8K and 16K, which stand in for the real FIFO
+    rates unless ``h8`` / ``h16`` are given. Two predictions: ``anchored`` (batch 128, 64K — the
+    difference to the reference's SA-FIFO 16K latency, :func:`anchored_ms`, no fitted constant) and
+    ``model`` (``batch``: :func:`fit` on the FIFO rates, then the latency at the policy's rate; None with
+    the reason when that fit is refused)."""
+    from offload_passes.trace import study
+
+    if not study.known_policy(policy):
+        raise ValueError(f"--policy: unknown {policy!r}")
+    hit = study.run_policy(tr, policy, pool, warmup)["hit"]
+    f8 = study.run_policy(tr, "sa_fifo", 8192, warmup)["hit"] if h8 is None else h8
+    f16 = study.run_policy(tr, "sa_fifo", 16384, warmup)["hit"] if h16 is None else h16
+    o: dict = {"policy": policy, "pool": pool, "batch": batch, "mode": mode, "warmup": warmup, "hit": round(hit, 6),
+               "fifo_hits": {"8192": round(f8, 6), "16384": round(f16, 6)},
+               "fifo_hits_from": "given" if h8 is not None or h16 is not None else "trace"}
+    ref16 = next(ms for m, off, ps, _, ms in REFERENCE if m == mode and off and ps == 16384)
+    try:
+        d = anchored_ms(hit, f16, f8, mode)
+        o["anchored"] = {"batch": 128, "context": 65536, "ms_vs_fifo16k": round(d, 3), "ms": round(ref16 + d, 2),
+                         "ms_vs_fifo8k": round(d - REFERENCE_DELTA_MS[mode], 3),
+                         "ms_per_point": round(REFERENCE_DELTA_MS[mode] / (100 * (f16 - f8)), 4),
+                         "reaches_fifo16k": hit >= f16}
+    except ValueError as e:
+        o["anchored"] = None
+        o["anchored_refused"] = str(e)
+    try:
+        fm = fit(hits={8192: f8, 16384: f16})
+        s = Shape()
+        o["model"] = {"ms": round(fm.latency(mode, s, batch, True, hit) * 1e3, 2),
+                      "fifo16k_ms": round(fm.latency(mode, s, batch, True, f16) * 1e3, 2),
+                      "no_offload_ms": round(fm.latency(mode, s, batch, False) * 1e3, 2),
+                      "O_ms": round(fm.O[mode] * 1e3, 2), "bw_h2d_GBps": round(fm.bw_h2d / 1e9, 1),
+                      "constrained": fm.constrained}
+    except NonPhysicalFit as e:
+        o["model"] = None
+        o["model_refused"] = " ".join(str(e).split())
+    return o
+
+
+def render_trace(o: dict) -> str:
+    f = o["fifo_hits"]
+    lines = [f"trace -> latency: {o['policy']} with a {o['pool']}-slot pool: hit rate {100 * o['hit']:.2f} %; "
+             f"SA-FIFO 8K / 16K {100 * f['8192']:.2f} / {100 * f['16384']:.2f} % ({o['fifo_hits_from']})"]
+    a = o["anchored"]
+    if a is None:
+        lines.append(f"  anchored: not computed ({o['anchored_refused']})")
+    else:
+        lines.append(f"  anchored on the reference's measured 8K-16K difference ({o['mode']}, batch 128, 64K): "
+                     f"{a['ms']:.2f} ms/step, {a['ms_vs_fifo16k']:+.2f} ms vs SA-FIFO 16K, "
+                     f"{a['ms_vs_fifo8k']:+.2f} ms vs SA-FIFO 8K ({a['ms_per_point']:.3f} ms per hit-rate point); "
+                     + ("reaches" if a["reaches_fifo16k"] else "does not reach") + " the 16K-FIFO latency")
+    m = o["model"]
+    if m is None:
+        lines.append(f"  model (batch {o['batch']}): not computed ({o['model_refused']})")
+    else:
+        lines.append(f"  model fitted on these FIFO rates ({o['mode']}, batch {o['batch']}, 64K): {m['ms']:.2f} ms/step "
+                     f"(SA-FIFO 16K {m['fifo16k_ms']:.2f}, no offload {m['no_offload_ms']:.2f}; O = {m['O_ms']:.2f} ms, "
+                     f"host {m['bw_h2d_GBps']:.1f} GB/s{'; ' + ', '.join(m['constrained']) if m['constrained'] else ''})")
+    return "\n".join(lines)
+
+
 def _ints(text: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v]
@@ -415,9 +564,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--mode", choices=("ge_graph", "npugraph_ex"), default="ge_graph")
     ap.add_argument("--seeds", type=int, default=2, help="traces per trace model")
     ap.add_argument("--steps", type=int, default=1152, help="measured steps per trace (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=384)
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="steps left out of every hit rate (default: 384 for the ensemble, 0 with --trace)")
     ap.add_argument("--models", default=None, help="trace models of the ensemble (default: all)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--trace", default=None,
+                    help="a recorded trace (offload-demo --record-trace, offload-trace record) or synth spec: "
+                         "predict the latency of --policy with --pool on it instead of the ensemble study")
+    ap.add_argument("--pool", type=int, default=8192, help="with --trace: pool slots per batch row")
+    ap.add_argument("--policy", default="sa_fifo", help="with --trace: replacement policy")
+    ap.add_argument("--batch", type=int, default=128, help="with --trace: global batch (32 ranks)")
+    ap.add_argument("--fifo8k-hit", type=float, default=None,
+                    help="with --trace: the real SA-FIFO 8K hit rate (default: the trace's)")
+    ap.add_argument("--anchored", default=None, metavar="STUDY_JSON",
+                    help="print the 8K-vs-16K answer for each policy of a policy-study JSON "
+                         "(python -m offload_passes.trace.study --json) at the real 16K rates --h16")
+    ap.add_argument("--h16", default="0.905,0.92,0.94,0.96,0.97",
+                    help="with --anchored: candidate real SA-FIFO 16K hit rates")
+    ap.add_argument("--fifo16k-hit", type=float, default=None,
+                    help="with --trace: the real SA-FIFO 16K hit rate (default: the trace's)")
     a = ap.parse_args(argv)
     try:
         import numpy  # noqa: F401
@@ -427,6 +592,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from offload_passes.trace import models as tmodels
     from offload_passes.trace import sim, study
 
+    if a.anchored is not None:
+        try:
+            h16s = [float(x) for x in a.h16.split(",") if x]
+        except ValueError:
+            ap.error(f"--h16 must be comma-separated hit rates, got {a.h16!r}")
+        if not h16s or any(not REFERENCE_HIT[8192] < h <= 1.0 for h in h16s):
+            ap.error(f"--h16 must be hit rates in ({REFERENCE_HIT[8192]}, 1], got {a.h16!r}")
+        try:
+            with open(a.anchored) as fh:
+                st = json.load(fh)
+        except (OSError, ValueError) as e:
+            print(f"offload-plan: error: --anchored {a.anchored}: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+        print("\n".join(consistency_table(h16s) + [""] + anchored_table(st, h16s, mode=a.mode)))
+        return 0
+    if a.trace is not None:
+        a.warmup = a.warmup or 0
+        return _main_trace(ap, a)
+    a.warmup = 384 if a.warmup is None else a.warmup
     pols = [p for p in a.policies.split(",") if p]
     bad = [p for p in pols if not study.known_policy(p)]
     if bad or not pols:
@@ -457,6 +641,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"offload-plan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(json.dumps(o, indent=1) if a.json else render(o))
+    return 0
+
+
+def _main_trace(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    from offload_passes.trace import cli as trace_cli
+    from offload_passes.trace import sim, study
+
+    if not study.known_policy(a.policy):
+        ap.error(f"--policy: unknown {a.policy!r}; choose from {', '.join(sim.POLICIES + study.EXTRA)}")
+    if a.policy in ("adjacent", "rank_prefetch"):
+        ap.error(f"--policy: {a.policy} is not a pool replacement policy (no pool, or prefetches beyond demand)")
+    if not 1 <= a.batch <= MAX_BATCH:
+        ap.error(f"--batch must be in [1, {MAX_BATCH}], got {a.batch}")
+    if a.pool <= 0 or a.pool > 16384:
+        ap.error(f"--pool must be in [1, 16384] (dsa_plan limits), got {a.pool}")
+    for name, v in (("--fifo8k-hit", a.fifo8k_hit), ("--fifo16k-hit", a.fifo16k_hit)):
+        if v is not None and not 0.0 <= v <= 1.0:
+            ap.error(f"{name} must be a hit rate in [0, 1], got {v}")
+    try:
+        tr = trace_cli._load(a.trace)
+        if not 0 <= a.warmup < tr.steps:
+            raise ValueError(f"--warmup must be in [0, steps={tr.steps}) of the trace, got {a.warmup}")
+        o = predict_trace(tr, a.policy, a.pool, a.batch, a.mode, a.warmup, a.fifo8k_hit, a.fifo16k_hit)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"offload-plan: error: --trace {a.trace}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    o["trace"] = a.trace
+    print(json.dumps(o, indent=1) if a.json else render_trace(o))
     return 0
 
 

@@ -1,7 +1,8 @@
 """Triton (CUDA) kernels of the offload ops: the CUDA implementation of the *same* schemas.
 
 One module per op, named by the op's ``OpSpec.cuda_kernel`` (``dsa_plan``, ``dsa_serve``, ``dsa_install``,
-``npu_gather_selection_kv_cache``, ``dsa_install_sc``). Each has ``run(...)`` (validate with the op's own
+``npu_gather_selection_kv_cache``, ``dsa_install_sc``, ``cache_write``: the host-KV write of
+``offload_ref::npu_mla_prolog_cache_write_``); ``guard.py`` is the kernel of the ``cuda`` mode's guards. Each has ``run(...)`` (validate with the op's own
 ``validate_<op>``, then launch: what the CUDA registration calls, and what the tests call on CPU tensors
 under ``TRITON_INTERPRET=1``), ``run_functional`` for the functional twins, and ``register()``.
 

@@ -67,3 +67,83 @@ def int32_words(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
     if window.storage_offset() % 4 != 0 or not window.is_contiguous():
         window = window.clone()
     return window.view(torch.int32)
+
+
+# ------------------------------------------------------------------------------ host tensors on CUDA
+
+#: ``(data_ptr, nbytes)`` of host tensors already checked as pinned: ``Tensor.is_pinned()`` asks the CUDA
+#: driver on every call, so a launcher asks once per allocation (also keeps the query out of graph capture)
+_PINNED: set = set()
+
+
+def host_operand(t: torch.Tensor, op: str, name: str) -> torch.Tensor:
+    """``t`` itself when it may be read or written by a CUDA kernel: a device tensor, or a pinned, dense host
+    tensor (its address is valid on the device under unified virtual addressing, docs/cuda.md). Raises
+    before any launch otherwise."""
+    if t.device.type != "cpu":
+        return t
+    key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    if key not in _PINNED:
+        if not (t.is_contiguous() and t.is_pinned()):
+            raise RuntimeError(f"{op}: {name} is a host tensor that is not pinned and contiguous; a CUDA kernel "
+                               "reads and writes host caches zero-copy (offload_passes.cuda.place_full_caches)")
+        _PINNED.add(key)
+    elif not t.is_contiguous():
+        raise RuntimeError(f"{op}: {name} is a host tensor that is not contiguous")
+    return t
+
+
+# ------------------------------------------------------------------------------ device error flags
+
+#: Error words kernels set through :func:`error_flags` (one int32 word each). ``ERR_GUARD`` holds the
+#: largest code (:func:`guard_code`) of an in-graph guard of the ``cuda`` mode that failed.
+ERR_CACHE_INDEX = 0
+ERR_GUARD = 1
+ERR_WORDS = 8
+_ERR_TEXT = {
+    ERR_CACHE_INDEX: ("offload_ref::npu_mla_prolog_cache_write_", "cache_index had values outside [0, rows): "
+                      "those rows were not written"),
+}
+_FLAGS: dict = {}
+_GUARD_MSGS: list = []
+
+
+def guard_code(msg: str) -> int:
+    """The code (>= 1) of a guard message, stable for the process (what the guard kernel writes)."""
+    if msg not in _GUARD_MSGS:
+        _GUARD_MSGS.append(msg)
+    return _GUARD_MSGS.index(msg) + 1
+
+
+def error_flags(device: torch.device) -> torch.Tensor:
+    """The ``int32 [ERR_WORDS]`` error words kernels on ``device`` set (``atomic_max`` to 1) instead of a
+    device-side assert, which would lose the CUDA context. On a CUDA device they live in pinned host memory
+    written over UVA: :func:`raise_device_errors` reads them with no copy and no synchronisation, so the
+    check is legal between graph replays. Allocated once per device (a stable address for captures)."""
+    key = str(device)
+    f = _FLAGS.get(key)
+    if f is None:
+        f = torch.zeros(ERR_WORDS, dtype=torch.int32)
+        if device.type == "cuda":
+            f = f.pin_memory()
+        _FLAGS[key] = f
+    return f
+
+
+def raise_device_errors() -> None:
+    """Raise ``RuntimeError`` naming the op for every error word a kernel set since the last call, and clear
+    them. What a kernel flags has finished by the time the host sees it; a flag still in flight is reported
+    by the next call (one step late)."""
+    msgs = []
+    for key, f in _FLAGS.items():
+        words = f.tolist()
+        for code, v in enumerate(words):
+            if v and code == ERR_GUARD:
+                msgs.append(f"{_GUARD_MSGS[v - 1]} (on {key}; checked on the device, reported on the host)")
+            elif v:
+                op, text = _ERR_TEXT.get(code, (f"error word {code}", "set by a kernel"))
+                msgs.append(f"{op} on {key}: {text}")
+        if any(words):
+            f.zero_()
+    if msgs:
+        raise RuntimeError("device-side check failed: " + "; ".join(msgs))

@@ -79,29 +79,28 @@ def _cand_kernel(words_ptr, first_ptr, key_ptr, MT, S, K, IR, NS, stride_w, cnt_
 
 
 @triton.jit
-def _assign_kernel(words_ptr, order_ptr, start_ptr, count_ptr, lru_ptr, pid_ptr, plan_ptr, log_slot_ptr,
+def _ref_kernel(plan_ptr, ref_ptr, rows, SK, NS, PS, BLOCK_Q: tl.constexpr):
+    # second chance: one lane per plan row; a POOL_HIT row sets its way's bit in its set's reference word
+    # (atomic_or: the same bits whatever the order), so every set's bits cost O(B*S*K) in all
+    q = tl.program_id(0).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    qm = q < rows
+    kd = tl.load(plan_ptr + 2 * q, mask=qm, other=0)
+    v = tl.load(plan_ptr + 2 * q + 1, mask=qm, other=-1)
+    hit = qm & (kd == 1) & (v >= 0) & (v < PS)
+    b = q // SK
+    tl.atomic_or(ref_ptr + b * NS + v // 16, 1 << (v % 16), mask=hit)
+
+
+@triton.jit
+def _assign_kernel(words_ptr, order_ptr, start_ptr, count_ptr, lru_ptr, pid_ptr, ref_ptr, log_slot_ptr,
                    log_old_ptr, S, K, NS, PS, stride_w, cap,
-                   SECOND_CHANCE: tl.constexpr, UPDATE: tl.constexpr, BLOCK_Q: tl.constexpr):
+                   SECOND_CHANCE: tl.constexpr, UPDATE: tl.constexpr):
     b = tl.program_id(0)
     me = tl.program_id(1)
-    w = tl.arange(0, 16)
     c = tl.load(lru_ptr + b.to(tl.int64) * NS + me)
     if SECOND_CHANCE:
-        # reference bits of this set's hits (plan rows of batch row b with kind POOL_HIT)
-        SK = S * K
-        refw = tl.zeros([16], dtype=tl.int32)
-        q0 = 0
-        while q0 < SK:  # not range(runtime bound): see the note in npu_gather_selection_kv_cache.py
-            q = q0 + tl.arange(0, BLOCK_Q)
-            qm = q < SK
-            row = (b.to(tl.int64) * SK + q) * 2
-            kd = tl.load(plan_ptr + row, mask=qm, other=0)
-            v = tl.load(plan_ptr + row + 1, mask=qm, other=-1)
-            mine = qm & (kd == 1) & (v >= 0) & (v < PS) & (v // 16 == me)
-            eq = mine[:, None] & ((v % 16)[:, None] == w[None, :])
-            refw = refw | tl.max(eq.to(tl.int32), 0)
-            q0 += BLOCK_Q
-        c = c | tl.sum(refw << (4 + w), 0)  # distinct bits: the sum is the OR
+        # reference bits of this set's hits, gathered once for all sets by _ref_kernel
+        c = c | (tl.load(ref_ptr + b.to(tl.int64) * NS + me) << 4)
     # This set's installs, in record order (a stable sort of the install keys, done by the launcher).
     # The set's 16 pool_ids entries are owned by this program; a barrier after each write makes it
     # visible to every thread of the program before the next install reads it.
@@ -214,12 +213,19 @@ def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache,
         lru, pid = lru.clone(), pid.clone()
     skv, srp = selection_kv_cache.contiguous(), selection_k_rope.contiguous()
     first = torch.full((B, IR), INT32_MAX, dtype=torch.int32, device=dev)
-    log_slot = torch.full((MT * cap,), -1, dtype=torch.int32, device=dev)
-    log_old = torch.full((MT * cap,), -1, dtype=torch.int32, device=dev)
-    win_i2s = torch.full((B, IR), -1, dtype=torch.int32, device=dev)
-    win_dst = torch.full((B * PS,), -1, dtype=torch.int32, device=dev)
+    # the four -1-initialised scratch arrays: one allocation, one fill
+    n_log = MT * cap
+    scratch = torch.full((2 * n_log + B * IR + B * PS,), -1, dtype=torch.int32, device=dev)
+    log_slot, log_old, win_i2s, win_dst = scratch.split([n_log, n_log, B * IR, B * PS])
+    win_i2s = win_i2s.view(B, IR)
     sc = plan is not None
-    plan_t = plan.contiguous() if sc else log_slot  # unused pointer when FIFO
+    if sc:  # reference bits per (row, set), one pass over the plan
+        ref = torch.zeros(B * NS, dtype=torch.int32, device=dev)
+        rows_q = plan.size(0)
+        block_q = min(1024, next_pow2(rows_q))
+        _ref_kernel[(triton.cdiv(rows_q, block_q),)](plan.contiguous(), ref, rows_q, S * K, NS, PS, BLOCK_Q=block_q)
+    else:
+        ref = log_slot  # unused pointer when FIFO
     block_cap = next_pow2(cap)
     common = dict(stride_w=lay.stride // 4, cap=cap)
     mpp = max(1, min(8, 1024 // block_cap))  # microtasks per program of the record-parallel kernels
@@ -235,8 +241,8 @@ def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache,
     count = torch.zeros(B * NS + 1, dtype=torch.int32, device=dev).scatter_add_(
         0, key.long(), torch.ones_like(key))[: B * NS]
     start = (torch.cumsum(count, 0, dtype=torch.int32) - count).to(torch.int32)
-    _assign_kernel[(B, NS)](words, order, start, count, lru, pid, plan_t, log_slot, log_old, S, K, NS, PS,
-                            SECOND_CHANCE=sc, UPDATE=update, BLOCK_Q=min(1024, next_pow2(S * K)), **common)
+    _assign_kernel[(B, NS)](words, order, start, count, lru, pid, ref, log_slot, log_old, S, K, NS, PS,
+                            SECOND_CHANCE=sc, UPDATE=update, **common)
     base = (PS // sbs) * sbs  # NPU destination formula: dst = b*(PS//sbs)*sbs + slot
     _keys_kernel[grid](words, log_slot, log_old, win_i2s, win_dst, MT, S, IR, pool_row_base=base, UPDATE=update,
                        BLOCK_CAP=block_cap, MPP=mpp, **common)

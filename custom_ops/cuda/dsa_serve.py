@@ -17,7 +17,7 @@ import torch
 
 from .. import dsa_serve as M
 from .. import _library as L
-from ._common import COPY_TILE, bits, commit, next_pow2, out_buffer, require_triton
+from ._common import COPY_TILE, bits, commit, host_operand, next_pow2, out_buffer, require_triton
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -59,11 +59,9 @@ def launch(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selecti
            raw_seq: int, topk: int, selection_block_size: int, compact_layout: int) -> None:
     """Run the kernel on validated arguments (dense copies / temporaries where the tensors are strided)."""
     rows = plan.size(0)
-    if plan.is_cuda:
-        for name, t in (("full_kv_cache", full_kv_cache), ("full_k_rope", full_k_rope)):
-            if t.device.type == "cpu" and not (t.is_pinned() and t.is_contiguous()):
-                raise RuntimeError(f"custom::dsa_serve: {name} is a host tensor that is not pinned and contiguous; the "
-                                   "CUDA kernel reads host caches zero-copy (offload_passes.cuda.place_full_caches)")
+    if plan.is_cuda:  # checked once per host allocation (is_pinned() asks the driver; kept out of graph replays)
+        host_operand(full_kv_cache, "custom::dsa_serve", "full_kv_cache")
+        host_operand(full_k_rope, "custom::dsa_serve", "full_k_rope")
     outs = [out_buffer(t) for t in (selection_kv_cache, selection_k_rope)]
     Dkv, Dr = full_kv_cache.size(2), full_k_rope.size(2)
     compact = compact_layout == 1

@@ -36,7 +36,7 @@ log = logging.getLogger("offload_passes.models.config")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-from offload_passes.modes import EXE_MODES  # noqa: E402  (the one list of modes; offload_passes/modes.py imports nothing)
+from offload_passes.modes import check_exe_mode  # noqa: E402  (the one list of modes; offload_passes/modes.py imports nothing)
 #: ``cache_write``: ``index_put`` (``cache.view(-1, D).index_put_``) or ``inplace`` (the reference's
 #: in-place cache-write ops: MLA-prolog KV write, ``npu_scatter_nd_update_`` for the indexer cache).
 CACHE_WRITES = ("index_put", "inplace")
@@ -360,8 +360,7 @@ class RunnerConfig:
         if self.enable_offload and model.torch_dtype not in ("bfloat16",):
             raise _err("torch_dtype", "enable_offload needs a bfloat16 model: custom.npu_gather_selection_kv_cache "
                        f"copies only float16/bfloat16/int8 caches, got {model.torch_dtype!r}")
-        if self.exe_mode not in EXE_MODES:
-            raise _err("exe_mode", f"must be one of {EXE_MODES}, got {self.exe_mode!r}")
+        check_exe_mode(self.exe_mode, name="config key 'exe_mode':")
         if self.cache_write not in CACHE_WRITES:
             raise _err("cache_write", f"must be one of {CACHE_WRITES}, got {self.cache_write!r}")
         if self.pa_max_length % self.pa_block_size:

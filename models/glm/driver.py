@@ -118,6 +118,8 @@ class Driver:
     @torch.no_grad()
     def step(self, step_fn: Optional[Callable] = None) -> StepOutput:
         ids, pos = self.next_inputs()
+        dev = self.model.block_table.device  # the token stream is drawn on the host; the step runs on the model's device
+        ids, pos = ids.to(dev), pos.to(dev)
         out = (step_fn if step_fn is not None else self.model)(ids, pos)
         res = StepOutput(logits=out, positions=pos)
         if isinstance(out, tuple):

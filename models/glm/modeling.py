@@ -417,7 +417,11 @@ class GlmMoeDsaAttention(nn.Module):
     def write_kv_cache(self, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Rows ``slots`` (flat cache rows) of the latent / rope caches := ``c [n, kv_lora_rank]``,
         ``k_pe [n, rope]``."""
-        if self.inplace_writes:  # the reference: written in place inside its fused MLA prolog
+        # Host-resident caches (pinned, the rows on the device; offload_passes/cuda.py place_full_caches):
+        # torch's index_put_ refuses the mix of devices (so does Dynamo, tracing it), so the rows go through
+        # the cache-write op, whose CUDA kernel stores through the pinned cache's address (docs/cuda.md).
+        # The branch is static under tracing: graphs whose devices agree keep their index_put_.
+        if self.inplace_writes or self.kv_cache.device != c.device:
             npu_ops.mla_prolog_cache_write_(self.kv_cache, self.k_rope_cache, slots, c, k_pe)
             return
         # index_put_: the scatter form Inductor's re-inplacing pass maps back onto the input buffer.
@@ -709,15 +713,21 @@ class GlmMoeDsaForCausalLM(nn.Module):
         if any(not 0 <= r < self.batch_size for r in rows):
             raise RuntimeError(f"prefill: rows must be in [0, batch_size={self.batch_size}), got {rows}")
         cap = self.block_table.size(1) * self.block_size
-        if int(lengths.min()) < 1 or int(lengths.max()) > P or int(lengths.max()) > cap:
-            raise RuntimeError(f"prefill: lengths must be in [1, min(P={P}, pa_max_length={cap})], "
-                               f"got {lengths.tolist()}")
+        lens = lengths.tolist()  # the checks read host values (no device round trip)
+        if min(lens) < 1 or max(lens) > P or max(lens) > cap:
+            raise RuntimeError(f"prefill: lengths must be in [1, min(P={P}, pa_max_length={cap})], got {lens}")
         self.reset_rows(rows)
-        pos = torch.arange(P, dtype=torch.int64).expand(R, P)
-        valid = pos < lengths.unsqueeze(1)
-        row_ids = torch.as_tensor(rows, dtype=torch.int64).unsqueeze(1).expand(R, P)
+        # every index tensor on the model's device (the prompt and lengths may come from the host)
+        dev = self.block_table.device
+        input_ids, lengths = input_ids.to(dev), lengths.to(dev)
+        pos = torch.arange(P, dtype=torch.int64, device=dev).expand(R, P)
+        # the valid tokens as (row, position) index tensors built from the host lengths: indexing with them
+        # equals a boolean mask (row-major order) without a data-dependent nonzero on the device
+        valid = (torch.cat([torch.full((n,), i, dtype=torch.int64, device=dev) for i, n in enumerate(lens)]),
+                 torch.cat([torch.arange(n, dtype=torch.int64, device=dev) for n in lens]))
+        row_ids = torch.tensor(rows, dtype=torch.int64, device=dev)[valid[0]]
         BS = self.block_size
-        slots = (self.block_table[row_ids[valid], pos[valid] // BS].to(torch.int64) * BS + pos[valid] % BS)
+        slots = self.block_table[row_ids, valid[1] // BS].to(torch.int64) * BS + valid[1] % BS
         cos, sin = rope_cos_sin(pos, self.inv_freq)
         x = self._embed(input_ids.reshape(-1)).view(R, P, -1)
         if compute_dtype is not None:
@@ -725,7 +735,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         for layer in self.model.layers:
             with _params_as([layer], compute_dtype):
                 x = layer.prefill(x, cos, sin, slots, valid)
-        last = x[torch.arange(R), lengths - 1]
+        last = x[torch.arange(R, device=dev), lengths - 1]
         with _params_as([self.model.norm, self.lm_head], compute_dtype):
             return self._logits(self.model.norm(last)).to(self.config.dtype)
 

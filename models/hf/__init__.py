@@ -1,5 +1,6 @@
-"""Adapter for the *unmodified* Hugging Face ``transformers`` GLM-5 DSA model (``GlmMoeDsaForCausalLM``,
-model type ``glm_moe_dsa``): presets, random initialisation (no weights download; or a local
+"""Adapter for an *unmodified* Hugging Face ``transformers`` DSA model (``GlmMoeDsaForCausalLM``, model
+type ``glm_moe_dsa``, by default; a preset's ``model_type`` picks another family, ``families.py``): presets,
+random initialisation (no weights download; or a local
 ``from_pretrained`` directory), a ``StaticCache`` decode driver and a synthetic long context.
 
 Never imports the passes. Needs the ``hf`` extra (``pip install .[hf]``).
@@ -24,10 +25,13 @@ import yaml
 
 from offload_passes import _compat
 
+from . import families
+
 log = logging.getLogger("offload_passes.models.hf")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-RUNNER_KEYS = ("batch_size", "prefill_len", "max_cache_len", "decode_steps", "dtype", "attn_implementation", "seed")
+RUNNER_KEYS = ("batch_size", "prefill_len", "max_cache_len", "decode_steps", "dtype", "attn_implementation", "seed",
+               "cache")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRANSFORMERS_PIN = "5.23.0"  # the version this adapter and the HF pass are verified against
 
@@ -53,12 +57,17 @@ class HfRunner:
     dtype: str = "float32"
     attn_implementation: str = "eager"
     seed: int = 0
+    # "static": a StaticCache (one decode graph); "dynamic": transformers' DynamicCache, for a model whose
+    # cache layers StaticCache cannot hold (deepseek_v4's compressor state); it recompiles as the cache grows
+    cache: str = "static"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"runner dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attn_implementation not in ("eager", "sdpa"):
             raise ValueError(f"attn_implementation must be 'eager' or 'sdpa', got {self.attn_implementation!r}")
+        if self.cache not in ("static", "dynamic"):
+            raise ValueError(f"runner cache must be 'static' or 'dynamic', got {self.cache!r}")
         for k in ("batch_size", "prefill_len", "max_cache_len"):
             if int(getattr(self, k)) < 1:
                 raise ValueError(f"runner {k} must be >= 1, got {getattr(self, k)}")
@@ -74,7 +83,7 @@ class HfRunner:
 def load_config(config: Union[str, Path, Mapping], **over: Any) -> tuple[Any, HfRunner]:
     """``(GlmMoeDsaConfig, HfRunner)`` from a preset name (``hf-tiny``), a yaml path or a mapping with
     ``model_config`` / ``runner_config``; keyword overrides go to whichever section knows the key."""
-    tf = _transformers()
+    _transformers()  # the [hf] extra's import error, before any yaml is read
     if isinstance(config, Mapping):
         raw = dict(config)
     else:
@@ -89,8 +98,9 @@ def load_config(config: Union[str, Path, Mapping], **over: Any) -> tuple[Any, Hf
     for k, v in over.items():
         (rc if k in RUNNER_KEYS else mc)[k] = v
     runner = HfRunner(**rc)
-    cfg = tf.GlmMoeDsaConfig(**mc)
-    cfg._attn_implementation = runner.attn_implementation
+    # the config class comes from the preset's model_type (models/hf/families.py); glm_moe_dsa by default
+    cfg = families.make_config(raw.get("model_type", families.DEFAULT_MODEL_TYPE), mc)
+    families.set_attn_implementation(cfg, families.model_class(cfg), runner.attn_implementation)
     if "experts_implementation" not in mc and not _compat.hf_grouped_mm_traceable_on_cpu():
         # torch <= 2.10 (2.8, 2.10): under torch.compile on CPU, transformers' grouped_mm experts path checks
         # data_ptr() alignment, which Dynamo cannot trace (Unsupported: builtin mod), and "eager" uses nonzero
@@ -126,16 +136,15 @@ def build(config: Union[str, Path, Mapping] = "hf-tiny", weights: Optional[str] 
           **over: Any) -> HfBuilt:
     """The unmodified HF model: seeded random init (no download), or ``weights`` = a local
     ``from_pretrained`` directory. ``attn`` overrides ``attn_implementation`` (eager / sdpa)."""
-    tf = _transformers()
     if attn is not None:
         over["attn_implementation"] = attn
     cfg, runner = load_config(config, **over)
+    cls = families.model_class(cfg)
     if weights is not None:
-        model = tf.GlmMoeDsaForCausalLM.from_pretrained(weights, config=cfg, torch_dtype=runner.torch_dtype,
-                                                        local_files_only=True)
+        model = cls.from_pretrained(weights, config=cfg, torch_dtype=runner.torch_dtype, local_files_only=True)
     else:
         torch.manual_seed(runner.seed)
-        model = tf.GlmMoeDsaForCausalLM(cfg).to(runner.torch_dtype)
+        model = cls(cfg).to(runner.torch_dtype)
     model.eval()
     return HfBuilt(model, cfg, runner)
 
@@ -155,11 +164,15 @@ class HfDecoder:
 
     def __post_init__(self) -> None:
         tf = _transformers()
-        self.cache = tf.StaticCache(config=self.config, max_cache_len=self.max_cache_len,
-                                    max_batch_size=self.batch_size)
+        if self.runner.cache == "dynamic":
+            self.cache = tf.DynamicCache(config=self.config)
+        else:
+            self.cache = tf.StaticCache(config=self.config, max_cache_len=self.max_cache_len,
+                                        max_batch_size=self.batch_size)
         g = torch.Generator().manual_seed(self.runner.seed + 1)
         # deterministic token stream, the same for every model built from one preset (teacher forcing)
-        self.tokens = torch.randint(0, self.config.vocab_size, (self.batch_size, self.max_cache_len), generator=g)
+        vocab = families.text_config(self.config).vocab_size
+        self.tokens = torch.randint(0, vocab, (self.batch_size, self.max_cache_len), generator=g)
 
     @torch.no_grad()
     def prefill(self, length: Optional[int] = None) -> torch.Tensor:

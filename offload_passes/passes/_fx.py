@@ -13,6 +13,8 @@ from torch import fx
 from .._compat import OpOverload, OpOverloadPacket
 from ..custom_ops import OP_SPECS
 from ..custom_ops.opspec import counted_names
+from ._targets import getitem_of, op_name  # noqa: F401  (part of the helpers the passes import from here)
+from .producers import PRODUCER_NAMES
 
 #: Short names count_ops reports (derived from the op specs).
 COUNTED_OPS: frozenset[str] = counted_names(OP_SPECS)
@@ -24,18 +26,6 @@ VIEW_ATEN = {"aten::view", "aten::reshape", "aten::_unsafe_view", "aten::unsquee
              "aten::alias", "aten::flatten"}
 # Casts that keep integer values (full_kv_actual_seq may be cast per layer by the model).
 CAST_METHODS = {"to", "int", "long", "type"}
-
-
-def op_name(node: fx.Node) -> Optional[str]:
-    """``"ns::name"`` of an OpOverload / OpOverloadPacket call, else None."""
-    if node.op != "call_function":
-        return None
-    t = node.target
-    if isinstance(t, OpOverload):
-        return t._schema.name
-    if isinstance(t, OpOverloadPacket):
-        return t._qualified_op_name
-    return None
 
 
 def is_op(node: fx.Node, short: str, namespaces: Iterable[str] | None = None) -> bool:
@@ -89,14 +79,6 @@ def strip_views(node: Any, casts: bool = False) -> Any:
     while isinstance(node, fx.Node) and (is_view(node) or (casts and is_cast(node))):
         node = node.args[0]
     return node
-
-
-def getitem_of(node: Any) -> Optional[tuple[fx.Node, int]]:
-    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem:
-        src, idx = node.args
-        if isinstance(src, fx.Node) and isinstance(idx, int):
-            return src, idx
-    return None
 
 
 def view_users(node: fx.Node) -> list[fx.Node]:
@@ -196,8 +178,6 @@ def input_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[fx.N
 def count_ops(graph: fx.Graph) -> dict[str, int]:
     """Counts of our offload and decode-path ops (``custom_ops`` specs with those roles, and every top-k
     producer of ``producers.TOPK_PRODUCERS``), keyed by the short op name in any namespace."""
-    from .producers import PRODUCER_NAMES  # lazy: producers imports this module
-
     interesting = COUNTED_OPS | PRODUCER_NAMES
     c: Counter = Counter()
     for n in graph.nodes:

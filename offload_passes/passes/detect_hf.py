@@ -1,4 +1,4 @@
-"""Pass 1 (Hugging Face form) — detect the dense DSA pattern of ``transformers``' ``glm_moe_dsa``.
+"""Pass 1 (Hugging Face form) — detect the dense DSA patterns of ``transformers``' DSA families.
 
 ``GlmMoeDsaForCausalLM`` (transformers 5.23) writes DSA densely, per layer:
 
@@ -15,6 +15,18 @@ combined mask feeds exactly one attention whose key / value are the ``kv_b_proj`
 latent cache graph input and whose rope key is a rope cache graph input. Sites are numbered in graph
 order; the grouping key (``producer``) is the top-k node itself, so ``group.group`` applies as is.
 Anything that looks like the pattern but fails a check is a ``Refusal`` naming the node and why.
+
+The other DSA families of transformers 5.23 (docs/hf.md, "Model families") vary this in ways the same
+walk verifies:
+
+* **sinks** (``hy_v4``): the eager scores get one learnt logit per head as an extra column,
+  ``cat([scores, sinks]) - max -> softmax -> [..., :-1]``; the site records the sink parameter.
+* **count mask** (``glm5_next``'s pooled indexer): ``zeros(B, S, T, int).scatter_add_(-1, ids.clamp(0,
+  T-1), valid(ids)).ne(0)`` is the whole mask (the indexer applied causality itself; no base mask), the
+  ids descend from a ``topk`` through the pool expansion and are the grouping key.
+* **block bias over computed entries** (``deepseek_v4``): ``new_full(-inf).scatter_(-1, ids, 0.0)`` added
+  to scores against a key concatenated in the graph (cache + compressed entries): no cache input holds
+  the selected rows, refused as ``hf_compressed_kv``.
 """
 from __future__ import annotations
 
@@ -44,14 +56,19 @@ class HfSite:
     latent: fx.Node  # latent cache graph input [B, 1, T, C]
     rope: fx.Node  # rope key cache graph input [B, 1, T, r]
     weight: fx.Node  # kv_b_proj weight [H * (n + v), C]
-    base_mask: fx.Node  # causal / padding mask before the top-k mask, [B|1, 1, S, T]
+    base_mask: Optional[fx.Node]  # causal / padding mask before the top-k mask, [B|1, 1, S, T]; None: the
+    # selection is the whole mask (count-mask form: the indexer already applied causality and padding)
     scaling: float
     dims: dict[str, int] = field(default_factory=dict)  # B S T K H C R n v
     dtype: Optional[torch.dtype] = None
+    sinks: Optional[fx.Node] = None  # eager attention with one sink logit per head ([H] parameter)
+    softmax_dtype: Optional[torch.dtype] = None  # the dtype the model's eager softmax runs in (None: its input's)
+    dedup: bool = False  # count-mask form: ids are not proven distinct, a repeated id counts once (set semantics)
 
     def to_dict(self) -> dict:
         return {"layer": self.layer, "kind": self.kind, "topk_node": self.producer.name, "attn_node": self.attn.name,
-                "latent": self.latent.name, "rope": self.rope.name, **self.dims}
+                "latent": self.latent.name, "rope": self.rope.name, "sinks": self.sinks is not None,
+                "mask": "selection" if self.base_mask is None else "base", **self.dims}
 
 
 @dataclass
@@ -111,6 +128,14 @@ class _Fail(Exception):
     pass
 
 
+class _Refuse(_Fail):
+    """A verified DSA form the offload cannot apply to: refused with a named reason, not ``hf_site_not_verified``."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.detail)
+        self.refusal = refusal
+
+
 def _need(cond: bool, why: str) -> None:
     if not cond:
         raise _Fail(why)
@@ -167,8 +192,45 @@ def _expansion(key: fx.Node, value: fx.Node) -> dict:
     return {"latent": latent, "rope": rope, "weight": weight, "n": n_nope, "v": n_v}
 
 
-def _attention(combine: fx.Node) -> tuple[str, fx.Node, fx.Node, fx.Node, fx.Node, float]:
-    """The one attention consuming the combined mask: (kind, out, query, key, value, scaling)."""
+def _drops_last(idx: Any) -> bool:
+    sl = idx[-1] if isinstance(idx, tuple) else idx
+    lead = idx[:-1] if isinstance(idx, tuple) else ()
+    return (isinstance(sl, slice) and sl.start is None and sl.stop == -1 and sl.step is None
+            and all(x is Ellipsis or x == slice(None) for x in lead))
+
+
+def _sink_softmax(scores: fx.Node, cat: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Attention sinks (one learnt logit per head, a column the softmax normalises over and that is then
+    dropped): ``cat([scores, sinks.reshape(1, H, 1, 1).expand(B, H, S, 1)], -1)``, minus its row max,
+    softmax. Returns (the sink parameter ``[H]``, the softmax)."""
+    parts = _arg(cat, 0, "tensors")
+    _need(isinstance(parts, (list, tuple)) and len(parts) == 2 and parts[0] is scores
+          and _arg(cat, 1, "dim", 0) in (-1, 3), f"{cat.name}: not cat([scores, sinks], -1)")
+    sink = _input_root(parts[1])
+    _need(is_graph_input_or_attr(sink), f"{cat.name}: the extra logit column is not a parameter (sinks)")
+    ex = example(sink)
+    H = _shape(scores)[1] if _shape(scores) is not None else None
+    _need(ex is not None and ex.numel() == H, f"{cat.name}: sinks {None if ex is None else tuple(ex.shape)} "
+          f"are not one logit per head ({H})")
+    users = list(cat.users)
+    subs = [x for x in users if x.op == "call_function" and x.target in (operator.sub, torch.sub)]
+    _need(len(users) == 2 and len(subs) == 1 and subs[0].args[0] is cat,
+          f"{cat.name}: the logits with sinks are not (x - max) normalised")
+    sub = subs[0]
+    # x - x.max(-1, keepdim=True).values: a row-constant shift, which the softmax does not see
+    mx = [x for x in users if x is not sub][0]
+    gi = getitem_of(sub.args[1])
+    _need(_method_or_fn(mx, "max") and gi is not None and gi[0] is mx and gi[1] == 0
+          and _arg(mx, 1, "dim", None) in (-1, 3) and _arg(mx, 2, "keepdim", False) is True,
+          f"{sub.name}: subtrahend is not the row max")
+    us = list(sub.users)
+    _need(len(us) == 1 and _method_or_fn(us[0], "softmax"), f"{sub.name}: expected softmax")
+    return sink, us[0]
+
+
+def _attention(combine: fx.Node) -> tuple:
+    """The one attention consuming the combined mask: (kind, out, query, key, value, scaling, sinks,
+    softmax dtype)."""
     users = view_users(combine)
     _need(len(users) == 1, f"{combine.name}: the combined mask has {len(users)} consumers, expected 1")
     u = users[0]
@@ -180,7 +242,7 @@ def _attention(combine: fx.Node) -> tuple[str, fx.Node, fx.Node, fx.Node, fx.Nod
         scale = _arg(u, 6, "scale", None)
         _need(isinstance(scale, float), f"{u.name}: no explicit scale")
         _need(not u.kwargs.get("enable_gqa", False), f"{u.name}: enable_gqa")
-        return "sdpa", u, q, k, v, scale
+        return "sdpa", u, q, k, v, scale, None, None
     # eager: add(mul(matmul(q, key.transpose(2, 3)), s), mask) -> softmax -> to -> dropout -> matmul(., v)
     _need(u.op == "call_function" and u.target in (operator.add, torch.add), f"{u.name}: not an attention")
     other = u.args[0] if u.args[1] is combine else u.args[1]
@@ -192,25 +254,39 @@ def _attention(combine: fx.Node) -> tuple[str, fx.Node, fx.Node, fx.Node, fx.Nod
     _need(_method_or_fn(kt, "transpose") and tuple(kt.args[1:]) in ((2, 3), (-1, -2), (-2, -1), (3, 2)),
           f"{mm.name}: key is not transposed")
     k = kt.args[0]
-    nxt = u
-    for step in ("softmax", "to", "dropout"):
+    us = list(u.users)
+    _need(len(us) == 1, f"{u.name}: attention scores have {len(us)} users")
+    sinks = None
+    if _method_or_fn(us[0], "cat"):
+        sinks, sm = _sink_softmax(u, us[0])
+    else:
+        sm = us[0]
+        _need(_method_or_fn(sm, "softmax"), f"{sm.name}: expected softmax")
+    _need(_arg(sm, 1, "dim", None) in (-1, 3), f"{sm.name}: softmax not over keys")
+    sm_dtype = _arg(sm, 2 if sm.op == "call_method" else 3, "dtype", None)
+    nxt = sm
+    if sinks is not None:  # the sink column is dropped right after the softmax: probs[..., :-1]
+        us = list(sm.users)
+        _need(len(us) == 1 and us[0].op == "call_function" and us[0].target is operator.getitem
+              and _drops_last(us[0].args[1]), f"{sm.name}: the sink column is not dropped after the softmax")
+        nxt = us[0]
+    while True:  # any order of dtype casts and inactive dropouts, then the value product
         us = list(nxt.users)
         _need(len(us) == 1, f"{nxt.name}: attention weights have {len(us)} users")
         cand = us[0]
-        if step == "to" and not _method_or_fn(cand, "to"):
+        if _method_or_fn(cand, "to") or _method_or_fn(cand, "type"):
+            nxt = cand
             continue
-        _need(_method_or_fn(cand, step), f"{cand.name}: expected {step}")
-        if step == "softmax":
-            _need(_arg(cand, 1, "dim", None) in (-1, 3), f"{cand.name}: softmax not over keys")
-        if step == "dropout":
+        if _method_or_fn(cand, "dropout"):
             _need(_arg(cand, 1, "p", 0.0) == 0.0 or _arg(cand, 2, "training", True) is False,
                   f"{cand.name}: dropout active")
-        nxt = cand
-    us = list(nxt.users)
-    _need(len(us) == 1 and _method_or_fn(us[0], "matmul") and us[0].args[0] is nxt,
+            nxt = cand
+            continue
+        break
+    _need(_method_or_fn(cand, "matmul") and cand.args[0] is nxt,
           f"{nxt.name}: attention weights are not multiplied by the values")
-    out = us[0]
-    return "eager", out, q, k, out.args[1], scale
+    out = cand
+    return "eager", out, q, k, out.args[1], scale, sinks, sm_dtype
 
 
 def _site(layer: int, sc: fx.Node) -> HfSite:
@@ -250,11 +326,17 @@ def _site(layer: int, sc: fx.Node) -> HfSite:
     else:
         raise _Fail(f"{u.name}: index mask is consumed by {u.target}, not masked_fill / and")
     _need(isinstance(base, fx.Node), f"{combine.name}: base mask is not a tensor")
-    kind, out, q, k, v, scale = _attention(combine)
+    return _finish(layer, producer, tk, sc, combine, base, kind_mask, False)
+
+
+def _finish(layer: int, producer: fx.Node, tk: fx.Node, sc: fx.Node, combine: fx.Node, base: Optional[fx.Node],
+            kind_mask: str, dedup: bool) -> HfSite:
+    """The attention consuming the combined mask and its key / value expansion, checked shape by shape."""
+    kind, out, q, k, v, scale, sinks, sm_dtype = _attention(combine)
     _need((kind == "eager") == (kind_mask == "additive"), f"{out.name}: {kind} attention with a {kind_mask} mask")
     e = _expansion(k, v)
     shapes = {nm: _shape(x) for nm, x in (("q", q), ("lat", e["latent"]), ("rope", e["rope"]), ("w", e["weight"]),
-                                           ("tk", tk), ("out", out), ("base", base))}
+                                           ("tk", tk), ("out", out))}
     _need(all(s is not None for s in shapes.values()), f"{out.name}: tensor shapes unknown")
     B, H, S, D = shapes["q"]
     _need(len(shapes["lat"]) == 4 and shapes["lat"][1] == 1, f"latent cache {shapes['lat']} is not [B, 1, T, C]")
@@ -267,12 +349,141 @@ def _site(layer: int, sc: fx.Node) -> HfSite:
     _need(D == n + R, f"query head dim {D} != qk_nope {n} + rope {R}")
     _need(shapes["tk"] == (B, S, K) and K <= T, f"top-k {shapes['tk']} is not [B, S, K<=T] for {(B, S, T)}")
     _need(shapes["out"] == (B, H, S, vd), f"attention output {shapes['out']} != {(B, H, S, vd)}")
-    bs = shapes["base"]
-    _need(len(bs) == 4 and bs[1] == 1 and bs[2] == S and bs[3] == T and bs[0] in (1, B),
-          f"base mask {bs} is not [B|1, 1, S, T]")
+    if base is not None:
+        bs = _shape(base)
+        _need(bs is not None and len(bs) == 4 and bs[1] == 1 and bs[2] == S and bs[3] == T and bs[0] in (1, B),
+              f"base mask {bs} is not [B|1, 1, S, T]")
     dt = example(e["latent"]).dtype
     return HfSite(layer, producer, tk, sc, combine, out, kind, q, e["latent"], e["rope"], e["weight"], base,
-                  float(scale), {"B": B, "S": S, "T": T, "K": K, "H": H, "C": C, "R": R, "n": n, "v": vd}, dt)
+                  float(scale), {"B": B, "S": S, "T": T, "K": K, "H": H, "C": C, "R": R, "n": n, "v": vd}, dt,
+                  sinks, sm_dtype, dedup)
+
+
+def _is_int_fresh(n: Any) -> bool:
+    ex = example(n)
+    return ((_method_or_fn(n, "zeros") or _method_or_fn(n, "new_zeros")) and ex is not None
+            and not ex.dtype.is_floating_point and ex.dtype != torch.bool)
+
+
+def _has_topk_ancestor(n: fx.Node, limit: int = 400) -> bool:
+    """A ``topk`` among the first ``limit`` ancestors (breadth first): the ids are a top-k selection."""
+    seen, todo, i = {n}, [n], 0
+    while i < len(todo) and i < limit:
+        x = todo[i]
+        i += 1
+        if _method_or_fn(x, "topk"):
+            return True
+        for a in x.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return False
+
+
+def _is_cmp(n: Any, names: tuple[str, ...], ops: tuple) -> bool:
+    return isinstance(n, fx.Node) and (any(_method_or_fn(n, m) for m in names)
+                                       or (n.op == "call_function" and n.target in ops))
+
+
+def _count_site(layer: int, sa: fx.Node) -> HfSite:
+    """The count-mask form (glm5_next): ``counts = zeros(B, S, T, int).scatter_add_(-1, ids.clamp(0, T-1),
+    ((ids >= 0) & (ids < T)).int())``; ``mask = counts.ne(0).unsqueeze(1)`` is the whole attention mask
+    (sdpa) or becomes ``where(mask, 0, min)`` (eager). The mask is the set of valid ids; nothing proves the
+    ids distinct, so the sparse attention counts a repeated id once."""
+    counts, dim, index = sa.args[0], _arg(sa, 1, "dim"), _arg(sa, 2, "index")
+    src = _arg(sa, 3, "src")
+    _need(dim in (-1, 2), f"{sa.name}: not a scatter_add over the key axis")
+    _need(isinstance(index, fx.Node) and _method_or_fn(index, "clamp"), f"{sa.name}: index is not ids.clamp(0, T-1)")
+    ids = index.args[0]
+    T = _shape(counts)[-1] if _shape(counts) else None
+    lo, hi = _arg(index, 1, "min"), _arg(index, 2, "max")
+    _need(T is not None and lo == 0 and hi == T - 1, f"{index.name}: clamp({lo}, {hi}) is not clamp(0, T - 1)")
+    # src: the ids' validity (ids >= 0) & (ids < T) as integers: each valid id adds one, an invalid one nothing
+    va = _strip_casts(src)
+    _need(_is_cmp(va, ("and_", "logical_and", "bitwise_and", "__and__"), (operator.and_, torch.logical_and)),
+          f"{sa.name}: added values are not the ids' validity")
+    a, b = va.args[0], va.args[1]
+    ge = a if _is_cmp(a, ("ge",), (operator.ge, torch.ge)) else b
+    lt = b if ge is a else a
+    _need(_is_cmp(ge, ("ge",), (operator.ge, torch.ge)) and ge.args[0] is ids and ge.args[1] == 0
+          and _is_cmp(lt, ("lt",), (operator.lt, torch.lt)) and lt.args[0] is ids and lt.args[1] == T,
+          f"{va.name}: added values are not (ids >= 0) & (ids < T)")
+    # the counts tensor: written only by this scatter_add_, read only by ne(0) after it
+    readers = [u for u in counts.users if u is not sa]
+    _need(len(readers) == 1 and _method_or_fn(readers[0], "ne") and readers[0].args[1] == 0,
+          f"{counts.name}: the counts are read by {[u.name for u in readers]}, expected one ne(0)")
+    ne = readers[0]
+    after = sa.next  # the read comes after the write (a walk forward over the nodes in between)
+    while after is not ne and after.op != "root":
+        after = after.next
+    _need(after is ne, f"{ne.name}: reads the counts before they are written")
+    users = view_users(ne)
+    _need(len(users) == 1, f"{ne.name}: the selection mask has {len(users)} consumers, expected 1")
+    u = users[0]
+    if _method_or_fn(u, "where"):
+        _need(strip_views(u.args[0]) is ne, f"{u.name}: the selection mask is not the where condition")
+        zero, fill = u.args[1], u.args[2]
+        zex = example(zero) if isinstance(zero, fx.Node) else None
+        _need((zero == 0 if not isinstance(zero, fx.Node) else (_method_or_fn(zero, "full") and zero.args[1] == 0.0
+                                                                  and zex is not None and zex.numel() == 1)),
+              f"{u.name}: selected positions do not get 0")
+        _need(isinstance(fill, float) and fill < -1e30, f"{u.name}: other positions do not get the dtype minimum")
+        combine, kind_mask = u, "additive"
+    else:
+        combine, kind_mask = ne, "bool"
+    ex = example(ids)
+    _need(ex is not None and not ex.dtype.is_floating_point, f"{sa.name}: ids are not integers")
+    _need(_has_topk_ancestor(ids), f"{sa.name}: ids do not descend from a topk")
+    return _finish(layer, ids, ids, sa, combine, None, kind_mask, True)
+
+
+def _is_block_bias(n: fx.Node) -> bool:
+    """``x.new_full(shape, -inf).scatter_(-1, ids, 0.0)``: an additive float mask opened at the selected ids."""
+    if not n.args or len(n.args) < 4 and "value" not in n.kwargs:
+        return False
+    tgt, value = n.args[0], _arg(n, 3, "value", _arg(n, 3, "src"))
+    if not (isinstance(tgt, fx.Node) and (_method_or_fn(tgt, "new_full") or _method_or_fn(tgt, "full"))):
+        return False
+    fill = _arg(tgt, 2 if tgt.op == "call_method" else 1, "fill_value")
+    ex = example(tgt)
+    return (ex is not None and ex.dtype.is_floating_point and isinstance(fill, float) and fill < -1e30
+            and value == 0.0)
+
+
+def _block_bias_site(layer: int, sc: fx.Node) -> HfSite:
+    """The block-bias form (deepseek_v4's compressed sparse attention): the indexer's top-k picks among
+    compressed KV entries that the graph itself computes and concatenates after the sliding-window cache.
+    Verified up to the key the scores are taken against; then refused by name: no cache graph input holds
+    the selected rows, so there is nothing to serve from a host copy (docs/hf.md, "DSA families")."""
+    index = _arg(sc, 2, "index")
+    _need(isinstance(index, fx.Node) and _has_topk_ancestor(index), f"{sc.name}: ids do not descend from a topk")
+    mask, hops = sc.args[0], 0
+    while True:  # slices / casts / the concatenation with the window's mask, then the scores' add
+        users = [u for u in mask.users if u is not sc]
+        _need(len(users) == 1 and hops < 6, f"{mask.name}: the block mask has {len(users)} consumers")
+        u = users[0]
+        hops += 1
+        if u.op == "call_function" and u.target in (operator.add, torch.add):
+            break
+        _need(is_view(u) or is_cast(u) or _method_or_fn(u, "to") or _method_or_fn(u, "cat")
+              or (u.op == "call_function" and u.target is operator.getitem),
+              f"{u.name}: the block mask is consumed by {getattr(u.target, '__name__', u.target)}")
+        mask = u
+    other = u.args[0] if u.args[1] is mask else u.args[1]
+    _need(isinstance(other, fx.Node) and other.op == "call_function" and other.target in (operator.mul, torch.mul)
+          and _method_or_fn(other.args[0], "matmul"), f"{u.name}: scores are not matmul * scaling")
+    kt = other.args[0].args[1]
+    _need(_method_or_fn(kt, "transpose"), f"{other.name}: key is not transposed")
+    key = kt.args[0]
+    while isinstance(key, fx.Node) and (is_view(key) or _method_or_fn(key, "expand")
+                                        or (key.op == "call_function" and key.target is operator.getitem)):
+        key = key.args[0]
+    if _method_or_fn(key, "cat"):
+        raise _Refuse(Refusal("hf_compressed_kv", f"{sc.name}: the top-k selects among KV entries computed in this "
+                              f"graph ({key.name} = cat of the cache and compressed entries), not rows of a cache "
+                              "graph input: there is no host copy to serve them from; the dense attention stays",
+                              layer))
+    raise _Fail(f"{sc.name}: block-bias top-k mask over {key}: form not verified")
 
 
 def detect_hf(gm: fx.GraphModule) -> HfDetectReport:
@@ -285,17 +496,28 @@ def detect_hf(gm: fx.GraphModule) -> HfDetectReport:
         if _method_or_fn(n, "topk"):
             topks.append(n.name)
             continue
-        if not _method_or_fn(n, "scatter"):
-            continue
-        # only bool ones-masks scattered with top-k indices are candidates (the MoE router scatters floats)
-        tgt = n.args[0] if n.args else None
-        ex = example(tgt)
-        if ex is None or ex.dtype != torch.bool:
+        if _method_or_fn(n, "scatter_add_") or _method_or_fn(n, "scatter_add"):
+            # counts of selected ids over the key axis: an integer zeros tensor (the MoE router adds floats)
+            if not (n.args and _is_int_fresh(n.args[0])):
+                continue
+            which = _count_site
+        elif _method_or_fn(n, "scatter_") and _is_block_bias(n):
+            which = _block_bias_site
+        elif _method_or_fn(n, "scatter"):
+            # only bool ones-masks scattered with top-k indices are candidates (the MoE router scatters floats)
+            tgt = n.args[0] if n.args else None
+            ex = example(tgt)
+            if ex is None or ex.dtype != torch.bool:
+                continue
+            which = _site
+        else:
             continue
         layer = cand
         cand += 1
         try:
-            sites.append(_site(layer, n))
+            sites.append(which(layer, n))
+        except _Refuse as e:
+            refusals.append(e.refusal)
         except _Fail as e:
             refusals.append(Refusal("hf_site_not_verified", f"{n.name}: {e}", layer))
     return HfDetectReport(sites, cand, topks, refusals)

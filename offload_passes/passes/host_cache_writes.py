@@ -1,34 +1,26 @@
-"""FX pass (``exe_mode="cuda"``): the decode graph's own cache writes made to land in a host-resident cache.
+"""FX pass (``exe_mode="cuda"``): in-place writes into a host-resident graph input get host operands.
 
 With :func:`offload_passes.cuda.place_full_caches` the full latent / rope caches are pinned *host* tensors
-while everything the decode step computes is on the CUDA device. The unmodified model still writes the
-new token's rows into those caches itself (``models/glm``: ``kv_cache.view(-1, C).index_put_((slots,), c)``
-or, with ``cache_write: inplace``, ``offload_ref::mla_prolog_cache_write_`` / ``npu_scatter_nd_update_``;
-Hugging Face ``StaticCache.update``: ``keys.index_copy_(2, cache_position, k)``, or its
-``keys[:, :, pos] = k`` fallback). Those are device operands written into a host tensor: torch refuses
-the mix of devices.
+while everything the decode step computes is on the CUDA device.
 
-:func:`host_cache_writes` rewrites every such write: an in-place write (``_fx.written_inputs``:
-``Tensor(a!)`` schema arguments, ``x.op_()`` methods, ``operator.setitem``) whose destination is, through
-views, a graph input (placeholder or ``get_attr``) with a *host* (``cpu``) example value, while some other
-tensor operand (the written rows, the index tensors) is on another device. Each such operand is first
-copied to the host (``aten._to_copy(x, device=cpu)``, inserted right before the write; one copy per
-operand, shared by later writes that need it while nothing writes the operand in between, e.g. the one
-``slots`` of all layers); the write itself
-stays in place on the host tensor, so nothing of the cache is staged or copied. New nodes get
-``meta["val"]`` (``_fx.set_fake_val``). Nothing changes when the devices agree (every CPU run), nor for a
-write into a device tensor (``dsa_serve`` / ``dsa_install`` read the host caches zero-copy and write
-device buffers: they are not host writes).
+**How the recipe model writes them:** ``models/glm/modeling.py`` ``write_kv_cache`` sees the caches on
+another device than its rows and calls ``offload_ref::npu_mla_prolog_cache_write_``, whose CUDA kernel
+(``custom_ops/cuda/cache_write.py``) stores the rows through the pinned cache's address: one launch per
+layer, no synchronous copy, capturable. This pass leaves that op alone (:func:`host_write_ops`). The
+prefill and every other eager write take the same path.
 
-Why a synchronous copy (``non_blocking=False``): the write runs on the host right after it; an
-asynchronous device-to-host copy could still be in flight when the CPU kernel reads the rows. The copy
-synchronises the current stream, so this step's earlier device work (and, through the output join of the
-previous step, the side-stream installs) is finished before the host cache changes. Cost: one small copy
-per written operand per step (``n`` rows), not the cache.
+**What this pass is for:** an ATen in-place write (``index_put_`` on a cache view, ``index_copy_``,
+``operator.setitem``, the ``cache_write: inplace`` scatter double) into a host graph input with device
+operands. Dynamo refuses those while tracing (its fake propagation checks devices: ``Mismatching
+aten.index_put_.default device between self (cpu) and values (cuda:0)``), so a traced model never
+reaches the backend with one; an FX graph built otherwise can. Each such write gets its device operands
+copied to the host first (``aten._to_copy(x, device=cpu)``, synchronous: the host write right after must
+see the rows; one copy per operand, shared by later writes while nothing writes the operand in between);
+the write stays in place on the host tensor. New nodes get ``meta["val"]`` (``_fx.set_fake_val``).
+Nothing changes when the devices agree (every CPU run), nor for a write into a device tensor
+(``dsa_serve`` / ``dsa_install`` read the host caches and write device buffers).
 
-Decided in the CUDA lowering (``lowering_cuda.CudaLowering.after_rewrite``), on the pre-AOT graph after
-the offload rewrite: AOT then functionalises the host write like any other cache write and our reinplace
-pass puts it back in place (docs/cuda.md).
+Run by ``lowering_cuda.CudaLowering.after_rewrite`` on the pre-AOT graph after the offload rewrite.
 """
 from __future__ import annotations
 
@@ -43,7 +35,7 @@ from . import _fx
 
 log = logging.getLogger("offload_passes.passes.host_cache_writes")
 
-__all__ = ["HostCacheWritesReport", "host_cache_writes", "HOST_DEVICE_TYPE"]
+__all__ = ["HostCacheWritesReport", "host_cache_writes", "host_write_ops", "HOST_DEVICE_TYPE"]
 
 aten = torch.ops.aten
 #: the device type of a host-resident cache (pinned memory is a ``cpu`` tensor)
@@ -93,6 +85,13 @@ def _host_destinations(node: fx.Node) -> Tuple[List[fx.Node], Optional[torch.dev
     return written, devices.pop(), None
 
 
+def host_write_ops() -> frozenset:
+    """Write ops whose CUDA kernel takes a pinned host destination with device operands (the stores go
+    through the pinned address, ``custom_ops/cuda/cache_write.py``): left as they are."""
+    packet = torch.ops.offload_ref.npu_mla_prolog_cache_write_  # Dynamo records the packet the model calls
+    return frozenset({packet, packet.default})
+
+
 def host_cache_writes(gm: fx.GraphModule) -> HostCacheWritesReport:
     """Move the device operands of every in-place write into a host-resident graph input to the host
     (see the module doc); recompiles ``gm`` when it changed anything. Returns the report."""
@@ -106,6 +105,8 @@ def host_cache_writes(gm: fx.GraphModule) -> HostCacheWritesReport:
         if changed:
             for key in [k for k in moved if _fx.strip_views(k[0]) in changed]:
                 del moved[key]
+        if node.target in host_write_ops():  # its CUDA kernel stores into the pinned cache itself
+            continue
         written, dest, why = _host_destinations(node)
         if why is not None:
             rep.skipped.append((node.name, why))

@@ -2,8 +2,9 @@
 
 Anything unmet becomes a ``Refusal`` (reason code + detail naming the argument and the limit); the
 backend then compiles the graph unmodified (or raises under ``strict``). Shapes come from the nodes'
-example values; the identity paged layouts (full and selection block tables) are checked on the real
-example inputs, which is why those tables must be graph inputs.
+example values; the selection block table's identity layout is checked on the real example inputs
+(serve writes the selection positionally), and the full block table's layout on them picks how misses
+are read (identity: serve's ``[B, F, D]`` view; any other: through the table).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import fx
 
 from ..custom_ops import spec_for
 from ..custom_ops._library import is_pow2
+from ..custom_ops._pool import id_range_for, pool_size_problem
 from ..options import OffloadOptions
 from ._fx import bind, example, input_values, is_graph_input_or_attr, strip_views
 from .detect import Refusal, Site
@@ -28,8 +30,6 @@ MAX_RAW_SEQ = _PLAN.limit("MAX_RAW_SEQ")
 TOPK_ALIGN = _PLAN.limit("TOPK_ALIGN")
 MAX_DKV = _INSTALL.limit("MAX_DKV")
 MAX_DR = _INSTALL.limit("MAX_DR")
-MAX_POOL = _INSTALL.limit("MAX_POOL")
-WAYS = _INSTALL.limit("WAYS")
 MIN_SBS = _INSTALL.limit("MIN_SELECTION_BLOCK_SIZE")
 MAX_SBS = _INSTALL.limit("MAX_SELECTION_BLOCK_SIZE")
 FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
@@ -48,6 +48,12 @@ class SiteGeometry:
     Dkv: int
     Dr: int
     dtype: torch.dtype
+    # the full block table and its block size; ``paged``: it was not the identity layout on the example
+    # inputs (or the cache is not ``B*maxblk`` blocks), so serve reads only the pool and the model's own
+    # gather reads every other row through the table (docs/new-requests.md, "Paged KV")
+    block_table: Optional[fx.Node] = None
+    FBS: int = 0
+    paged: bool = False
 
 
 @dataclass
@@ -68,10 +74,16 @@ class GroupPlan:
     topk_node: str
     geometry: dict[int, SiteGeometry] = field(repr=False)
 
+    @property
+    def paged(self) -> bool:
+        """Served through the block table (any site's table not the identity layout)."""
+        return any(g.paged for g in self.geometry.values())
+
     def to_dict(self) -> dict:
         return {"group_id": self.group_id, "owner_layer": self.owner_layer, "layers": list(self.layers),
                 "topk_node": self.topk_node, "K": self.K, "S": self.S, "B": self.B, "BS": self.BS,
-                "pool_size": self.pool_size, "num_sets": self.num_sets, "id_range": self.id_range}
+                "pool_size": self.pool_size, "num_sets": self.num_sets, "id_range": self.id_range,
+                "paged": self.paged}
 
 
 @dataclass
@@ -89,6 +101,13 @@ class _Checker:
         if not cond:
             self.refusals.append(Refusal(reason, detail, self.layer))
         return cond
+
+
+def is_identity_table(t: torch.Tensor, rows: int, cols: int) -> bool:
+    """The first ``cols`` columns of the ``[rows, >= cols]`` table ``t`` are ``arange(rows * cols).view(rows,
+    cols)`` (compared on ``t``'s own device: a CUDA table)."""
+    return t.dim() == 2 and t.size(0) == rows and t.size(1) >= cols and bool(torch.equal(
+        t[:, :cols], torch.arange(rows * cols, dtype=t.dtype, device=t.device).view(rows, cols)))
 
 
 def _real(node: Any, real_inputs: dict[fx.Node, torch.Tensor]) -> Optional[torch.Tensor]:
@@ -139,13 +158,13 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Option
     Dr = frp.size(-1)
     chk(tuple(frp.shape[:2]) == (F_blocks, FBS), "paged_layout",
         f"full_k_rope {tuple(frp.shape)} must match full_kv_cache blocks {(F_blocks, FBS)}")
-    chk(F_blocks == B * maxblk, "paged_layout",
-        f"full_kv_cache has {F_blocks} blocks, identity layout needs B*maxblk = {B}*{maxblk}")
+    # Any block table is served: the identity layout (the static batch) through serve's [B, F, D] view of
+    # the full cache, any other one (an engine's cache manager) through the model's gather, which takes
+    # the table (docs/new-requests.md, "Paged KV"). The choice is made on the example inputs.
     t = _real(a["full_kv_block_table"], real)
-    if chk(t is not None, "paged_layout", "full_kv_block_table is not a graph input; cannot verify identity layout"):
-        ident = torch.arange(B * maxblk, dtype=t.dtype).view(B, maxblk)
-        chk(bool(torch.equal(t, ident)), "paged_layout",
-            "full_kv_block_table is not the identity layout arange(B*maxblk).view(B, maxblk)")
+    identity = (F_blocks == B * maxblk and t is not None and t.dtype == torch.int32
+                and is_identity_table(t, B, maxblk))
+    chk(fbt.dtype == torch.int32, "paged_layout", f"full_kv_block_table dtype {fbt.dtype} must be int32")
     if opts.pa_block_size is not None:
         chk(FBS == opts.pa_block_size, "pa_block_size", f"graph block size {FBS} != config pa_block_size {opts.pa_block_size}")
     chk(0 < Dkv <= MAX_DKV, "dims", f"Dkv={Dkv} must be in (0, {MAX_DKV}]")
@@ -164,8 +183,7 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Option
     st = _real(a["selection_kv_block_table"], real)
     if chk(st is not None, "selection_layout", "selection_kv_block_table is not a graph input"):
         smax = K // SBS if SBS else 0
-        ok = st.dim() == 2 and st.size(1) >= smax and bool(torch.equal(
-            st[:, :smax], torch.arange(B * S * smax, dtype=st.dtype).view(B * S, smax)))
+        ok = is_identity_table(st, B * S, smax)
         chk(ok, "selection_layout", "selection_kv_block_table is not the identity layout")
     chk(sts.numel() == B * S * (K + 1), "selection_layout", f"selection_kv_block_status {tuple(sts.shape)} != [B, S, 1, K+1]")
     chk(L.dim() == 1 and L.size(0) == B and L.dtype == torch.int32, "lengths",
@@ -175,7 +193,7 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Option
             f"{name} of {site.gather.name} is not a graph input (in-place serve needs the buffer itself)")
     geo = SiteGeometry(site.layer, a["full_kv_cache"], a["full_k_rope"], a["selection_kv_cache"],
                        a["selection_k_rope"], a["selection_kv_block_table"], a["selection_kv_block_status"],
-                       maxblk * FBS, Dkv, Dr, fkv.dtype)
+                       maxblk * FBS, Dkv, Dr, fkv.dtype, a["full_kv_block_table"], FBS, not identity)
     return geo, (B, S, K, SBS)
 
 
@@ -210,11 +228,10 @@ def plan(gm: fx.GraphModule, groups: GroupReport, example_inputs: Sequence[Any],
             continue
         B, S, K, SBS = dims.pop()
         F = max(geo.F for geo in geos.values())
-        IR = opts.id_range if opts.id_range is not None else max(131072, F)
+        IR = id_range_for(F, opts.id_range)
         chk = _Checker(g.owner.layer)
-        chk(PS % SBS == 0, "pool_size", f"pool_size={PS} must be a multiple of the selection block size {SBS}")
-        chk(PS % WAYS == 0 and is_pow2(PS // WAYS) and PS <= MAX_POOL, "pool_size",
-            f"pool_size={PS}: needs PS % {WAYS} == 0, PS/{WAYS} a power of two, PS <= {MAX_POOL}")
+        problem = pool_size_problem(PS, SBS)
+        chk(problem is None, "pool_size", f"pool_size={PS} {problem[0]}" if problem else "")
         refusals.extend(chk.refusals)
         out.append(GroupPlan(g.group_id, g.owner.layer, g.last.layer, g.layers, B, S, K, SBS, PS, PS // 16, IR,
                              g.owner.args["full_kv_actual_seq"], g.owner.topk, g.producer.name, geos))

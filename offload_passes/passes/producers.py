@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from torch import fx
 
-from ._fx import getitem_of, op_name
+from ._targets import getitem_of, op_name
 
 
 @dataclass(frozen=True)

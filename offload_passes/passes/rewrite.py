@@ -23,9 +23,11 @@ each layer's install nodes through ``install_hook`` and add the events.
 
 New requests (docs/new-requests.md): before the plan, a batch row's pool metadata is invalidated when
 its cache length left the continuation window ``[seen, seen + S]``, when the model reset its gather
-ledger (recipe form, ledger kept), or when the host saw the full caches written outside this graph
-(``external_write``, set by ``state.StateRegistry.activate`` from the caches' version counters; then
-every row: a counter cannot say which rows were written).
+ledger (recipe form, ledger kept), when (paged groups) the blocks of the prefix it already served
+changed, or when the host saw the full caches written outside this graph (``external_write``, set by
+``state.StateRegistry.activate`` from the caches' version counters; then every row, a counter cannot say
+which rows were written, unless the engine announced them: ``OffloadState.begin_request`` /
+``move_rows``).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import torch
 from torch import fx
 
 from .. import _compat
+from ..modes import check_replacement_policy
 from ..state import OffloadState
 from . import _fx
 from ._fx import hoist_attrs, strip_views
@@ -48,8 +51,6 @@ custom = torch.ops.custom
 
 #: ``install_hook(graph, install_nodes, layer)`` — called once per layer with the installs placed after it.
 InstallHook = Callable[[fx.Graph, list, int], None]
-
-REPLACEMENT_POLICIES = ("fifo", "second_chance")
 
 
 class OffloadRefused(RuntimeError):
@@ -198,6 +199,8 @@ class GroupNodes:
     act: Optional[fx.Node] = None
     lengths: Optional[fx.Node] = None  # L [B] int32 of this step
     tk2: Optional[fx.Node] = None  # top-k as [B*S, K] int32
+    kinds: Optional[fx.Node] = None  # the plan's kind column [B*S*K] (paged groups)
+    plan_pool: Optional[fx.Node] = None  # paged groups: the plan with miss / window rows made "skip"
     by_layer: dict[int, SiteRewrite] = field(default_factory=dict)
 
 
@@ -263,8 +266,7 @@ def rewrite(gm: fx.GraphModule, fe: FrontEnd, groups: GroupReport, plans: Sequen
     the in-graph new-request invalidation (module doc); ``replacement_policy``: ``fifo`` installs with
     ``custom::dsa_install`` (CANN's), ``second_chance`` with ``offload_ref::dsa_install_sc`` (same inputs
     plus the step's plan, whose hits set reference bits)."""
-    if replacement_policy not in REPLACEMENT_POLICIES:
-        raise ValueError(f"replacement_policy must be one of {REPLACEMENT_POLICIES}, got {replacement_policy!r}")
+    check_replacement_policy(replacement_policy)
     g = gm.graph
     hoist_attrs(g)  # module buffers as get_attr (no nn-module inlining) become usable anywhere
     first = next(n for n in g.nodes if n.op not in ("placeholder", "get_attr"))
@@ -301,6 +303,8 @@ _META = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external
 def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Any, p: GroupPlan, gs: Any) -> GroupNodes:
     """The group's metadata and its layers' pools as graph attributes; the front-end's selection buffers."""
     meta = {n: ctx.attr(f"{n}_g{grp.group_id}", getattr(gs, n)) for n in _META}
+    if getattr(gs, "seen_table", None) is not None:  # paged groups
+        meta["seen_table"] = ctx.attr(f"seen_table_g{grp.group_id}", gs.seen_table)
     pools = {}
     for s in grp.sites:
         kv, rope = ctx.state.pools[s.layer]
@@ -323,13 +327,23 @@ def _emit_plan(ctx: RewriteCtx, fe: FrontEnd, grp: Any, gn: GroupNodes) -> None:
     with ctx.g.inserting_before(anchor):
         if ctx.detect_new_requests:
             ledgers = [fe.ledger(p, s.layer) for s in grp.sites] if ctx.update_ledger else []
-            invalidate_new_rows(b, p, gn.meta, L, [st for st in ledgers if st is not None])
+            geo = p.geometry[grp.owner.layer]
+            table = ((geo.block_table, geo.FBS) if "seen_table" in gn.meta and geo.block_table is not None
+                     else None)
+            invalidate_new_rows(b, p, gn.meta, L, [st for st in ledgers if st is not None], table)
         tk = fe.topk(b, p)
         gn.plan = b(custom.dsa_plan.default, tk, L, gn.meta["pool_ids"], gn.meta["id_to_slot"],
                     gn.meta["lru_counter"], raw_seq=S, group_id=grp.group_id, owner_layer=grp.owner.layer)
         gn.plan_n, gn.rec, gn.act = b.item(gn.plan, 0), b.item(gn.plan, 1), b.item(gn.plan, 2)
         emit_plan_stats(b, gn.plan_n, gn.meta["stats"], gn.dev)
         gn.tk2 = b(aten.view.default, tk, [B * S, K])
+        if p.paged:
+            # serve reads the pool only; kinds 2 / 3 (full-cache rows) become 4 (zeros), the model's gather
+            # reads those rows through the block table (frontend_recipe._emit_paged_site)
+            gn.kinds = b(aten.select.int, gn.plan_n, 1, 0)
+            far = b(aten.logical_or.default, b(aten.eq.Scalar, gn.kinds, 2), b(aten.eq.Scalar, gn.kinds, 3))
+            gn.plan_pool = b(aten.stack.default, [b(aten.where.ScalarSelf, far, 4, gn.kinds),
+                                                  b(aten.select.int, gn.plan_n, 1, 1)], 1)
 
 
 def _lengths_guard(ctx: RewriteCtx, grp: Any, p: GroupPlan, L: fx.Node) -> None:
@@ -384,7 +398,18 @@ def emit_serve(ctx: RewriteCtx, gn: GroupNodes, layer: int, full_kv: fx.Node, fu
              raw_seq=p.S, topk=p.K, selection_block_size=p.BS, compact_layout=1)
 
 
-def invalidate_new_rows(b: _Builder, p: GroupPlan, meta: dict, L: fx.Node, ledgers: Sequence[fx.Node]) -> None:
+def emit_serve_pool(ctx: RewriteCtx, gn: GroupNodes, layer: int) -> fx.Node:
+    """Paged groups: ``dsa_serve`` of the pool hits only (``gn.plan_pool`` has no full-cache rows, so the
+    pools stand in for the full-cache arguments, which are never read)."""
+    p = gn.p
+    pkv, prope = gn.pools[layer]
+    skv, srp, _ = gn.sel[layer]
+    return ctx.b(custom.dsa_serve.default, gn.plan_pool, pkv, prope, pkv, prope, skv, srp,
+                 raw_seq=p.S, topk=p.K, selection_block_size=p.BS, compact_layout=1)
+
+
+def invalidate_new_rows(b: _Builder, p: GroupPlan, meta: dict, L: fx.Node, ledgers: Sequence[fx.Node],
+                        table: Optional[tuple[fx.Node, int]] = None) -> None:
     """Batch rows that started a new request lose their pool rows, in the graph, before the plan.
 
     A row is new when (docs/new-requests.md):
@@ -393,10 +418,15 @@ def invalidate_new_rows(b: _Builder, p: GroupPlan, meta: dict, L: fx.Node, ledge
       advances a row by 1..S tokens; ``seen`` is the previous step's ``L``);
     * the model reset its gather ledger (count column ``status[..., K] == -1``; the rewrite writes a
       count >= 0 every step, so only the model's reset leaves -1), when the ledger is kept;
+    * paged groups (``table = (block_table, block_size)``): a block of the prefix the row already served
+      (``[0, seen)``) is not the one it had at the previous step (``seen_table``): the row holds another
+      request (a re-allocation, a row that shifted). This signal sees writes no version counter shows (a
+      C++ op, a KV transfer) whenever the engine gives a new request other blocks;
     * the host saw the full caches written outside this graph since the state's last step
       (``external_write[0] != 0``: their version counters moved, ``state.StateRegistry.activate``):
-      every row. A counter is per tensor, not per row, so no announcement (the ledger,
-      ``reset(rows=...)``) can prove the other rows untouched: correctness wins over warmth.
+      every row. A counter is per tensor, not per row, so neither the ledger nor ``reset(rows=...)``
+      can prove the other rows untouched: correctness wins over warmth. Only the engine's complete
+      account (``begin_request`` / ``move_rows``) keeps the host from setting the flag.
 
     Cost: one masked pass over the group's metadata per step, no host sync. The updates are ``copy_``
     writes so that reinplacing keeps them in place (passes/reinplace.py,
@@ -409,6 +439,16 @@ def invalidate_new_rows(b: _Builder, p: GroupPlan, meta: dict, L: fx.Node, ledge
     for st in ledgers:
         cnt = b(aten.select.int, b(aten.view.default, st, [B, -1, K + 1]), 2, K)  # [B, S]
         new = b(aten.logical_or.default, new, b(aten.any.dim, b(aten.lt.Scalar, cnt, 0), 1))
+    if table is not None:
+        bt, FBS = table
+        prev = meta["seen_table"]
+        cols = int(_fx.example(prev).size(1))
+        served = b(aten.floor_divide.default, b(aten.add.Tensor, seen, FBS - 1), FBS)  # blocks of [0, seen)
+        in_prefix = b(aten.lt.Tensor, b(aten.unsqueeze.default, b(aten.arange.default, cols, dtype=torch.int32,
+                                                                  device=_fx.example(prev).device), 0),
+                      b(aten.unsqueeze.default, served, 1))
+        moved = b(aten.logical_and.default, b(aten.ne.Tensor, bt, prev), in_prefix)
+        new = b(aten.logical_or.default, new, b(aten.any.dim, moved, 1))
     external = b(aten.ne.Scalar, meta["external_write"], 0)  # [1]
     new = b(aten.logical_or.default, new, external)  # [B] | [1] -> [B]
     col = b(aten.view.default, new, [B, 1])
@@ -416,3 +456,5 @@ def invalidate_new_rows(b: _Builder, p: GroupPlan, meta: dict, L: fx.Node, ledge
         buf = meta[name]
         b(aten.copy_.default, buf, b(aten.where.ScalarSelf, col, fill, buf))
     b(aten.copy_.default, seen, L)
+    if table is not None:
+        b(aten.copy_.default, meta["seen_table"], table[0])

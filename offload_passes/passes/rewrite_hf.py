@@ -8,6 +8,8 @@ one call that attends over the K selected positions only:
   mask (causal limit, padding) gathered at the selected ids, and an id outside ``[0, T)`` (``-1``
   padding) is masked: the same terms the dense softmax keeps, so the result is the same attention
   (only the summation order differs). K is the graph's top-k width, i.e. already ``min(index_topk, T)``.
+  A model with attention sinks gets its sink logit in the softmax as the dense one does; a count-mask
+  site (no base mask, ids not proven distinct) masks a repeated id after its first column.
 * **offload** (``enable_offload`` and ``shared_indexer_offload``, f16/bf16 caches, the op limits of
   docs/ops.md): the shared core (``passes/rewrite.py``) emits plan / serve / install exactly as for the
   recipe graph (guards, new-request invalidation, ``replacement_policy``, ``install_hook``); this
@@ -35,9 +37,9 @@ from . import _fx
 from .detect import Refusal
 from .detect_hf import HfDetectReport, HfSite, detect_hf
 from .group import GroupReport
-from ..custom_ops._library import is_pow2
+from ..custom_ops._pool import id_range_for, pool_size_problem
 from .preconditions import GroupPlan, SiteGeometry
-from .preconditions import MAX_DKV, MAX_DR, MAX_POOL, MAX_RAW_SEQ, MAX_TOPK, TOPK_ALIGN, WAYS  # the ops' specs
+from .preconditions import MAX_DKV, MAX_DR, MAX_RAW_SEQ, MAX_TOPK, TOPK_ALIGN  # the ops' specs
 
 log = logging.getLogger("offload_passes.passes.rewrite_hf")
 aten = torch.ops.aten
@@ -50,15 +52,25 @@ OFFLOAD_DTYPES = (torch.float16, torch.bfloat16)
 
 # -- the sparse attention (traced into the graph by AOT / run directly in eager) ----------------------
 def _attend(query: torch.Tensor, rows: torch.Tensor, rope_rows: torch.Tensor, weight: torch.Tensor,
-            idx: torch.Tensor, base_mask: torch.Tensor, T: int, scaling: float, nope: int, vdim: int,
-            kind: str, fill: float) -> torch.Tensor:
+            idx: torch.Tensor, base_mask: Optional[torch.Tensor], T: int, scaling: float, nope: int, vdim: int,
+            kind: str, fill: float, sinks: Optional[torch.Tensor] = None,
+            softmax_dtype: Optional[torch.dtype] = torch.float32, dedup: bool = False) -> torch.Tensor:
     B, H, S, D = query.shape
     K = idx.shape[-1]
     R = rope_rows.shape[-1]
     idx = idx.long()
     valid = (idx >= 0) & (idx < T)
     safe = idx.clamp(0, T - 1)
-    msel = torch.gather(base_mask.expand(B, 1, S, T)[:, 0], 2, safe)  # the model's mask at the selected ids
+    if dedup:  # a position the ids name twice is one key of the dense mask: keep its first column only
+        order, perm = torch.sort(torch.where(valid, safe, -1), dim=-1, stable=True)
+        again = torch.cat([torch.zeros_like(order[..., :1], dtype=torch.bool), order[..., 1:] == order[..., :-1]], -1)
+        valid = valid & ~torch.zeros_like(again).scatter(-1, perm, again)
+    if base_mask is not None:  # the model's mask at the selected ids
+        msel = torch.gather(base_mask.expand(B, 1, S, T)[:, 0], 2, safe)
+    elif kind == "sdpa":  # the selection is the whole mask (the indexer already applied causality / padding)
+        msel = torch.ones_like(safe, dtype=torch.bool)
+    else:
+        msel = torch.zeros_like(safe, dtype=query.dtype)
     kv = F.linear(rows, weight).view(B, S, K, H, nope + vdim)
     k_nope, v = kv.split([nope, vdim], dim=-1)
     # one copy (the concatenated key, as the model builds it); heads-first are views, not copies
@@ -72,14 +84,20 @@ def _attend(query: torch.Tensor, rows: torch.Tensor, rope_rows: torch.Tensor, we
     else:
         add = torch.where(valid, msel, torch.full_like(msel, fill)).view(B * S, 1, 1, K)
         w = torch.matmul(q, k.transpose(2, 3)) * scaling + add
-        w = F.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+        if sinks is None:
+            w = F.softmax(w, dim=-1, dtype=softmax_dtype).to(query.dtype)
+        else:  # one sink logit per head joins the normalisation, then its column is dropped (as the model does)
+            w = torch.cat([w, sinks.reshape(1, H, 1, 1).expand(B * S, H, 1, 1).to(w.dtype)], dim=-1)
+            w = w - w.max(dim=-1, keepdim=True).values
+            w = F.softmax(w, dim=-1, dtype=softmax_dtype)[..., :-1].to(query.dtype)
         out = torch.matmul(w, v)
     return out.view(B, S, H, vdim).transpose(1, 2)
 
 
 def hf_sparse_attention(query: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, weight: torch.Tensor,
-                        topk: torch.Tensor, base_mask: torch.Tensor, scaling: float, nope: int, vdim: int,
-                        kind: str, fill: float) -> torch.Tensor:
+                        topk: torch.Tensor, base_mask: Optional[torch.Tensor], scaling: float, nope: int, vdim: int,
+                        kind: str, fill: float, sinks: Optional[torch.Tensor] = None,
+                        softmax_dtype: Optional[torch.dtype] = torch.float32, dedup: bool = False) -> torch.Tensor:
     """Attention of ``query [B,H,S,n+r]`` over the ``topk [B,S,K]`` rows of the latent / rope caches
     ``[B,1,T,C]`` / ``[B,1,T,r]``, expanded through ``weight`` (kv_b_proj); returns ``[B,H,S,v]``."""
     B, _, T, C = latent.shape
@@ -88,18 +106,22 @@ def hf_sparse_attention(query: torch.Tensor, latent: torch.Tensor, rope: torch.T
     bidx = torch.arange(B, device=topk.device).view(B, 1)
     rows = latent[:, 0][bidx, safe].view(B, S, K, C)  # row gather (indexing kernel: ~8x torch.gather here)
     rrows = rope[:, 0][bidx, safe].view(B, S, K, rope.shape[-1])
-    return _attend(query, rows, rrows, weight, topk, base_mask, T, scaling, nope, vdim, kind, fill)
+    return _attend(query, rows, rrows, weight, topk, base_mask, T, scaling, nope, vdim, kind, fill, sinks,
+                   softmax_dtype, dedup)
 
 
 def hf_sparse_attention_rows(query: torch.Tensor, sel_kv: torch.Tensor, sel_rope: torch.Tensor,
-                             weight: torch.Tensor, topk: torch.Tensor, base_mask: torch.Tensor, T: int,
-                             scaling: float, nope: int, vdim: int, kind: str, fill: float) -> torch.Tensor:
+                             weight: torch.Tensor, topk: torch.Tensor, base_mask: Optional[torch.Tensor], T: int,
+                             scaling: float, nope: int, vdim: int, kind: str, fill: float,
+                             sinks: Optional[torch.Tensor] = None,
+                             softmax_dtype: Optional[torch.dtype] = torch.float32, dedup: bool = False) -> torch.Tensor:
     """As :func:`hf_sparse_attention`, reading the rows ``dsa_serve`` placed in the selection buffers
     (top-k column k of query row r at flat row ``r*K + k``)."""
     B, S, K = topk.shape
     rows = sel_kv.reshape(B, S, K, sel_kv.shape[-1])
     rrows = sel_rope.reshape(B, S, K, sel_rope.shape[-1])
-    return _attend(query, rows, rrows, weight, topk, base_mask, T, scaling, nope, vdim, kind, fill)
+    return _attend(query, rows, rrows, weight, topk, base_mask, T, scaling, nope, vdim, kind, fill, sinks,
+                   softmax_dtype, dedup)
 
 
 # -- dead code removal, local to the replaced attentions ------------------------------------------------
@@ -134,6 +156,11 @@ def _write_only(u: fx.Node) -> bool:
     return all(_is_inplace(w) and w.args and w.args[0] is u and not w.users for w in u.users)
 
 
+def _dead_write(w: fx.Node, target: fx.Node) -> bool:
+    """An in-place write straight into ``target`` whose result nobody reads."""
+    return _is_inplace(w) and bool(w.args) and w.args[0] is target and not w.users
+
+
 def _dce(g: fx.Graph, seeds: Sequence[fx.Node]) -> int:
     erased = 0
     todo = list(seeds)
@@ -142,7 +169,12 @@ def _dce(g: fx.Graph, seeds: Sequence[fx.Node]) -> int:
         n = todo.pop()
         if n in dead or n.op not in ("call_function", "call_method"):
             continue
-        if n.users and _name(n) in _FRESH and all(_write_only(u) for u in n.users):
+        if n.users and _name(n) in _FRESH and all(_write_only(u) or _dead_write(u, n) for u in n.users):
+            for u in [u for u in n.users if _dead_write(u, n)]:  # in-place writes into it, results unused
+                todo.extend(a for a in u.all_input_nodes if a is not n)
+                g.erase_node(u)
+                dead.add(u)
+                erased += 1
             for u in list(n.users):
                 for w in list(u.users):
                     todo.extend(a for a in w.all_input_nodes if a is not u)
@@ -208,12 +240,12 @@ def offload_plan(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOptions) -> 
         if opts.next_n is not None:
             chk(S == opts.next_n + 1, "next_n", f"graph has raw_seq S={S}, config next_n={opts.next_n}")
         SBS = _selection_block(K)
-        chk(PS % SBS == 0 and PS % WAYS == 0 and is_pow2(PS // WAYS) and PS <= MAX_POOL, "pool_size",
-            f"pool_size={PS}: needs PS % {SBS} == 0, PS % {WAYS} == 0, PS/{WAYS} a power of two, PS <= {MAX_POOL}")
+        problem = pool_size_problem(PS, SBS)
+        chk(problem is None, "pool_size", f"pool_size={PS} {problem[0]}" if problem else "")
         if refusals:
             continue
         T = max(s.dims["T"] for s in g.sites)
-        IR = opts.id_range if opts.id_range is not None else max(131072, T)
+        IR = id_range_for(T, opts.id_range)
         geos = {s.layer: SiteGeometry(s.layer, s.latent, s.rope, None, None, None, None, s.dims["T"], s.dims["C"],
                                       s.dims["R"], s.dtype) for s in g.sites}
         plans.append(GroupPlan(g.group_id, g.owner.layer, g.last.layer, g.layers, B, S, K, SBS, PS, PS // 16, IR,
@@ -239,7 +271,7 @@ class HfFrontEnd:
 
     def screen(self, det: HfDetectReport) -> tuple[list[Refusal], list[Refusal]]:
         """(refusals that leave the graph unmodified with a warning, notes that leave it so quietly)."""
-        blocking = [Refusal("hf_site_not_verified", r.detail, r.layer) for r in det.refusals]
+        blocking = list(det.refusals)  # hf_site_not_verified, or a named form the offload cannot apply to
         dense = [s for s in det.sites if s.dims["S"] * s.dims["K"] >= s.dims["T"]]
         quiet = []
         if dense and not blocking:
@@ -305,10 +337,10 @@ class HfFrontEnd:
                 serve = emit_serve(ctx, gn, s.layer, s.latent, s.rope)
                 skv, srp, _ = gn.sel[s.layer]
                 new_attn = b(hf_sparse_attention_rows, s.query, skv, srp, s.weight, s.topk, s.base_mask, d["T"],
-                             s.scaling, d["n"], d["v"], s.kind, fill)
+                             s.scaling, d["n"], d["v"], s.kind, fill, s.sinks, s.softmax_dtype, s.dedup)
             else:
                 new_attn = b(hf_sparse_attention, s.query, s.latent, s.rope, s.weight, s.topk, s.base_mask,
-                             s.scaling, d["n"], d["v"], s.kind, fill)
+                             s.scaling, d["n"], d["v"], s.kind, fill, s.sinks, s.softmax_dtype, s.dedup)
         if "example_value" in s.attn.meta:  # Dynamo's key, as on the node it replaces
             new_attn.meta["example_value"] = s.attn.meta["example_value"]
         dense_name = s.attn.name
@@ -329,12 +361,15 @@ class HfFrontEnd:
 
 
 def dense_masks_left(graph: fx.Graph) -> int:
-    """Boolean scatter-masks still in ``graph`` (0 after a complete rewrite)."""
+    """Boolean scatter-masks and integer scatter-add count masks still in ``graph`` (0 after a complete rewrite)."""
     n_left = 0
     for n in graph.nodes:
-        if _name(n) == "scatter" and n.args:
+        if _name(n) in ("scatter", "scatter_add", "scatter_add_") and n.args:
             ex = _fx.example(n.args[0])
-            if ex is not None and ex.dtype == torch.bool:
+            if ex is None:
+                continue
+            if (ex.dtype == torch.bool) if _name(n) == "scatter" else (
+                    not ex.dtype.is_floating_point and ex.dtype != torch.bool and _name(n.args[0]) in _FRESH):
                 n_left += 1
     return n_left
 

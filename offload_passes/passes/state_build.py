@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import torch
+
 from ..state import REGISTRY, GroupLayout, OffloadState
 from . import _fx
 
@@ -41,18 +43,29 @@ def cache_refs(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any]
     return refs, tensors
 
 
+def _pool_device(plan: Any) -> Optional[str]:
+    """The device of the group's selection buffers: the pools go beside them (serve and install read and
+    write both), not beside the full caches, which may be pinned host memory (docs/cuda.md)."""
+    node = getattr(plan.geometry[plan.owner_layer], "sel_kv", None)  # None: no selection buffers (HF sparse)
+    ex = _fx.example(node) if node is not None else None
+    return str(ex.device) if ex is not None else None
+
+
 def build_state(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any], graph_id: str,
                 shared_state: bool) -> OffloadState:
     """The state of one rewritten graph: taken from ``state.REGISTRY`` for the example inputs' full caches
     when ``shared_state`` and the caches are graph inputs / attributes (graphs on the same caches share
     it), else private tensors. ``layouts`` / ``cache_refs`` / ``shared`` say how to bind it per call."""
-    layouts = [GroupLayout.from_plan(p) for p in plans]
+    layouts = [GroupLayout.from_plan(p, _pool_device(p)) for p in plans]
     found = cache_refs(gm, plans, example_inputs)
     if shared_state and found is not None:
         state = REGISTRY.bind(graph_id, layouts, found[1])
     else:
-        ex = _fx.example(plans[0].geometry[plans[0].owner_layer].full_kv)
-        state = OffloadState.allocate(graph_id, layouts, device=ex.device if ex is not None else None)
+        dev = _pool_device(plans[0])
+        if dev is None:
+            ex = _fx.example(plans[0].geometry[plans[0].owner_layer].full_kv)
+            dev = str(ex.device) if ex is not None else None
+        state = OffloadState.allocate(graph_id, layouts, device=torch.device(dev) if dev else None)
     state.layouts = layouts
     state.cache_refs = found[0] if found is not None else None
     state.shared = bool(shared_state and found is not None)

@@ -1,4 +1,4 @@
-"""Trace science for the shared-indexer KV-offload pool (issue 14).
+"""Trace science for the shared-indexer KV-offload pool (docs/trace-science.md).
 
 * :mod:`.format`  — the ``offload_passes.trace`` npz format (:class:`Trace`, :func:`save_trace`, :func:`load_trace`);
 * :mod:`.record`  — recorders: compiled runs (``OffloadState.record_trace()``, ``offload-demo --record-trace``)

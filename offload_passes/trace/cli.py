@@ -3,7 +3,10 @@
 TRACE is a trace file (``offload-demo --record-trace``, ``offload-trace record``) or a synthetic spec
 ``synth[:calibrated][,key=value...]`` (see ``offload_passes.trace.synth``). Prints a table (hit rate,
 host rows, metadata work per step, simulator speed), or ``--json``; ``--plot out.png`` draws hit rate vs
-pool size per policy with Belady on top.
+pool size per policy with the bounds on top. Every run also prints the two offline bounds at each pool
+size, labelled with what they bound (``offload_passes.trace.sim.BOUNDS``): ``min_per_set``, the optimum
+of the pool's geometry (MIN with bypass in each ``--ways``-way set), and ``belady``, the fully
+associative optimum.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ def table(results: list[sim.SimResult]) -> str:
     head = (f"{'policy':<14}{'pool':>7}{'hit %':>8}{'entry hit %':>13}{'host rows/step':>16}"
             f"{'prefetch/step':>15}{'writes/step':>13}{'clears/step':>13}{'scans/step':>12}{'Mlookups/s':>12}")
     lines = [head, "-" * len(head)]
+    notes = []
     for r in results:
         pool = "K/row" if r.policy == "adjacent" else str(r.pool_size)
         lines.append(
@@ -51,6 +55,9 @@ def table(results: list[sim.SimResult]) -> str:
             f"{r.host_rows_per_step:>16.1f}{_per_step(r, 'prefetch'):>15.1f}{r.writes_per_step:>13.1f}"
             f"{r.clears_per_step:>13.1f}"
             f"{r.scans_per_step:>12.1f}{r.lookups / max(r.seconds, 1e-9) / 1e6:>12.2f}")
+        if r.bounds and (r.policy, r.bounds) not in notes:
+            notes.append((r.policy, r.bounds))
+    lines += [f"{p}: {b}" for p, b in notes]
     return "\n".join(lines)
 
 
@@ -76,7 +83,8 @@ def plot(results: list[sim.SimResult], path: Path, title: str) -> Path:
             ax.axhline(100 * rs[0].hit_rate, color="grey", ls=":", label="adjacent (K per row)")
             continue
         rs = sorted(rs, key=lambda r: r.pool_size)
-        style = dict(lw=2.5, color="black") if pol == "belady" else {}
+        style = dict(lw=2.5, color="black") if pol == "belady" else \
+            dict(lw=2.5, color="dimgrey", ls="--") if pol == "min_per_set" else {}
         label = pol + (" (+prefetched rows)" if pol == "rank_prefetch" else "")
         ax.plot([r.pool_size for r in rs], [100 * r.hit_rate for r in rs], marker="o", label=label, **style)
     ax.set_xscale("log", base=2)
@@ -130,14 +138,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ._native import module
 
         module()  # build/load the C++ core before timing
-        results = sim.sweep(tr, pols, a.pool_sizes, a.ways, a.warmup)
+        skipped: list = []
+        results = sim.sweep(tr, pols, a.pool_sizes, a.ways, a.warmup, bounds=True, skipped=skipped)
     except (ValueError, OSError, RuntimeError) as e:
         msg = " ".join(str(e).split())
         print(f"offload-sim: error: {msg}", file=sys.stderr)
         return 2
     lookups = sum(r.lookups for r in results)
     secs = sum(r.seconds for r in results)
-    out = {"trace": a.trace, "header": tr.header(), "warmup": a.warmup,
+    out = {"trace": a.trace, "header": tr.header(), "warmup": a.warmup, "ways": a.ways,
+           "bounds": {b: sim.bound_label(b, a.ways) for b in sim.BOUNDS},
+           "bounds_skipped": [{"policy": b, "pool_size": ps, "reason": why} for b, ps, why in skipped],
            "results": [r.as_dict() for r in results],
            "lookups_per_s": lookups / secs if secs else 0.0}
     if a.plot:
@@ -148,6 +159,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"trace {a.trace}: model={tr.model[:100]} K={tr.K} P={tr.P} S={tr.S} B={tr.B} steps={tr.steps} "
               f"groups={len(tr.groups)} warmup={a.warmup}")
         print(table(results))
+        for b, ps, why in skipped:
+            print(f"{b} at pool {ps}: not computed ({why})")
         print(f"simulator: {lookups} id lookups in {secs:.3f} s = {out['lookups_per_s'] / 1e6:.2f} M lookups/s")
         if a.plot:
             print(f"plot: {out['plot']}")

@@ -78,6 +78,27 @@ def generate(model: str, steps: int = 1280, seed: int = 0, context: int = 65536,
     return Trace(topk, lengths, K, [[0]], desc, "synthetic", False, {"synth_model": model, **kw})
 
 
+def mtp(tr: Trace, S: int = 4, advance: Optional[int] = None) -> Trace:
+    """Regroup a one-row-per-step trace into ``S`` query rows per step, as MTP decode runs them (1 + S - 1
+    draft tokens share one plan): step ``t``'s row ``s`` is the source's token step ``advance * t + s``
+    (``advance`` = tokens accepted per step, default ``S``: every draft accepted, no row repeated), its
+    causal limit that token's. Needs ``advance * (steps - 1) + S`` source steps."""
+    if tr.S != 1 or len(tr.groups) != 1:
+        raise ValueError(f"mtp: needs a one-group S = 1 trace, got S={tr.S}, {len(tr.groups)} groups")
+    adv = S if advance is None else advance
+    if S < 1 or not 1 <= adv <= S:
+        raise ValueError(f"mtp: need S >= 1 and 1 <= advance <= S, got S={S}, advance={adv}")
+    T = (tr.steps - S) // adv + 1
+    if T < 1:
+        raise ValueError(f"mtp: a {tr.steps}-step source is too short for S={S}")
+    pos = adv * np.arange(T)[:, None] + np.arange(S)[None, :]               # [T, S] source steps
+    topk = np.ascontiguousarray(tr.topk[pos, 0, :, 0].transpose(0, 2, 1, 3)[:, None])  # [T, 1, B, S, P]
+    lengths = np.ascontiguousarray(tr.lengths[pos[:, -1]])                  # the last row's cache length
+    out = Trace(topk, lengths, tr.K, [[0]], f"{tr.model} mtp(S={S}, advance={adv})", tr.source, tr.ranked,
+                {**tr.extra, "mtp_S": S, "mtp_advance": adv})
+    return out
+
+
 def _zipf_cdf(n: int, alpha: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """(cdf over popularity ranks, rank -> item permutation): item ``perm[r]`` has weight (r+1)^-alpha."""
     w = (np.arange(1, n + 1, dtype=np.float64)) ** (-alpha)
@@ -192,4 +213,4 @@ def fit(model: str, rounds: int = 3, halvings: int = 8, steps: int = 384, warmup
     return p, locality(model, p, steps, warmup)
 
 
-__all__ = ["MODELS", "FITTED", "KNOBS", "generate", "fit", "locality"]
+__all__ = ["MODELS", "FITTED", "KNOBS", "generate", "fit", "locality", "mtp"]

@@ -1,4 +1,4 @@
-"""Set-associative policies and the per-set MIN bound, vectorised over sets in NumPy (issue 20).
+"""Set-associative policies and the per-set MIN bound, vectorised over sets in NumPy.
 
 An implementation independent of ``csrc/trace_sim.cpp``: same step semantics as ``offload-sim`` (hits
 decided on the pool at step start over the distinct eligible ids of all query rows; misses installed in
@@ -8,10 +8,13 @@ first-occurrence order; ``set = id & (sets - 1)``), written as whole-array opera
 * :func:`per_set_min`: Belady's MIN run independently in each 16-way set. ``bypass=True``: after each
   step keep, per set, the ``ways`` candidates (residents + this step's misses) used soonest — optimal
   for the distinct-id hit count of that geometry, hence an upper bound of every policy that places an id
-  only in its own set. ``bypass=False``: every miss is installed in record order (as ``dsa_install``
-  always does), the victim being the way used farthest in the future; like the kernels' FIFO, a later
-  install of the same step may overwrite an earlier one, so only each set's last miss of the step is
-  forced to stay — the bound of every always-install policy of the geometry (tested against them).
+  only in its own set; the independent re-computation of ``offload-sim``'s ``min_per_set`` (C++), both
+  checked against an exhaustive search on tiny geometries (``tests/trace/test_exact_min.py``).
+  ``bypass=False``: every miss is installed in record order (as ``dsa_install`` always does), the victim
+  being the way used farthest in the future, ties broken arbitrarily; like the kernels' FIFO, a later
+  install of the same step may overwrite an earlier one. This greedy is a *feasible always-install
+  schedule, not a bound*: a tie broken the wrong way can force a useless id in later (one set of 2
+  ways, steps ``[0], [2], [1], [0, 2], [2, 1]``: greedy 2 hits, best always-install schedule 3).
   With ``sets = 1`` the bypass variant is the fully associative MIN (``offload-sim``'s ``belady``).
 * :func:`simulate_sa`: ``sa_fifo`` (the kernels' round-robin pointer — the independent re-computation of
   ``offload-sim``'s), ``sa_clock`` with either insert convention (reference bit 0 or 1 at install), and

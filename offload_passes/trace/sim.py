@@ -25,8 +25,19 @@ Policies: ``adjacent`` (the basic gather's K-entry selection buffer per query ro
 the same row at the previous step; pool size ignored), ``lru`` (fully associative), ``sa_fifo`` (the
 reference: 16-way, round-robin pointer; bit-exact with our kernels), ``sa_lru``, ``sa_clock`` (16-way
 second-chance FIFO, one bit per way), ``clock``, ``srrip`` / ``brrip`` (16-way, 2-bit RRPV), ``s3fifo``,
-``rank_keep`` / ``rank_prefetch`` (score-informed, need ranks beyond K: see csrc) and ``belady`` (offline
-optimum with bypass).
+``rank_keep`` / ``rank_prefetch`` (score-informed, need ranks beyond K: see csrc). The policy study's
+set-associative candidates (:data:`STUDY`): ``gclock`` (2-bit counters, sweeping hand), ``srrip_1p`` (SRRIP
+with a single pass per victim search: srrip's decisions), ``drrip`` (set dueling SRRIP / BRRIP), ``srrip_rank``
+(insertion RRPV from the entry's column, i.e. its rank when the top-k is in score order), ``sa_s3fifo``
+(S3-FIFO inside each set, 8-bit ghost tags), ``sa_lrfu`` (LRFU per set, set dueling over two decay rates).
+
+Bounds (offline, demand fetch with bypass; :data:`BOUNDS` says what each bounds):
+
+* ``min_per_set``: Belady's MIN run independently in each ``ways``-way set (``set = id & (sets - 1)``) —
+  the optimum of the pool's geometry, hence an upper bound of every demand policy of that geometry
+  (``sa_*``, ``srrip``, ``brrip`` and anything the kernels could run), not of fully associative ones.
+* ``belady``: the fully associative MIN with the same number of slots — an upper bound of every demand
+  policy with that many slots, whatever its placement (``min_per_set`` included).
 """
 from __future__ import annotations
 
@@ -44,9 +55,18 @@ log = logging.getLogger("offload_passes.trace.sim")
 
 WAYS = 16
 ONLINE = ("adjacent", "lru", "sa_lru", "sa_fifo", "sa_clock", "clock", "srrip", "brrip", "s3fifo")
+#: set-associative candidates of the policy study (docs/trace-science.md §3; csrc/trace_sim.cpp)
+STUDY = ("gclock", "srrip_1p", "drrip", "srrip_rank", "sa_s3fifo", "sa_lrfu")
 RANKED = ("rank_keep", "rank_prefetch")
-POLICIES = ONLINE + RANKED + ("belady",)
-SET_ASSOC = ("sa_lru", "sa_fifo", "sa_clock", "srrip", "brrip")
+#: what each offline bound bounds (printed beside it by ``offload-sim``)
+BOUNDS = {
+    "min_per_set": "per-set optimum (MIN with bypass in each {ways}-way set): bounds the hit % of every "
+                   "demand policy of this set-associative geometry",
+    "belady": "fully associative optimum (MIN with bypass): bounds the hit % of every demand policy with "
+              "this many slots, any placement",
+}
+POLICIES = ONLINE + STUDY + RANKED + tuple(BOUNDS)
+SET_ASSOC = ("sa_lru", "sa_fifo", "sa_clock", "srrip", "brrip") + STUDY + ("min_per_set",)
 # per-step counter columns of the C++ core
 HIT_E, MISS_E, WIN_E, UHIT, UMISS, WRITES, SCANS, PREFETCH = range(8)
 
@@ -68,6 +88,8 @@ class SimResult:
     lookups: int
     seconds: float
     clears_per_step: float = 0.0   # second chance: reference bits cleared by victim sweeps (also writes)
+    bounds: str = ""               # what an offline bound bounds (BOUNDS); "" for a feasible on-line policy
+    distinct_misses: int = 0       # distinct ids missed (installs of an on-line policy), summed over steps
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -131,21 +153,39 @@ def simulate(trace: Trace, policy: str, pool_size: int, ways: int = WAYS,
         # each sweep probe clears a bit or takes the way: clears = probes - installs (one per distinct
         # miss; exact with the default id range, where every eligible id can be installed)
         clears_per_step=float(tot[SCANS] - tot[UMISS]) / denom if policy in ("sa_clock", "clock") else 0.0,
+        bounds=bound_label(policy, ways), distinct_misses=um,
     )
 
 
+def bound_label(policy: str, ways: int = WAYS) -> str:
+    """What ``policy`` bounds (:data:`BOUNDS`), or ``""`` for an on-line policy (a feasible schedule)."""
+    return BOUNDS[policy].format(ways=ways) if policy in BOUNDS else ""
+
+
 def sweep(trace: Trace, policies: Sequence[str], pool_sizes: Iterable[int], ways: int = WAYS,
-          warmup: int = 0) -> list[SimResult]:
+          warmup: int = 0, bounds: bool = False, skipped: Optional[list] = None) -> list[SimResult]:
+    """Every policy at every pool size (pool-size major). ``bounds``: also both :data:`BOUNDS` at every
+    pool size; ``min_per_set`` is left out where the pool is not ``ways`` x a power of two (no such
+    geometry), and ``(policy, pool_size, reason)`` is appended to ``skipped``."""
     out: list[SimResult] = []
+    extra = [b for b in BOUNDS if b not in policies] if bounds else []
     for ps in pool_sizes:
-        for p in policies:
+        for p in list(policies) + extra:
             if p == "adjacent" and out and any(r.policy == "adjacent" for r in out):
                 # pool size does not apply: one row, reported once
                 continue
+            if p in extra:
+                try:
+                    check_pool_size(p, ps, ways)
+                except ValueError as e:
+                    if skipped is not None:
+                        skipped.append((p, ps, str(e)))
+                    continue
             out.append(simulate(trace, p, ps, ways, warmup=warmup))
     return out
 
 
 def default_policies(trace: Trace) -> list[str]:
-    """All policies; the score-informed ones only when the trace stores ranks beyond K."""
+    """All policies and both bounds; the score-informed ones only when the trace stores ranks beyond K."""
     return [p for p in POLICIES if p not in RANKED or (trace.P > trace.K and trace.ranked)]
+

@@ -51,6 +51,7 @@ class SynthConfig:
     topk_view: str = "BS1K"  # "B1SK": the ids reach the gather as [B, 1, S, K]
     full_dtype: torch.dtype | None = None  # full caches of another dtype than the selection buffers
     lengths_dtype: torch.dtype = torch.int32  # dtype of the cache lengths L
+    table_dtype: torch.dtype = torch.int32  # dtype of the full block table
     # True: KV writes as the GLM model does them, ``cache.view(-1, ...).index_put_((slot,), rows)`` (one flat
     # index, what the ge_graph cache-write pass lowers); False: ``index_put_((block, offset), rows)``
     flat_cache_writes: bool = False
@@ -91,7 +92,7 @@ class SynthDSA(nn.Module):
             bt = torch.arange(blocks, dtype=torch.int32).view(c.B, c.maxblk)
         else:  # a permuted (non-identity) paged layout
             bt = torch.randperm(blocks, generator=g).to(torch.int32).view(c.B, c.maxblk)
-        self.register_buffer("block_table", bt)
+        self.register_buffer("block_table", bt.to(c.table_dtype))
         smax = c.K * c.gather_block_size // c.BS
         for l in range(n):
             self.register_buffer(f"full_kv_{l}", torch.zeros(blocks, c.BS, c.Dkv, dtype=fkd))

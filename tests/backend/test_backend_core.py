@@ -1,4 +1,4 @@
-"""One backend core for every exe_mode (issue 12): the NPU modes are the core with the NPU lowering, and
+"""One backend core for every exe_mode (docs/design.md §2): the NPU modes are the core with the NPU lowering, and
 ``npu_modes.py`` (the NPU glue) never imports ``backend.py`` (no import cycle)."""
 from __future__ import annotations
 

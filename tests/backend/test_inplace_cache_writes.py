@@ -1,4 +1,4 @@
-"""``cache_write: inplace`` (issue 10): the model writes its caches the reference's way — KV latent and
+"""``cache_write: inplace`` (docs/models.md, docs/ops.md §11.2): the model writes its caches the reference's way — KV latent and
 rope through the MLA-prolog cache write, the indexer cache (and the int8 cache's scales) through
 ``npu_scatter_nd_update_`` (``offload_ref::`` test doubles of the NPU ops, custom_ops/cache_write.py).
 

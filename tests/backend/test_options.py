@@ -17,7 +17,7 @@ BAD_OPTIONS = [
     ("dump_dir", 123, "option dump_dir must be str or None, got int 123"),
     ("pool_size", True, "option pool_size must be int or None, got bool True"),
     ("pool_size", 1000, "option pool_size must be a multiple of 16"),
-    ("pool_size", 16 * 3, "the number of sets) must be a power of two"),
+    ("pool_size", 16 * 3, "option pool_size / 16 (sets) must be a power of two, got 3"),
     ("pool_size", 32768, "option pool_size must be in (0, 16384]"),
     ("next_n", 4, "option next_n must be in [0, 3]"),
     ("pa_block_size", 48, "option pa_block_size must be a power of two in [16, 128]"),

@@ -32,7 +32,6 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                           "sparse_indices are not derived from the gather's result"),
     "topk_alignment": (dict(K=96), {}, "top-k width K=96 must be a multiple of 64"),
     "gather_block_size": (dict(K=32, BS=16, gather_block_size=2), {}, "selection_topk_block_size=2 (only 1"),
-    "paged_layout": (dict(identity_table=False), {}, "is not the identity layout"),
     "raw_seq": (dict(S=5), {}, "raw_seq S=5 must be in [1, 4]"),
     "next_n": (dict(S=2), {"next_n": 0}, "graph has raw_seq S=2, config next_n=0"),
     "pa_block_size": ({}, {"pa_block_size": 32}, "graph block size 16 != config pa_block_size 32"),
@@ -133,6 +132,7 @@ CANN_META_VARIANTS: dict[str, tuple[dict, str]] = {
     "topk_layout": (dict(S=2, topk_view="B1SK"), "is not [B, S, 1, K] / [B*S, 1, K] with B=2"),
     "kv_dtype": (dict(dtype=torch.float16, full_dtype=torch.bfloat16), "selection and full caches differ in dtype"),
     "lengths": (dict(lengths_dtype=torch.int64), "torch.int64 must be int32 [B=2]"),
+    "paged_layout": (dict(table_dtype=torch.int64), "full_kv_block_table dtype torch.int64 must be int32"),
 }
 
 _CANN_CHILD = """
@@ -204,6 +204,7 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "hf_site_not_verified": "tests/hf/test_sparse_semantics.py::",
     "dense_cheaper": "tests/hf/test_sparse_semantics.py::test_graph_where_dense_is_cheaper_is_left_as_is",
     "cache_layout": "tests/hf/test_sparse_semantics.py::test_offload_refusal_keeps_the_sparse_rewrite",
+    "hf_compressed_kv": "tests/hf/test_zoo.py::test_sparse_rewrite_is_exact_in_fp32",
 }
 
 

@@ -1,4 +1,4 @@
-"""Soundness of ``passes/reinplace.py`` on small graphs (issue 11): storage aliasing through any view,
+"""Soundness of ``passes/reinplace.py`` on small graphs (docs/design.md §1): storage aliasing through any view,
 copy_ epilogues, chains, ``auto_functionalized`` v1/v2, inputs as ``get_attr``.
 
 Every case runs the functional graph AOT produces (``keep_inference_input_mutations=True``, as the

@@ -1,4 +1,4 @@
-"""Never silently wrong at run time (issue 11): guards for compile-time assumptions, automatic new-request
+"""Never silently wrong at run time (docs/design.md §1): guards for compile-time assumptions, automatic new-request
 detection, state chosen by the caches (two models / two cache sets / graph breaks), memory freed with the
 model, one stale-state rule for every mode.
 

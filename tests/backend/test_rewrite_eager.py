@@ -172,7 +172,6 @@ def test_quantised_kv_refused(caplog):
 
 REFUSALS = [
     ("topk_alignment", dict(K=96)),
-    ("paged_layout", dict(identity_table=False)),
 ]
 
 

@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         kern = getattr(importlib.import_module(rec["module"]), rec["kernel"])
         res = {"ok": False}
         try:
-            src = ASTSource(fn=kern, signature=rec["signature"], constexprs=rec["constexprs"])
+            # the JIT's divisibility-by-16 specialisation of the launch (pointers and integers), so that
+            # registers, spills and vector widths are those of the kernel that runs
+            attrs = {(i,): [["tt.divisibility", 16]] for i in rec.get("divisible_by_16", [])}
+            src = ASTSource(fn=kern, signature=rec["signature"], constexprs=rec["constexprs"], attrs=attrs)
             c = triton.compile(src, target=target, options=rec["options"])
             md = c.metadata
             res = {"ok": bool(c.asm.get("cubin")), "cubin_bytes": len(c.asm.get("cubin", b"")),

@@ -28,7 +28,7 @@ from offload_passes.custom_ops import _library as Lib
 H100_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 SPILL_LIMIT = 128  # bytes per thread: 32 registers' worth; a tile that does not fit spills kilobytes
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
-MODULES = ("dsa_plan", "dsa_serve", "dsa_install", "npu_gather_selection_kv_cache")
+MODULES = ("dsa_plan", "dsa_serve", "dsa_install", "npu_gather_selection_kv_cache", "cache_write", "guard")
 TRITON_DTYPE = {torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
                 torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.bool: "i1"}
 
@@ -59,22 +59,26 @@ def signature_of(fn, args, kwargs) -> dict:
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in LAUNCH_OPTIONS}
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
-    types, consts = {}, {}
-    for name, p in sig.parameters.items():
+    types, consts, div16 = {}, {}, []
+    for i, (name, p) in enumerate(sig.parameters.items()):
         v = bound.arguments[name]
         if _is_constexpr(p) or v is None:
             types[name], consts[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             types[name] = "*" + TRITON_DTYPE[v.dtype]
+            if v.data_ptr() % 16 == 0:  # the JIT's specialisation: 16-byte aligned pointers get the hint
+                div16.append(i)
         elif isinstance(v, bool):
             types[name] = "i1"
         elif isinstance(v, int):
             types[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+            if v % 16 == 0:  # ... and integers divisible by 16
+                div16.append(i)
         elif isinstance(v, float):
             types[name] = "fp32"
         else:
             raise TypeError(f"{fn.__name__}: argument {name} of type {type(v).__name__}")
-    return {"signature": types, "constexprs": consts, "options": options}
+    return {"signature": types, "constexprs": consts, "options": options, "divisible_by_16": div16}
 
 
 class Recorder:
@@ -115,6 +119,15 @@ def _plan_serve_install(mods, c, mu, sc_policy):
         mods["dsa_install"].run(rec, *sel, table, pkv, prope, pid, i2s, lru, metadata_update=mu, **kw)
 
 
+def _host_write_and_guard(mods, T, D, Dr, dtype):
+    """The host-KV write (rows T of a 4T-row cache) and one device guard (its flag cleared after)."""
+    g = G.gen(7)
+    kvc, krc = G.payload((T, 4, 1, D), dtype, g), G.payload((T, 4, 1, Dr), dtype, g)
+    mods["cache_write"].run(kvc, krc, torch.arange(T, dtype=torch.int64) * 3, G.payload((T, D), dtype, g),
+                            G.payload((T, Dr), dtype, g))
+    mods["guard"].flag(torch.tensor(True), "offload guard: compile test")
+
+
 def _gather(mods, K, bsz, dtype, no_rope, D, Dr, B=1, S=1):
     """One gather step; K <= 32 is the SMALL (block ledger) path, as in tests/ops."""
     case = TG.Case(3, K=K, B=B, S=S, bsz=bsz, dtype=dtype, no_rope=no_rope, layout="BSND", D=D, Dr=Dr)
@@ -143,6 +156,7 @@ def launches(triton_interpreted):
             for K, bsz in ((16, 4), (64, 1)):
                 for no_rope in (False, True):
                     _gather(mods, K, bsz, dtype, no_rope, 4, 2)
+        _host_write_and_guard(mods, 8, 4, 2, torch.bfloat16)
         # the GLM-5 decode geometry (topk 2048, selection block 128, latent 512 + rope 64, pool 8192 rows,
         # context 8192, next_n 0 and 3): the block sizes, so registers and shared memory, of production
         phase[0] = "glm5"
@@ -150,6 +164,7 @@ def launches(triton_interpreted):
             c = dict(_step(1, S, 2048, 8192, 65536, 512, 64, 128, torch.bfloat16), F=4 * 2048, L=[4 * 2048])
             _plan_serve_install(mods, c, 1, False)
         _gather(mods, 2048, 1, torch.bfloat16, False, 512, 64)
+        _host_write_and_guard(mods, 4 * 128, 512, 64, torch.bfloat16)  # B=128 rows, next_n 3: one step's writes
     finally:
         mp.undo()
         torch.set_num_threads(threads)
@@ -177,7 +192,7 @@ def test_every_launched_kernel_is_recorded(launches):
     want = {(f"offload_passes.custom_ops.cuda.{m}", n) for m, ns in launched_kernels(mods).items() for n in ns}
     got = {(r["module"], r["kernel"]) for r in recs}
     assert want == got
-    assert len(want) == 8  # plan 1, serve 1, install 5, gather 1
+    assert len(want) == 11  # plan 1, serve 1, install 6 (second chance's reference pass), gather 1, host write 1, guard 1
     # both policies and both metadata modes reached the install's victim kernel
     assign = {(r["constexprs"]["SECOND_CHANCE"], r["constexprs"]["UPDATE"]) for r in recs
               if r["kernel"] == "_assign_kernel"}
@@ -209,7 +224,7 @@ def test_no_tile_spills_at_the_glm5_geometry(compiled):
     assert not bad, bad
     glm5 = {r["kernel"] for r in recs if r["geometry"] == "glm5"}
     assert glm5 == {"_plan_kernel", "_serve_kernel", "_first_kernel", "_cand_kernel", "_assign_kernel",
-                    "_keys_kernel", "_apply_kernel", "_gather_kernel"}
+                    "_keys_kernel", "_apply_kernel", "_gather_kernel", "_write_kernel", "_guard_kernel"}
 
 
 def test_shared_memory_fits_one_sm90_block(compiled):

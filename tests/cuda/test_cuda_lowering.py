@@ -173,3 +173,44 @@ def test_side_stream_off_keeps_the_cpu_schedule():
     _, hook = lo2.prepare(opts, "g2", None)
     assert isinstance(hook, CudaInstallHook) and hook.graph_id == "g2"
     assert lo2.shared_state is True
+
+
+# ------------------------------------------------------------------------------ device-safe guards
+
+def test_guards_are_device_safe_in_the_cuda_mode(compiled):
+    """Every in-graph guard of the rewrite (``aten._assert_async.msg``: a device-side assert on CUDA, which
+    loses the context) is ``offload_cuda::guard`` in the graph that runs, with the same message."""
+    from offload_passes.lowering_cuda import GUARD_OP
+
+    be, rep = compiled["be"], compiled["rep"]
+    replaced = be.lowering.guards[rep["graph_id"]]
+    assert len(replaced) == len(rep["guards"]) > 0
+    final = list(compiled["final"].nodes)
+    assert [n for n in final if n.target is torch.ops.aten._assert_async.msg] == []
+    guards = [n for n in final if n.target is GUARD_OP]
+    assert len(guards) == len(replaced)
+    assert all(isinstance(n.args[1], str) and n.args[1].startswith("offload guard:") for n in guards)
+
+
+def test_guard_raises_on_the_host_now_and_on_the_device_at_the_next_step(compiled, triton_interpreted):
+    """On a host tensor the guard raises at once; on the device it sets a pinned error word (the kernel of
+    custom_ops/cuda/guard.py, run here by the interpreter on a host tensor) and the lowered step raises
+    before its next call, then runs again normally."""
+    from offload_passes import cuda
+    from offload_passes.custom_ops.cuda import guard as G
+    from offload_passes.lowering_cuda import GUARD_OP
+
+    GUARD_OP(torch.tensor(True), "offload guard: fine")
+    with pytest.raises(RuntimeError, match="^offload guard: broken$"):
+        GUARD_OP(torch.tensor(False), "offload guard: broken")
+    cuda.raise_device_errors()  # nothing pending
+    G.flag(torch.tensor(True), "offload guard: holds")
+    cuda.raise_device_errors()
+    G.flag(torch.tensor(False), "offload guard: lengths out of range")  # no exception: a device cannot raise
+    with pytest.raises(RuntimeError, match=r"^device-side check failed: offload guard: lengths out of range \(on cpu"):
+        cuda.raise_device_errors()
+    cuda.raise_device_errors()  # cleared
+    step = compiled["be"].lowering.steps[compiled["rep"]["graph_id"]]
+    G.flag(torch.tensor(False), "offload guard: seen by the next step")
+    with pytest.raises(RuntimeError, match="offload guard: seen by the next step"):
+        step()  # raises before it runs: the arguments are never read

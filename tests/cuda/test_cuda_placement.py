@@ -77,3 +77,14 @@ def test_pinning_needs_cuda_clear_error(tiny):
                                            r"kernels need a CUDA device \(torch.cuda.is_available\(\) is False"):
         C.place_full_caches(tiny.model)
     assert before == {n: b.data_ptr() for n, b in tiny.model.named_buffers()}  # nothing moved
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error (this machine has CUDA)")
+def test_host_pinning_needs_cuda_and_sizes_are_exact():
+    t = torch.zeros(3, 5)
+    with pytest.raises(RuntimeError, match=r"offload_passes.cuda.host_pinned: pinned host memory and CUDA kernels"):
+        C.host_pinned(t)
+    assert C._REGISTERED == {}
+    # GLM-5: 78 layers x (512 + 64) x bf16 per token of context and batch row; 754 GB at B = 128 and 64K
+    assert C.host_bytes_per_token(512, 64, 78) == 89856
+    assert 128 * 65536 * C.host_bytes_per_token(512, 64, 78) == 753_766_760_448

@@ -84,3 +84,25 @@ def test_summary_rows_carry_goals_and_errors(gc):
     assert rows[1]["note"] == "RuntimeError: boom" and rows[1]["value"] is None
     assert rows[2]["note"] == "2000 GB/s vs 2200 GB/s"
     assert rows[3]["note"] == "device KV 30 MiB, host read/step 1.5 MiB, KV fraction 0.2"
+
+
+def test_dry_run_runs_every_correctness_part_and_marks_timings_no_gpu(tmp_path, triton_interpreted):
+    """``--dry-run`` on the CPU: the kernel chains (FIFO and second chance) and the host-KV write equal the CPU
+    twins under Triton's interpreter, the tiny model in the cuda mode equals the unmodified one; every
+    timing cell says "no GPU". A fresh process: TRITON_INTERPRET must be set before triton is imported."""
+    import json
+
+    out = tmp_path / "dry.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--json", str(out)], capture_output=True,
+                       text=True, timeout=900, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin",
+                                                    "HOME": str(Path.home())})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    by = {r["check"]: r for r in rows}
+    for check in ("ops chain (FIFO) == CPU twins", "ops chain (second chance) == CPU twins",
+                  "host-KV write == CPU kernel"):
+        assert by[check]["value"] == 1, by[check]
+    assert by["correctness tiny (cuda mode, host tensors)"]["value"] == 0
+    timing = [r for r in rows if r["goal"] is None]
+    assert len(timing) == 6 and all(r["value"] == r["note"] == "no GPU" for r in timing)
+    assert "| serve hits B=128 vs D2D | no GPU | - | no GPU |" in p.stdout

@@ -1,4 +1,4 @@
-"""Offload vs non-offload decode paths of the tiny GLM-5.2 model (issue 3).
+"""Offload vs non-offload decode paths of the tiny GLM-5.2 model (docs/models.md).
 
 Tolerance: **exact** (``torch.equal``) for the per-layer attention outputs, the top-k and the logits.
 Why this is the right tolerance and not a lucky one: both paths feed SFA the very same KV rows (the

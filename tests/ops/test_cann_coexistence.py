@@ -1,4 +1,4 @@
-"""offload_passes beside CANN's custom-op library, in both load orders (issue 9, "Coexistence").
+"""offload_passes beside CANN's custom-op library, in both load orders (docs/atlas.md §3, §4).
 
 CANN's library cannot load here; these tests use its CPU stand-in (TEST DOUBLE,
 ``tests/standins/cann_custom_ops.cpp``: ``TORCH_LIBRARY(custom, m)`` with the seven schemas, CANN's

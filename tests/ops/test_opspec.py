@@ -218,11 +218,19 @@ def test_limits_have_one_definition():
     # each user binds the spec's number
     assert (dsa_plan.MAX_TOPK, dsa_install.MAX_TOPK, npu_gather_selection_kv_cache.MAX_TOPK,
             preconditions.MAX_TOPK, dsa_serve.PROD_LIMITS["topk"]) == (2048,) * 5
-    assert (_pool.MAX_POOL, options.MAX_POOL_SIZE, preconditions.MAX_POOL, dsa_serve.PROD_LIMITS["pool_size"]) \
-        == (16384,) * 4
+    assert (_pool.MAX_POOL, options.MAX_POOL_SIZE, dsa_serve.PROD_LIMITS["pool_size"]) == (16384,) * 3
+    # the one pool rule (options, preconditions, rewrite_hf and the ops call it) takes the install's numbers
+    assert _pool.pool_size_problem(install.limit("MAX_POOL")) is None
+    assert _pool.pool_size_problem(install.limit("MAX_POOL") + install.limit("WAYS"))[0] == "must be in (0, 16384]"
+    assert _pool.pool_size_problem(install.limit("WAYS") * 3) == ("/ 16 (sets) must be a power of two", 3)
+    # the id range: one rule; the torch-free capacity planner keeps its own copy of the number, checked here
+    from offload_passes.tools import capacity_plan
+
+    assert _pool.id_range_for(1000) == _pool.MIN_ID_RANGE == capacity_plan.MIN_ID_RANGE == 131072
+    assert _pool.id_range_for(200_000) == 200_000 and _pool.id_range_for(200_000, 4096) == 4096
     assert (dsa_serve.MAX_KV_DIM, dsa_serve.MAX_ROPE_DIM, preconditions.MAX_DKV, preconditions.MAX_DR) \
         == (512, 128, 512, 128)
-    assert (_pool.WAYS, options.WAYS, preconditions.WAYS, options.MAX_NEXT_N) == (16, 16, 16, 3)
+    assert (_pool.WAYS, options.WAYS, options.MAX_NEXT_N) == (16, 16, 3)
     assert npu_gather_selection_kv_cache.MAX_KV_DIM == 656
     assert all(isinstance(lim, Limit) and lim.meaning for s in OP_SPECS for lim in s.limits)
 
@@ -248,3 +256,20 @@ def test_opspec_rejects_inconsistent_data():
     spec = OpSpec(role="offload", functional="f_functional", ge=GeOp("F", outputs=("x",)), **base)
     assert spec.functional_schema == "f_functional(Tensor x, Tensor y) -> Tensor"
     assert (spec.ge_inputs, spec.ge_ref_map, spec.functional_outputs) == (("x", "y"), {0: 0}, ("x",))
+
+
+# ------------------------------------------------------------------------------------- register_twins
+
+def test_bind_orders_the_arguments_as_the_schema():
+    # the kernels register_twins writes take (*args, **kwargs): the dispatcher passes keyword-only
+    # arguments by name and may leave out those equal to their defaults
+    from offload_passes.custom_ops import _library as L
+
+    serve = spec_for("dsa_serve")
+    tensors = tuple(torch.empty(1) for _ in range(7))
+    assert L.bind(serve, tensors, {"topk": 64}) == tensors + (1, 64, 128, 1)
+    assert L.bind(serve, tensors + (2, 64, 16, 0), {}) == tensors + (2, 64, 16, 0)
+    with pytest.raises(TypeError, match="custom::dsa_serve: unknown arguments \\['top_k'\\]"):
+        L.bind(serve, tensors, {"top_k": 64})
+    with pytest.raises(TypeError, match="custom::dsa_serve: missing argument 'selection_k_rope'"):
+        L.bind(serve, tensors[:6], {})

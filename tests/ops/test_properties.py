@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) of the four CPU ops (issue 11).
+"""Property-based tests (hypothesis) of the four CPU ops (docs/ops.md §8 invariants).
 
 * ``test_plan_serve_install_pipeline``: random B, S, K, pool sizes, id ranges, lengths (also <= 0),
   ``-1`` sentinels anywhere, other negatives, duplicate ids, ids past ``max_sel`` and past ``id_range``,

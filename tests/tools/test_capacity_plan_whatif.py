@@ -1,5 +1,6 @@
 """offload-plan --what-if: a physically constrained latency model, validated out of sample, fitted and
-predicting with one set of hit rates per trace-ensemble member (issue 20)."""
+predicting with one set of hit rates per trace-ensemble member; the 8K-vs-16K answer anchored on the
+reference's measured difference; a recorded trace turned into a latency prediction."""
 from __future__ import annotations
 
 import json
@@ -111,3 +112,114 @@ def test_missing_scipy_is_one_line_naming_the_extra(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "--what-if needs numpy and scipy" in err and "offload_passes[plan]" in err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_indexer_cache_is_the_production_int8_with_fp16_scales():
+    s = W.Shape()
+    assert (s.index_bytes, s.index_scale_bytes) == (1, 2)
+    attn = s.layers * s.S * s.K * s.row_bytes
+    idx = s.full_layers * s.context * (128 + 2)
+    assert W.t_row(s) == (attn + idx) / (3.2e12 / 2)
+
+
+def test_anchored_answer_is_the_models_own_for_any_fitted_constants():
+    assert W.REFERENCE_DELTA_MS == {"ge_graph": 8.52, "npugraph_ex": 9.37}
+    assert W.anchored_ms(0.85, 0.94) == pytest.approx(8.52)
+    assert W.anchored_ms(0.94, 0.94) == 0.0 and W.anchored_ms(0.95, 0.94) < 0
+    assert W.anchored_ms(0.85, 0.94, mode="npugraph_ex") == pytest.approx(9.37)
+    # the model is affine in h with a pool-independent slope: every fit gives the same ratio
+    for hits in (SIM_HITS, {8192: 0.85, 16384: 0.93}):
+        f, s = W.fit(hits=hits), W.Shape()
+        h8, h16 = hits[8192], hits[16384]
+        t = lambda h: f.latency("ge_graph", s, 128, True, h)  # noqa: E731
+        for h in (0.80, 0.9, 0.99):
+            ratio = (t(h) - t(h16)) / (t(h8) - t(h16))
+            assert ratio == pytest.approx(W.anchored_ms(h, h16, h8) / 8.52, rel=1e-9)
+    with pytest.raises(ValueError, match="need 0 <= h8 < h16 <= 1"):
+        W.anchored_ms(0.9, 0.85)
+
+
+def test_reference_table_does_not_pin_the_16k_rate():
+    rows = W.h16_consistency([0.905, 0.94, 0.97])
+    assert all("worst_error_pct" in r and r["worst_error_pct"] < 0.5 for r in rows), rows
+    assert rows[0]["ms_per_point"] > rows[-1]["ms_per_point"]
+
+
+def _trace_file(tmp_path):
+    from offload_passes.trace import cli as trace_cli
+
+    path = tmp_path / "t.npz"
+    spec = "synth:context=40000,steps=24,B=1,S=1,K=2048,P=2048,drift=0.55,skew=1.8,seed=2"
+    assert trace_cli.main([spec, "--pool-sizes", "8192", "--policies", "sa_fifo", "--save-trace", str(path),
+                           "--json"]) == 0
+    return path
+
+
+def test_trace_to_latency_command(tmp_path, capsys):
+    from offload_passes.trace import sim
+    from offload_passes.trace.format import load_trace
+
+    path = _trace_file(tmp_path)
+    capsys.readouterr()
+    assert capacity_plan.main(["--what-if", "--trace", str(path), "--policy", "sa_clock", "--pool", "8192",
+                               "--warmup", "8", "--json"]) == 0
+    o = json.loads(capsys.readouterr().out)
+    tr = load_trace(path)
+    h = sim.simulate(tr, "sa_clock", 8192, warmup=8).hit_rate
+    f8 = sim.simulate(tr, "sa_fifo", 8192, warmup=8).hit_rate
+    f16 = sim.simulate(tr, "sa_fifo", 16384, warmup=8).hit_rate
+    assert o["hit"] == round(h, 6) and o["fifo_hits"] == {"8192": round(f8, 6), "16384": round(f16, 6)}
+    assert f8 < h < f16
+    a = o["anchored"]
+    assert a["ms_vs_fifo16k"] == round(W.anchored_ms(h, f16, f8), 3) > 0 and not a["reaches_fifo16k"]
+    assert a["ms"] == round(92.03 + W.anchored_ms(h, f16, f8), 2)
+    f = W.fit(hits={8192: f8, 16384: f16})
+    assert o["model"]["ms"] == round(f.latency("ge_graph", W.Shape(), 128, True, h) * 1e3, 2)
+    # the real FIFO rates given: the anchored answer uses them
+    assert capacity_plan.main(["--what-if", "--trace", str(path), "--policy", "sa_clock", "--warmup", "8",
+                               "--fifo8k-hit", "0.85", "--fifo16k-hit", "0.95"]) == 0
+    text = capsys.readouterr().out
+    assert f"{W.anchored_ms(h, 0.95, 0.85):+.2f} ms vs SA-FIFO 16K" in text and "(given)" in text
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--trace", "/no/such/trace.npz"], "--trace /no/such/trace.npz: trace file /no/such/trace.npz does not exist"),
+    (["--policy", "mru"], "--policy: unknown 'mru'"),
+    (["--pool", "3000", "--policy", "sa_clock"], "pool_size for sa_clock must be 16 x a power of two, got 3000"),
+    (["--fifo16k-hit", "1.5"], "--fifo16k-hit must be a hit rate in [0, 1], got 1.5"),
+    (["--warmup", "500"], "--warmup must be in [0, steps=24) of the trace, got 500"),
+])
+def test_trace_command_mistakes_are_one_line_exit_2(args, msg, tmp_path, capsys):
+    path = _trace_file(tmp_path) if "/no/such" not in args[-1] else None
+    argv = ["--what-if"] + ([] if path is None else ["--trace", str(path)]) + args
+    capsys.readouterr()
+    try:
+        rc = capacity_plan.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_anchored_table_from_a_study_json(tmp_path, capsys):
+    st = {"policies": [
+        {"policy": "sa_clock", "pool": 8192, "hit_consistent": {"mean": 0.90, "min": 0.89, "max": 0.91, "n": 3}},
+        {"policy": "sa_clock", "pool": 16384, "hit_consistent": {"mean": 0.95, "min": 0.94, "max": 0.96, "n": 3}},
+        {"policy": "lru", "pool": 8192, "hit_consistent": None}]}
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps(st))
+    assert capacity_plan.main(["--what-if", "--anchored", str(path), "--h16", "0.92,0.95"]) == 0
+    out = capsys.readouterr().out
+    consistency, answer = out.strip().split("\n\n")
+    # first the fit for each candidate 16K rate, then the answer per policy at 8K (the row without rates skipped)
+    assert consistency.splitlines()[2].startswith("| 92.0 % | 0.23 % |") and len(consistency.splitlines()) == 4
+    lines = answer.splitlines()
+    assert len(lines) == 3 and lines[2].startswith("| sa_clock | 90.00 (89.00–91.00) |")
+    mid, lo, hi = (W.anchored_ms(h, 0.95) for h in (0.90, 0.91, 0.89))
+    assert f"{mid:+.2f} ({lo:+.2f} to {hi:+.2f})" in lines[2]
+    with pytest.raises(SystemExit) as e:
+        capacity_plan.main(["--what-if", "--anchored", str(path), "--h16", "0.8"])
+    assert e.value.code == 2 and "--h16 must be hit rates in (0.85, 1]" in capsys.readouterr().err
+    assert capacity_plan.main(["--what-if", "--anchored", str(tmp_path / "none.json")]) == 2
+    assert "--anchored" in capsys.readouterr().err

@@ -51,7 +51,7 @@ def test_errors(capsys, tmp_path):
     assert "unknown synthetic parameter 'bogus'" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------------------- issue 20 hardening
+# ---------------------------------------------------------------------------------- bad traces and arguments
 def _tiny_trace(tmp_path, ids, L):
     import numpy as np
 

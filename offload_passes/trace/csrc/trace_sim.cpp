@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -32,6 +33,9 @@ struct Policy {
   virtual bool resident(int x) const = 0;
   virtual void hit(int x) = 0;
   virtual void insert(int x) = 0;  // x is not resident
+  // rank: the entry's column in its query row (score order when the indexer's top-k is sorted)
+  virtual void insert_ranked(int x, int /*rank*/) { insert(x); }
+  virtual void begin_step(int64_t /*t*/) {}
 };
 
 // ---- set-associative policies (slot = set * W + way; set = x & (NS - 1), as dsa_plan's records)
@@ -236,7 +240,196 @@ struct S3Fifo : Policy {  // small FIFO (10 %) + main FIFO with 2-bit frequency 
   }
 };
 
-std::unique_ptr<Policy> make_policy(const std::string& name, int PS, int W, int IR) {
+
+// ---- study candidates (docs/trace-science.md §3): set-associative, per-set state only, except the
+// set-dueling ones, which add one counter per pool (PSEL, updated on device: no host sync).
+
+struct GClock : SetAssoc {  // generalised CLOCK: 2-bit counter per way, +1 on hit, sweep decrements
+  std::vector<int> ctr;
+  std::vector<uint8_t> cnt;
+  GClock(int ps, int w, int ir) : SetAssoc(ps, w, ir), ctr(NS, 0), cnt(ps, 0) {}
+  void hit(int x) override {
+    int sl = slot_of[x];
+    if (cnt[sl] < 3) { cnt[sl] += 1; writes += 1; }
+  }
+  void insert(int x) override {
+    int st = set_of(x), base = st * W;
+    for (;;) {  // at most 3 * W + 1 probes
+      int sl = base + ctr[st];
+      scans += 1;
+      ctr[st] = (ctr[st] + 1) % W;
+      if (ids[sl] >= 0 && cnt[sl]) { cnt[sl] -= 1; writes += 1; continue; }
+      place(x, sl);
+      cnt[sl] = 0;
+      return;
+    }
+  }
+};
+
+// 2-bit RRPV with a single pass over the set: the victim is the first way with the largest RRPV (the
+// way a multi-pass search stops at), and every way ages by (3 - that RRPV) at once. Same decisions as
+// SaRrip (srrip), W probes per search; writes = RRPV changes (hit resets, aging, insert).
+// Variants: set dueling SRRIP / BRRIP (drrip), or the insertion RRPV from the entry's rank (srrip_rank:
+// rank < K/8 -> 1, rank < K/2 -> 2, else 3; needs the top-k in score order).
+struct SaRrip1 : SetAssoc {
+  std::vector<uint8_t> rrpv;
+  int mode;      // 0 srrip, 1 drrip, 2 srrip_rank
+  int K;
+  int64_t n_ins = 0;
+  int psel = 512;  // drrip: 10-bit saturating counter, misses in SRRIP leaders up, BRRIP leaders down
+  SaRrip1(int ps, int w, int ir, int mode_, int k) : SetAssoc(ps, w, ir), rrpv(ps, 3), mode(mode_), K(k) {}
+  void hit(int x) override {
+    int sl = slot_of[x];
+    if (rrpv[sl]) { rrpv[sl] = 0; writes += 1; }
+  }
+  int leader(int st) const { return NS >= 64 ? (st % 32 == 0 ? 1 : st % 32 == 1 ? 2 : 0) : (st == 0 ? 1 : st == 1 ? 2 : 0); }
+  void place_rrpv(int x, int rank) {
+    int st = set_of(x), base = st * W, victim = -1, mx = -1;
+    for (int w = 0; w < W; ++w) {
+      scans += 1;
+      if (ids[base + w] < 0) { victim = base + w; mx = 3; break; }
+      if (rrpv[base + w] > mx) { mx = rrpv[base + w]; victim = base + w; }
+    }
+    if (mx < 3)
+      for (int w = 0; w < W; ++w) { rrpv[base + w] += 3 - mx; writes += 1; }
+    place(x, victim);
+    int ins = 2;
+    if (mode == 1) {
+      int l = leader(st);
+      if (l == 1) psel = std::min(1023, psel + 1);
+      if (l == 2) psel = std::max(0, psel - 1);
+      if (l == 1 || l == 2) writes += 1;
+      bool bimodal = l == 2 || (l == 0 && psel > 512);
+      ins = (bimodal && (n_ins++ % 32) != 0) ? 3 : 2;
+    } else if (mode == 2) {
+      ins = rank < K / 8 ? 1 : rank < K / 2 ? 2 : 3;
+    }
+    if (rrpv[victim] != ins) writes += 1;
+    rrpv[victim] = ins;
+  }
+  void insert(int x) override { place_rrpv(x, K); }
+  void insert_ranked(int x, int rank) override { place_rrpv(x, rank); }
+};
+
+// S3-FIFO inside each set: a small FIFO of WS ways and a main region (the rest) swept by a hand that
+// gives each way with a non-zero 2-bit frequency another round; a per-set ring of G 8-bit tags of ids
+// evicted from the small FIFO (ghost): a missed id whose tag is there enters main directly. Tags alias
+// (tag = (id / sets) mod 256), which can only send an id to main by mistake.
+struct SaS3Fifo : SetAssoc {
+  int WS, G;
+  std::vector<uint8_t> freq, small, sseq;  // per way: frequency, in-small flag, small-FIFO order
+  std::vector<int> hand, nsmall, gpos;
+  std::vector<int> ghost;                  // per set: G tags, -1 = empty
+  std::vector<uint8_t> seq;                // per set: next small-FIFO sequence number
+  int shift;
+  SaS3Fifo(int ps, int w, int ir, int ws, int g)
+      : SetAssoc(ps, w, ir), WS(ws), G(g), freq(ps, 0), small(ps, 0), sseq(ps, 0), hand(NS, 0),
+        nsmall(NS, 0), gpos(NS, 0), ghost((size_t)NS * g, -1), seq(NS, 0) {
+    shift = 0;
+    while ((1 << shift) < NS) ++shift;
+  }
+  int tag(int x) const { return (x >> shift) & 255; }
+  void hit(int x) override {
+    int sl = slot_of[x];
+    if (freq[sl] < 3) { freq[sl] += 1; writes += 1; }
+  }
+  bool in_ghost(int st, int t) {
+    for (int i = 0; i < G; ++i) { scans += 1; if (ghost[(size_t)st * G + i] == t) { ghost[(size_t)st * G + i] = -1; writes += 1; return true; } }
+    return false;
+  }
+  int oldest_small(int st) {  // largest sequence distance from the set's counter; a pass over the set
+    int base = st * W, best = -1, bd = 1 << 30;
+    scans += W;
+    for (int w = 0; w < W; ++w) {
+      if (ids[base + w] < 0 || !small[base + w]) continue;
+      int d = (uint8_t)(seq[st] - sseq[base + w]);
+      if (best < 0 || d > bd || (d == bd && w < best - base)) { bd = d; best = base + w; }
+    }
+    return best;
+  }
+  int free_way(int st) {
+    int base = st * W;
+    for (int w = 0; w < W; ++w) { scans += 1; if (ids[base + w] < 0) return base + w; }
+    // evict: from small while it holds WS or more ways (promoting referenced ones), else from main
+    for (;;) {
+      if (nsmall[st] >= WS || nsmall[st] == W) {
+        int y = oldest_small(st);
+        if (freq[y] > 0) {  // promote: stays in its way, joins main
+          small[y] = 0; freq[y] = 0; nsmall[st] -= 1; writes += 2;
+          continue;
+        }
+        ghost[(size_t)st * G + gpos[st]] = tag(ids[y]);
+        gpos[st] = (gpos[st] + 1) % G;
+        writes += 1;
+        nsmall[st] -= 1; small[y] = 0;
+        return y;
+      }
+      for (;;) {  // main: CLOCK with 2-bit counters over the main ways
+        int sl = base + hand[st];
+        hand[st] = (hand[st] + 1) % W;
+        if (small[sl]) continue;
+        scans += 1;
+        if (freq[sl] > 0) { freq[sl] -= 1; writes += 1; continue; }
+        return sl;
+      }
+    }
+  }
+  void insert(int x) override {
+    int st = set_of(x);
+    bool g = in_ghost(st, tag(x));
+    int sl = free_way(st);
+    place(x, sl);
+    freq[sl] = 0;
+    if (g) { small[sl] = 0; }
+    else { small[sl] = 1; nsmall[st] += 1; sseq[sl] = seq[st]; seq[st] = (uint8_t)(seq[st] + 1); }
+    writes += 1;
+  }
+};
+
+// LRFU per set (Lee et al., 2001): each way's combined recency-frequency value decays by 2^-lambda per
+// step, +1 per reference; the victim is the way with the smallest value. Set dueling picks lambda per
+// pool between LAMBDA_A (frequency-like) and LAMBDA_B (recency-like). State per way: the value at the
+// last reference and that step.
+struct SaLrfu : SetAssoc {
+  std::vector<double> crf;
+  std::vector<int64_t> last;
+  int64_t now = 0;
+  int psel = 512;
+  double la, lb;
+  SaLrfu(int ps, int w, int ir, double a, double b)
+      : SetAssoc(ps, w, ir), crf(ps, 0.0), last(ps, 0), la(a), lb(b) {}
+  void begin_step(int64_t t) override { now = t; }
+  int leader(int st) const { return NS >= 64 ? (st % 32 == 0 ? 1 : st % 32 == 1 ? 2 : 0) : (st == 0 ? 1 : st == 1 ? 2 : 0); }
+  double lam(int st) const {
+    int l = leader(st);
+    return l == 1 ? la : l == 2 ? lb : (psel > 512 ? lb : la);
+  }
+  double value(int sl, double lm) const { return crf[sl] * std::exp2(-lm * (double)(now - last[sl])); }
+  void hit(int x) override {
+    int sl = slot_of[x];
+    crf[sl] = value(sl, lam(set_of(x))) + 1.0; last[sl] = now;
+    writes += 1;
+  }
+  void insert(int x) override {
+    int st = set_of(x), base = st * W, victim = -1;
+    double lm = lam(st), best = 0;
+    for (int w = 0; w < W; ++w) {
+      scans += 1;
+      if (ids[base + w] < 0) { victim = base + w; break; }
+      double v = value(base + w, lm);
+      if (victim < 0 || v < best) { best = v; victim = base + w; }
+    }
+    int l = leader(st);
+    if (l == 1) psel = std::min(1023, psel + 1);
+    if (l == 2) psel = std::max(0, psel - 1);
+    if (l) writes += 1;
+    place(x, victim);
+    crf[victim] = 1.0; last[victim] = now;
+    writes += 1;
+  }
+};
+
+std::unique_ptr<Policy> make_policy(const std::string& name, int PS, int W, int IR, int K) {
   if (name == "sa_fifo") return std::make_unique<SaFifo>(PS, W, IR);
   if (name == "sa_lru") return std::make_unique<SaLru>(PS, W, IR);
   if (name == "sa_clock") return std::make_unique<SaClock>(PS, W, IR);
@@ -245,11 +438,18 @@ std::unique_ptr<Policy> make_policy(const std::string& name, int PS, int W, int 
   if (name == "lru") return std::make_unique<Lru>(PS, IR);
   if (name == "clock") return std::make_unique<Clock>(PS, IR);
   if (name == "s3fifo") return std::make_unique<S3Fifo>(PS, IR);
+  if (name == "gclock") return std::make_unique<GClock>(PS, W, IR);
+  if (name == "srrip_1p") return std::make_unique<SaRrip1>(PS, W, IR, 0, K);
+  if (name == "drrip") return std::make_unique<SaRrip1>(PS, W, IR, 1, K);
+  if (name == "srrip_rank") return std::make_unique<SaRrip1>(PS, W, IR, 2, K);
+  if (name == "sa_s3fifo") return std::make_unique<SaS3Fifo>(PS, W, IR, std::max(1, W / 8), std::max(1, W / 2));
+  if (name == "sa_lrfu") return std::make_unique<SaLrfu>(PS, W, IR, 0.01, 0.5);
   throw std::invalid_argument("offload-sim: unknown policy '" + name + "'");
 }
 
 struct Step {  // one batch row, one step
   std::vector<int> ent;    // eligible ids, entry order (s, k)
+  std::vector<int> col;    // each entry's column k (its rank when the top-k is in score order)
   std::vector<int> uniq;   // distinct eligible ids, first-occurrence order
   std::vector<int> extra;  // ranks K..P-1 (eligible ids, score order) of all query rows, for rank policies
   int64_t window = 0;
@@ -261,7 +461,7 @@ struct Trace {
   int T, B, S, P, K, IR;
   std::vector<int64_t> mark;  // per id: last step+1 it was seen (dedupe)
   void collect(int t, int b, Step& st, bool want_extra) {
-    st.ent.clear(); st.uniq.clear(); st.extra.clear(); st.window = 0;
+    st.ent.clear(); st.col.clear(); st.uniq.clear(); st.extra.clear(); st.window = 0;
     int64_t L = len[(int64_t)t * B + b];
     int64_t mv = std::max<int64_t>(L - S - 1, 0);
     int64_t stamp = (int64_t)t * 2 + 1;
@@ -275,6 +475,7 @@ struct Trace {
         if (x > ms) continue;
         if (x > mv) { st.window += 1; continue; }
         st.ent.push_back(x);
+        st.col.push_back(k);
         if (x < IR && mark[x] != stamp) { mark[x] = stamp; st.uniq.push_back(x); }
         else if (x >= IR) st.uniq.push_back(x);  // never resident; counted per entry
       }
@@ -301,12 +502,13 @@ void run_online(Trace& tr, const std::string& name, int PS, int W, int64_t* out)
   std::vector<uint8_t> hitflag;
   std::vector<int64_t> seen(tr.IR, -1);
   for (int b = 0; b < tr.B; ++b) {
-    auto pol = make_policy(name, PS, W, tr.IR);
+    auto pol = make_policy(name, PS, W, tr.IR, tr.K);
     std::fill(tr.mark.begin(), tr.mark.end(), -1);
     for (int t = 0; t < tr.T; ++t) {
       tr.collect(t, b, st, false);
       int64_t* o = out + (int64_t)t * NCOL;
       int64_t w0 = pol->writes, s0 = pol->scans;
+      pol->begin_step(t);
       hitflag.resize(st.ent.size());
       for (size_t i = 0; i < st.ent.size(); ++i) hitflag[i] = pol->resident(st.ent[i]);
       for (int x : st.uniq) (pol->resident(x) ? o[UHIT] : o[UMISS]) += 1;
@@ -318,7 +520,7 @@ void run_online(Trace& tr, const std::string& name, int PS, int W, int64_t* out)
         int x = st.ent[i];
         if (hitflag[i] || x >= tr.IR || seen[x] == stamp) continue;
         seen[x] = stamp;
-        if (!pol->resident(x)) pol->insert(x);
+        if (!pol->resident(x)) pol->insert_ranked(x, st.col[i]);
       }
       o[WIN_E] += st.window;
       o[WRITES] += pol->writes - w0;
@@ -382,12 +584,19 @@ struct LazyHeap {
   }
 };
 
-// Belady's MIN with bypass over distinct ids: after each step keep the PS candidates (old pool plus
-// this step's eligible ids) whose next use is soonest. Optimal for the distinct-id hit count.
-void run_belady(Trace& tr, int PS, int64_t* out) {
+// Belady's MIN with bypass over distinct ids, run independently in each of NS = PS / W sets
+// (set = id & (NS - 1), as dsa_plan's records; NS = 1 is the fully associative MIN, ``belady``): after
+// each step keep, per set, the W candidates (the set's old contents plus this step's eligible ids of
+// the set) whose next use is soonest. Optimal for the distinct-id hit count of that geometry: ids of a
+// step are demanded together, so ties in next use cannot change the count (either id hits at that
+// step and both are candidates again after it).
+void run_min(Trace& tr, int PS, int W, int64_t* out) {
+  const int NS = PS / W;
   Step st;
   std::vector<int64_t> key(tr.IR, -1);  // next use of a resident id, -1 = absent
   std::vector<int64_t> nxt(tr.IR, INF);
+  std::vector<int> touched;
+  std::vector<uint8_t> is_touched(NS, 0);
   for (int b = 0; b < tr.B; ++b) {
     std::fill(tr.mark.begin(), tr.mark.end(), -1);
     std::vector<std::vector<int>> U(tr.T);
@@ -409,8 +618,8 @@ void run_belady(Trace& tr, int PS, int64_t* out) {
       }
     }
     std::fill(key.begin(), key.end(), -1);
-    LazyHeap<true> heap;
-    int n = 0;
+    std::vector<LazyHeap<true>> heap(NS);
+    std::vector<int> n(NS, 0);
     for (int t = 0; t < tr.T; ++t) {
       int64_t* o = out + (int64_t)t * NCOL;
       for (int x : E[t]) ((x < tr.IR && key[x] >= 0) ? o[HIT_E] : o[MISS_E]) += 1;
@@ -420,15 +629,27 @@ void run_belady(Trace& tr, int PS, int64_t* out) {
         bool hit = x < tr.IR && key[x] >= 0;
         (hit ? o[UHIT] : o[UMISS]) += 1;
         if (x >= tr.IR) continue;
-        if (hit) { key[x] = -1; --n; }
-        if (nextuse[t][i] < INF) { key[x] = nextuse[t][i]; ++n; heap.push(key[x], x); }
+        int s = x & (NS - 1);
+        if (hit) { key[x] = -1; --n[s]; }
+        if (nextuse[t][i] < INF) {
+          key[x] = nextuse[t][i]; ++n[s]; heap[s].push(key[x], x);
+          if (!is_touched[s]) { is_touched[s] = 1; touched.push_back(s); }
+        }
       }
-      while (n > PS) {
-        auto [k, x] = heap.top(key);
-        heap.pop();
-        key[x] = -1; --n;
+      for (int s : touched) {
+        while (n[s] > W) {
+          auto [k, x] = heap[s].top(key);
+          heap[s].pop();
+          key[x] = -1; --n[s];
+        }
+        if ((int64_t)heap[s].h.size() > 4 * (int64_t)W + 4096) {  // drop stale entries: the set's ids only
+          heap[s].h.clear();
+          for (int x = s; x < tr.IR; x += NS) if (key[x] >= 0) heap[s].h.emplace_back(key[x], x);
+          std::make_heap(heap[s].h.begin(), heap[s].h.end(), LazyHeap<true>::less);
+        }
+        is_touched[s] = 0;
       }
-      heap.maybe_rebuild(key, PS);
+      touched.clear();
     }
   }
 }
@@ -512,11 +733,17 @@ torch::Tensor simulate(torch::Tensor topk, torch::Tensor lengths, int64_t K, std
   auto out = torch::zeros({tr.T, NCOL}, torch::kInt64);
   int64_t* o = out.data_ptr<int64_t>();
   if (policy == "adjacent") run_adjacent(tr, o);
-  else if (policy == "belady") run_belady(tr, pool_size, o);
+  else if (policy == "belady") run_min(tr, pool_size, pool_size, o);
+  else if (policy == "min_per_set") {
+    TORCH_CHECK(ways > 0 && pool_size % ways == 0, "offload-sim: pool_size must be a multiple of ways=", ways);
+    int64_t ns = pool_size / ways;
+    TORCH_CHECK((ns & (ns - 1)) == 0, "offload-sim: pool_size / ways must be a power of two, got ", ns);
+    run_min(tr, pool_size, ways, o);
+  }
   else if (policy == "rank_keep") run_rank(tr, pool_size, false, o);
   else if (policy == "rank_prefetch") run_rank(tr, pool_size, true, o);
   else {
-    bool sa = policy.rfind("sa_", 0) == 0 || policy == "srrip" || policy == "brrip";
+    bool sa = policy.rfind("sa_", 0) == 0 || policy.find("rrip") != std::string::npos || policy == "gclock";
     if (sa) {
       TORCH_CHECK(ways > 0 && pool_size % ways == 0, "offload-sim: pool_size must be a multiple of ways=", ways);
       int64_t ns = pool_size / ways;

@@ -1,0 +1,98 @@
+"""Fake CUDA on a CPU-only torch (test doubles, labelled as such).
+
+* ``FakeTensorMode`` creates fake ``cuda:0`` tensors without a device and checks devices exactly as a CUDA
+  run's dispatch would (``Mismatching aten.index_put_.default device between self (cpu) and values
+  (cuda:0)``), Dynamo traces them and AOT propagates them.
+* A CPU-only torch has no CUDA *device guard*, which Python indexing of a CUDA tensor (``t[1:3]``,
+  ``t[idx]``) and a few other paths ask for. :func:`install_fake_cuda_guard` registers c10's own
+  ``FakeGuardImpl<CUDA>`` (device index bookkeeping only, no driver) from a three-line C++ test double
+  built with ``torch.utils.cpp_extension.load_inline`` (cached by torch; about 20 s the first time).
+  Never loaded where torch has CUDA (the real guard is there).
+* Fake tensors carry no values. The offload's compile-time *value* reads (the block tables' identity
+  layout, ``passes/preconditions.py`` ``is_identity_table``) are answered from the CPU twins of the same
+  tables (:func:`values_from_twins`); nothing else reads values.
+
+The model is built on the CPU with its seeded weights, then every parameter and buffer is replaced by a
+fake tensor of the same shape, stride and dtype on the device a CUDA run places it
+(:func:`fake_cuda_model`): the full latent / rope caches on the host (what ``offload_passes.cuda``
+``place_full_caches`` pins), everything else on ``cuda:0``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+_GUARD_SRC = r"""
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/FakeGuardImpl.h>
+namespace { C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>); }
+"""
+_loaded = False
+
+
+def install_fake_cuda_guard() -> None:
+    """Register the fake CUDA device guard once per process (no-op where torch has CUDA)."""
+    global _loaded
+    if _loaded or torch.cuda.is_available():
+        return
+    from torch.utils.cpp_extension import load_inline
+
+    load_inline("offload_passes_test_fake_cuda_guard", cpp_sources=[_GUARD_SRC], is_python_module=False,
+                extra_cflags=["-O0"])
+    _loaded = True
+
+
+def new_mode() -> FakeTensorMode:
+    """A fake mode for a whole flow: real host tensors (the driver's token stream) may enter it; a shape
+    environment so that data-dependent sizes stay symbolic."""
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+
+
+def fake_cuda_model(model: torch.nn.Module, mode: FakeTensorMode, host: set) -> Dict[int, torch.Tensor]:
+    """Replace ``model``'s parameters and buffers by fake tensors: ``(module id, name)`` in ``host`` on the
+    host, the rest on ``cuda:0``. Returns ``{id(fake): the CPU tensor it replaced}`` (the value twins)."""
+    twins: Dict[int, torch.Tensor] = {}
+    for sub in model.modules():
+        for store, is_param in ((sub._parameters, True), (sub._buffers, False)):
+            for name, t in list(store.items()):
+                if t is None:
+                    continue
+                dev = "cpu" if (id(sub), name) in host else "cuda"
+                with mode:
+                    f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)
+                if is_param:
+                    f = torch.nn.Parameter(f, requires_grad=False)
+                store[name] = f
+                twins[id(f)] = t.detach()
+    return twins
+
+
+@contextlib.contextmanager
+def values_from_twins(twins: Dict[int, torch.Tensor]) -> Iterator[None]:
+    """Answer the offload's compile-time value reads from the CPU twins (fake tensors have no values)."""
+    from offload_passes.passes import preconditions
+
+    orig_values, orig_ident = preconditions.input_values, preconditions.is_identity_table
+
+    def input_values(gm, example_inputs):
+        out = orig_values(gm, example_inputs)
+        for n in out:  # Dynamo's graph argument of a placeholder holds the module's own tensor
+            ga = n.meta.get("grapharg")
+            twin = twins.get(id(getattr(ga, "example", None)))
+            if twin is not None:
+                out[n] = twin
+        return out
+
+    def is_identity_table(t, rows, cols):
+        with unset_fake_temporarily():
+            return orig_ident(t, rows, cols)
+
+    preconditions.input_values, preconditions.is_identity_table = input_values, is_identity_table
+    try:
+        yield
+    finally:
+        preconditions.input_values, preconditions.is_identity_table = orig_values, orig_ident

@@ -1,0 +1,139 @@
+"""No import circles among the package's modules.
+
+Read from the source with ``ast`` (nothing is imported): an edge ``a -> b`` for every import statement
+of ``a`` but those under ``if TYPE_CHECKING:``. An import inside a function counts too: deferring an
+import to call time hides a circle from Python, not from a reader, who still cannot understand one module
+without the other. ``from p import m`` where ``p.m`` is a module is an edge to ``p.m``; to ``p``
+otherwise. An edge to one of the module's own parent packages does not count (a package's registry read
+by its submodule: ``custom_ops/cuda`` reads ``custom_ops.OP_SPECS``): importing a submodule runs its
+parents first anyway. Installed names follow setup.py (``custom_ops/`` is ``offload_passes.custom_ops``).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Installed package -> repository folder (setup.py's COMPONENTS).
+PACKAGE_FOLDERS = {"offload_passes": "offload_passes", "offload_passes.custom_ops": "custom_ops",
+                   "offload_passes.converters": "converters", "offload_passes.models": "models",
+                   "offload_passes.tools": "tools"}
+
+
+def modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted name -> (file, is a package)."""
+    out: dict[str, tuple[Path, bool]] = {}
+    for pkg, folder in PACKAGE_FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            if any(p.startswith(".") or p == "__pycache__" for p in rel.parts):
+                continue
+            is_pkg = rel.name == "__init__"
+            parts = rel.parts[:-1] if is_pkg else rel.parts
+            out[".".join((pkg,) + parts)] = (path, is_pkg)
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(node: ast.AST):
+    """Every import statement below ``node``, except under ``if TYPE_CHECKING:``."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.orelse:
+                yield from _imports(ast.Module(body=[stmt], type_ignores=[]))
+        else:
+            yield from _imports(child)
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, (path, is_pkg) in mods.items():
+        package = name if is_pkg else name.rpartition(".")[0]
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    src = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    src = node.module or ""
+                targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in mods else src for a in node.names]
+            graph[name].update(t for t in targets if t in mods and t != name and not name.startswith(t + "."))
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_reads_the_package():
+    g = import_graph()
+    assert len(g) > 80
+    # edges the package certainly has: the backend reads the modes, an op module its registration helpers
+    assert "offload_passes.modes" in g["offload_passes.backend"]
+    assert "offload_passes.custom_ops._library" in g["offload_passes.custom_ops.dsa_serve"]
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_a_lazy_import_is_an_edge(tmp_path, monkeypatch):
+    pkg = tmp_path / "offload_passes"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import x\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    monkeypatch.setattr(__import__(__name__), "PACKAGE_FOLDERS", {"offload_passes": "offload_passes"})
+    g = import_graph()
+    assert g["offload_passes.b"] == {"offload_passes.a"} and g["offload_passes.c"] == set()
+    assert cycles(g) == [["offload_passes.a", "offload_passes.b"]]
+
+
+def test_no_import_circles():
+    found = cycles(import_graph())
+    assert not found, "import circles (move the shared piece into a module both import):\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
