@@ -5,12 +5,20 @@ narrow elsewhere).
     python benchmarks/bench_hf.py                          # 4K, 16K, 32K; bf16; sdpa
     python benchmarks/bench_hf.py --contexts 4096 --steps 2 --json
     python benchmarks/bench_hf.py --generate --contexts 4096 16384   # generate() decode tokens/s
+    python benchmarks/bench_hf.py --generate --synthetic-context --contexts 16384   # no dense prefill
 
-``--generate``: the user's own loop, ``model.generate(prompt of T tokens, max_new_tokens=steps + 1,
+``--generate``: the user's own loop, ``model.generate(prompt of T tokens, max_new_tokens=steps + 2,
 cache_implementation="static", greedy)``, unmodified vs ``compile_config=offload_compile_config()`` (the
 decode step compiled with the backend, sparse + offload; HF runs the prefill eagerly in both). Tokens/s
 of the decode steps: a logits processor timestamps every step, the prefill's token and the first
 compiled step (it compiles) are left out.
+
+``--generate --synthetic-context``: the same decode tokens/s over a synthetic context instead of a dense
+prefill (which at 16K needs the unmodified indexer's T x T x 32 fp32 scores, 34 GB). Each model gets its own
+``StaticCache`` (B = 1, ``max_cache_len`` = T + steps + 1, what HF would allocate) whose first T - 1 rows are
+filled by ``HfDecoder.synthetic_context`` with the same seed, so both models start from identical caches; then
+``generate(input_ids=<T tokens>, past_key_values=cache, ...)``: HF sees T - 1 cached tokens and runs only the
+last prompt token (eagerly) before decoding. Prefill is not timed; the decode steps are timed as above.
 
 The dense model expands the whole latent cache through kv_b_proj and attends over all T positions at
 every step (O(T)); the rewritten one gathers / serves K = 2048 rows (O(K)), so the ratio grows with T.
@@ -93,16 +101,27 @@ class _Stamps:
         return scores
 
 
-def bench_generate(config: str, contexts: list[int], steps: int, attn: str, dtype: str) -> list[dict]:
+def synthetic_cache(built, context: int, max_cache_len: int, seed: int = 0):
+    """A B = 1 ``StaticCache`` that holds ``context`` synthetic tokens (seeded: the same rows for every model
+    built from one preset), for ``generate(past_key_values=...)`` to continue from without a dense prefill."""
+    dec = built.decoder(batch_size=1, max_cache_len=max_cache_len)
+    dec.synthetic_context(context, seed=seed)
+    return dec.cache
+
+
+def bench_generate(config: str, contexts: list[int], steps: int, attn: str, dtype: str,
+                   synthetic: bool = False, **over) -> list[dict]:
     from transformers import LogitsProcessorList
 
-    built = hf.build(config, attn=attn, dtype=dtype)
+    from offload_passes.decorator import static_cache_state
+
+    built = hf.build(config, attn=attn, dtype=dtype, **over)
     model = built.model
     model.generation_config.eos_token_id = None  # random weights: every call generates all its tokens
     vocab = model.config.vocab_size
     rows = []
     for ctx in contexts:
-        row: dict = {"context": ctx, "new_tokens": steps + 2}
+        row: dict = {"context": ctx, "new_tokens": steps + 2, "synthetic_context": synthetic}
         ids = torch.randint(2, vocab, (1, ctx), generator=torch.Generator().manual_seed(ctx))
         seqs = {}
         for name in ("unmodified", "compiled"):
@@ -111,11 +130,19 @@ def bench_generate(config: str, contexts: list[int], steps: int, attn: str, dtyp
             kw = {}
             if name == "compiled":
                 kw["compile_config"] = cc = offload_compile_config()
+            if synthetic:
+                # T - 1 cached rows: HF slices the prompt to its uncached last token (generation/utils.py,
+                # _prefill: input_ids.shape[1] - cache.get_seq_length()); max_cache_len as HF would size it
+                t0 = time.perf_counter()
+                kw["past_key_values"] = cache = synthetic_cache(built, ctx - 1, ctx + steps + 1)
+                row[f"{name}_fill_s"] = time.perf_counter() - t0
+            else:
+                kw["cache_implementation"] = "static"
             st = _Stamps()
             t0 = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 2,
-                                     do_sample=False, cache_implementation="static", pad_token_id=0,
+                                     do_sample=False, pad_token_id=0,
                                      logits_processor=LogitsProcessorList([st]), **kw)
             row[f"{name}_total_s"] = time.perf_counter() - t0
             row[f"{name}_prefill_s"] = st.t[0] - t0
@@ -126,10 +153,15 @@ def bench_generate(config: str, contexts: list[int], steps: int, attn: str, dtyp
                 rep = cc.backend.reports[-1]
                 row["compiled_offload"] = bool(rep["rewritten"]) and bool(rep["hf"]["offload"])
                 row["graphs"] = len(cc.backend.reports)
+                if synthetic:
+                    row["pool"] = static_cache_state(cache).totals()
+            kw.clear()
+            cache = None  # the next model's cache is allocated after this one's is gone
         row["same_tokens"] = bool(torch.equal(seqs["unmodified"], seqs["compiled"]))
         row["speedup"] = row["compiled_tok_s"] / row["unmodified_tok_s"]
         rows.append(row)
-        print(f"  {ctx:>6}: generate() decode unmodified {row['unmodified_tok_s']:.3f} tok/s, compiled (sparse + "
+        tag = " (synthetic)" if synthetic else ""
+        print(f"  {ctx:>6}{tag}: generate() decode unmodified {row['unmodified_tok_s']:.3f} tok/s, compiled (sparse + "
               f"offload) {row['compiled_tok_s']:.3f} tok/s ({row['speedup']:.1f}x; offload "
               f"{row['compiled_offload']}, same tokens {row['same_tokens']})", file=sys.stderr, flush=True)
     return rows
@@ -145,19 +177,25 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--generate", action="store_true", help="generate() decode tokens/s, unmodified vs compiled")
+    p.add_argument("--synthetic-context", action="store_true",
+                   help="with --generate: decode tokens/s over a synthetic context (both models continue from "
+                        "identical seeded StaticCaches of T - 1 rows; no dense prefill, prefill not timed)")
     a = p.parse_args(argv)
     if a.steps < 1 or any(c < 2 for c in a.contexts):
         p.error("--steps must be >= 1 and every context >= 2")
+    if a.synthetic_context and not a.generate:
+        p.error("--synthetic-context applies to --generate only (the decode-step table is always synthetic)")
     if a.threads:
         torch.set_num_threads(a.threads)
     print(f"bench_hf: {a.config} attn={a.attn} dtype={a.dtype} threads={torch.get_num_threads()} "
           f"steps={a.steps} (median)", file=sys.stderr)
     if a.generate:
-        rows = bench_generate(a.config, a.contexts, a.steps, a.attn, a.dtype)
+        rows = bench_generate(a.config, a.contexts, a.steps, a.attn, a.dtype, synthetic=a.synthetic_context)
         if a.json:
             print(json.dumps(rows, indent=1))
         else:
-            print("| context T | unmodified tok/s | compiled (sparse + offload) tok/s | speed-up | same tokens |")
+            ctx = "context T (synthetic)" if a.synthetic_context else "context T"
+            print(f"| {ctx} | unmodified tok/s | compiled (sparse + offload) tok/s | speed-up | same tokens |")
             print("|---:|---:|---:|---:|---|")
             for r in rows:
                 print(f"| {r['context']} | {r['unmodified_tok_s']:.3f} | {r['compiled_tok_s']:.3f} | "

@@ -35,7 +35,7 @@ Torch-version differences found (and where they are handled):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -322,3 +322,20 @@ def reinplace_mutated_input_users(registry_module: Any) -> Any:
 
     utils = importlib.import_module(registry_module.__name__.rsplit(".", 1)[0] + ".utils")
     return utils.get_inplace_op_mutated_input_users
+
+
+def dynamo_frame_compile() -> Optional[dict]:
+    """Dynamo's compile id of the frame being compiled (``torch._guards.CompileContext``) and its recompile
+    limit (``recompile_limit``; ``cache_size_limit`` before it was renamed); None outside a Dynamo compile."""
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - a torch without compile ids: nothing to report
+        return None
+    if cid is None or cid.frame_compile_id is None:
+        return None
+    cfg = torch._dynamo.config
+    limit = getattr(cfg, "recompile_limit", None) or getattr(cfg, "cache_size_limit", None)
+    return {"frame_id": cid.frame_id, "frame_compile_id": cid.frame_compile_id, "recompile_limit": limit,
+            "last_allowed": limit is not None and cid.frame_compile_id + 1 >= limit}

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 import torch
 from torch import fx
 
+from . import _compat
 from .dump import Dumper
 from .modes import CPU_EXE_MODES, EXE_MODES, MODES, NPU_EXE_MODES, check_exe_mode, lowering_for
 from .options import OffloadOptions
@@ -54,18 +55,7 @@ def check_torch_mode(mode: Any) -> None:
 
 def _dynamo_frame() -> Optional[dict]:
     """Dynamo's compile id of the frame being compiled and its recompile limit (None outside Dynamo)."""
-    try:
-        from torch._guards import CompileContext
-
-        cid = CompileContext.current_compile_id()
-    except Exception:  # noqa: BLE001 - an older torch without compile ids: nothing to report
-        return None
-    if cid is None or cid.frame_compile_id is None:
-        return None
-    cfg = torch._dynamo.config
-    limit = getattr(cfg, "recompile_limit", None) or getattr(cfg, "cache_size_limit", None)
-    return {"frame_id": cid.frame_id, "frame_compile_id": cid.frame_compile_id, "recompile_limit": limit,
-            "last_allowed": limit is not None and cid.frame_compile_id + 1 >= limit}
+    return _compat.dynamo_frame_compile()
 
 
 #: how many GraphReports a backend keeps (the newest); a long-lived backend must not grow without bound

@@ -103,7 +103,11 @@ def test_supported_range_is_exactly_the_tested_versions():
 
     from offload_passes.tools.torchair_env import TORCH_NPU_FOR_TORCH
 
-    (low, high), = re.findall(r'"torch>=([0-9.]+),<([0-9.]+)"', (ROOT / "setup.py").read_text())
+    from offload_passes import _extensions
+
+    # setup.py requires _extensions.torch_requirement(..., binary_wheel=False) for a source install: this range
+    assert "torch_requirement" in (ROOT / "setup.py").read_text()
+    (low, high), = re.findall(r'^>=([0-9.]+),<([0-9.]+)$', _extensions.TORCH_RANGE)
     matrix = re.search(r'TORCH_VERSIONS=\$\{TORCH_VERSIONS:-"([^"]+)"\}',
                        (ROOT / "scripts" / "test_matrix.sh").read_text()).group(1).split()
     tested = sorted(_minor(v) for v in matrix)
