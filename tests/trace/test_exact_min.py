@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from offload_passes.trace import cli, setsim, sim
 from offload_passes.trace.format import Trace
+from test_bounds import random_trace  # skewed random ids over a span (tests/trace/test_bounds.py)
 
 SET_ASSOC_DEMAND = ("sa_fifo", "sa_lru", "sa_clock", "srrip", "brrip") + sim.STUDY
 FULLY_ASSOC_DEMAND = ("lru", "clock", "s3fifo")
@@ -118,19 +119,6 @@ def test_per_set_optimum_bounds_every_demand_policy_of_the_geometry(g, steps):
     for pol in SET_ASSOC_DEMAND:
         assert sim.simulate(tr, pol, pool, ways=ways).hits <= best, pol
     assert best <= sim.simulate(tr, "belady", pool).hits
-
-
-def random_trace(seed: int, steps: int = 40, K: int = 64, span: int = 400, B: int = 1, S: int = 1) -> Trace:
-    """Skewed random ids over ``span`` positions (reuse at every distance)."""
-    rng = np.random.default_rng(seed)
-    topk = np.full((steps, 1, B, S, K), -1, dtype=np.int32)
-    w = rng.pareto(1.2, span) + 1e-3
-    for t in range(steps):
-        for b in range(B):
-            for s in range(S):
-                n = rng.integers(K // 2, K + 1)
-                topk[t, 0, b, s, :n] = rng.choice(span, size=n, replace=False, p=w / w.sum())
-    return Trace(topk, np.full((steps, B), span + 8, dtype=np.int32), K)
 
 
 @pytest.mark.parametrize("seed", range(3))
