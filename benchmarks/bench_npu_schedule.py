@@ -1,4 +1,4 @@
-"""The NPU-schedule structural checks of ``tests/converters/test_npu_schedule.py`` on the *whole*
+"""The NPU-schedule structural checks of ``tests/lowering/test_npu_schedule.py`` on the *whole*
 ``glm-5.2-78l`` preset (78 layers, 21 IndexShare groups) instead of its first 10 layers.
 
 Same assertions (installs wait on their serve's event, joins, records identity, no full-cache / pool /

@@ -147,7 +147,7 @@ def cuda_backend(**opts: Any):
     backend with its lowering replaced by CudaLowering)."""
     from offload_passes import modes
     from offload_passes.backend import OffloadBackend, make_offload_backend
-    from offload_passes.lowering_cuda import CUDA_MODE, CudaLowering
+    from offload_passes.lowering.cuda import CUDA_MODE, CudaLowering
 
     if CUDA_MODE in modes.EXE_MODES:
         return make_offload_backend(exe_mode=CUDA_MODE, **opts)

@@ -14,7 +14,7 @@ The ``extra_check`` we install is deliberately narrow:
   mutated argument — wrong numbers, verified on CPU — so intermediates must stay functional;
 * it then applies a stream-safety check: single-stream graphs pass, and a side-stream install passes
   when its cross-stream users are fenced by tagged events, which is the topology
-  :mod:`offload_passes.npu_modes` emits. That is the package's own
+  :mod:`offload_passes.lowering.npu` emits. That is the package's own
   ``check_multi_stream_for_multi_reinplace`` where it is event-aware (npugraph_ex 2.13), else
   :func:`converters.stream_fence.event_fenced` over the package's own user collection (npugraph_ex
   2.8 and TorchAir only accept users on one stream);

@@ -2,7 +2,7 @@
 
 npugraph_ex 2.13 answers this itself (``verify_cross_stream_event_protected``); the npugraph_ex and
 TorchAir copies in torch-npu 2.8 (and TorchAir's in 2.13) only accept users that all sit on one
-stream, so a side-stream install fenced by events, the topology :mod:`offload_passes.npu_modes`
+stream, so a side-stream install fenced by events, the topology :mod:`offload_passes.lowering.npu`
 emits, would stay functional there (a full pool copy per layer and step). Where the package has no
 event-aware check, :func:`register_reinplace` uses :func:`event_fenced` instead.
 

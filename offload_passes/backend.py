@@ -3,8 +3,8 @@
 One core for every exe_mode (:class:`OffloadBackend`): graph ids, the rewrite (``pipeline.py``: every
 front-end, the guards, the new-request invalidation), state binding with the stale-state rule and the
 outside-write check (``state.StateBinder``), dumps and the typed report (``report.GraphReport``). The
-modes differ only in their lowering (``modes.MODES``: ``lowering_cpu.CpuLowering`` for eager /
-inductor, ``npu_modes.NpuLowering`` for ge_graph / npugraph_ex). The design decisions and their reasons
+modes differ only in their lowering (``modes.MODES``: ``lowering.cpu.CpuLowering`` for eager /
+inductor, ``lowering.npu.NpuLowering`` for ge_graph / npugraph_ex). The design decisions and their reasons
 are written once, in docs/design.md.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch import fx
 
 from . import _compat
 from .dump import Dumper
+from .lowering import LowerContext, Lowering
 from .modes import CPU_EXE_MODES, EXE_MODES, MODES, NPU_EXE_MODES, check_exe_mode, lowering_for
 from .options import OffloadOptions
 from .passes import _fx
@@ -62,43 +63,6 @@ def _dynamo_frame() -> Optional[dict]:
 MAX_REPORTS = 256
 #: how many of the newest post-reinplace graphs a backend keeps after their compiled graph is gone
 KEEP_GRAPHS = 4
-
-
-@dataclass
-class LowerContext:
-    """What the core hands a lowering besides the graph (one compile)."""
-
-    graph_id: str
-    options: OffloadOptions
-    state: Optional[OffloadState]
-    report: GraphReport
-    dumper: Optional[Dumper]
-    kwargs: dict = field(default_factory=dict)  # extra arguments Dynamo passed to the backend
-    final_graph: Optional[fx.Graph] = None  # set by a lowering that runs our reinplace
-
-    @property
-    def timings(self) -> dict:
-        return self.report.timings
-
-    @property
-    def dump_dir(self) -> Optional[Path]:
-        return self.dumper.root if self.dumper is not None else None
-
-
-class Lowering(Protocol):
-    """One exe_mode's part of the backend: everything else (graph ids, state binding, dumps, reports)
-    is the core's. ``lowering_cpu.CpuLowering``, ``npu_modes.NpuLowering`` (duck-typed)."""
-
-    #: the state as per-call graph inputs chosen by the caches (CPU) or as private graph buffers (NPU)
-    shared_state: bool
-
-    def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
-                ) -> tuple[OffloadOptions, Optional[InstallHook]]: ...
-
-    def after_rewrite(self, gm: fx.GraphModule, state: Optional[OffloadState], report: GraphReport,
-                      options: OffloadOptions, install_hook: Optional[InstallHook]) -> None: ...
-
-    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable: ...
 
 
 # ---------------------------------------------------------------------------------- the backend

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
-from .npu_modes import MC2_OPS, is_collective, namespace_and_op
+from .lowering.side_stream import MC2_OPS, is_collective, namespace_and_op
 
 log = logging.getLogger("offload_passes.demo_world")
 
@@ -70,7 +70,7 @@ def collective_sequence(graph: fx.Graph | fx.GraphModule) -> list[tuple]:
 def collective_kinds(graph: fx.Graph | fx.GraphModule) -> list[tuple]:
     """``(op, input shape)`` per collective, npugraph_ex's lowered all-to-all named as the functional op
     it replaces: comparable between a Dynamo graph and an NPU lowering whose op arguments differ."""
-    from .npu_modes import NPUGRAPH_EX_COLLECTIVES
+    from .lowering.side_stream import NPUGRAPH_EX_COLLECTIVES
 
     g = graph.graph if isinstance(graph, fx.GraphModule) else graph
     out = []

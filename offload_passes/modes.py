@@ -29,13 +29,13 @@ class Mode:
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("eager", "cpu", "offload_passes.lowering_cpu:CpuLowering", True, ("fifo", "second_chance")),
-    Mode("inductor", "cpu", "offload_passes.lowering_cpu:CpuLowering", True, ("fifo", "second_chance")),
+    Mode("eager", "cpu", "offload_passes.lowering.cpu:CpuLowering", True, ("fifo", "second_chance")),
+    Mode("inductor", "cpu", "offload_passes.lowering.cpu:CpuLowering", True, ("fifo", "second_chance")),
     # CANN's NPU kernels implement FIFO only
-    Mode("ge_graph", "npu", "offload_passes.npu_modes:NpuLowering", False, ("fifo",)),
-    Mode("npugraph_ex", "npu", "offload_passes.npu_modes:NpuLowering", False, ("fifo",)),
+    Mode("ge_graph", "npu", "offload_passes.lowering.npu:NpuLowering", False, ("fifo",)),
+    Mode("npugraph_ex", "npu", "offload_passes.lowering.npu:NpuLowering", False, ("fifo",)),
     # CUDA tensors: the eager lowering with installs on a side stream; Triton kernels (docs/cuda.md)
-    Mode("cuda", "cuda", "offload_passes.lowering_cuda:CudaLowering", True, ("fifo", "second_chance")),
+    Mode("cuda", "cuda", "offload_passes.lowering.cuda:CudaLowering", True, ("fifo", "second_chance")),
 )}
 
 EXE_MODES: tuple[str, ...] = tuple(MODES)

@@ -38,7 +38,7 @@ class OffloadOptions:
     """Options of the ``dsa_offload`` backend.
 
     pool_size: pool slots per batch row (PS); ``None`` = 8192, or 16384 with ``enlarge_pool_size``.
-    exe_mode: ``eager`` (default) or ``inductor`` on CPU; the NPU modes live in ``npu_modes.py``.
+    exe_mode: ``eager`` (default) or ``inductor`` on CPU; the NPU modes live in ``lowering/npu.py``.
     dump_dir: write graphs before/after each pass and ``report.json`` there (env ``OFFLOAD_PASSES_DUMP``).
     strict: raise ``RuntimeError`` on any refusal instead of compiling the graph unmodified.
     id_range: ``id_to_slot`` width (IR); ``None`` = max(131072, cache length F) (``custom_ops/_pool.py``:

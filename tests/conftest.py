@@ -1,4 +1,7 @@
-"""Shared pytest configuration. Sub-folders keep their own fixtures in their own conftest.py."""
+"""Shared pytest configuration: the fixtures several folders use (the TorchAir / npugraph_ex test doubles of
+``npu_doubles.py``, Triton's interpreter, the compile settings of ``compile_settings.py``); a folder's
+own fixtures stay in its own conftest.py. Helper modules shared by folders (``dsa_synth``,
+``backend_helpers``, ``new_request_cases``, ``npu_capture``) live here, importable by name."""
 import os
 
 # Never let an installed torch_npu autoload into a CPU test run (docs/platform.md §6).
@@ -11,6 +14,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 import offload_passes  # noqa: E402,F401  (registers the ops)
 
 import pytest  # noqa: E402
+
+from npu_doubles import (npugraph_ex_capture, npugraph_ex_pkg, reinplace_registered, stub_torch_npu,  # noqa: E402,F401
+                         torch_npu_double, torchair, torchair_core_double, torchair_site)
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Hypothesis profiles (tests/ops/test_properties.py): "ci" (default) is fast and derandomized, so CI runs
@@ -32,3 +38,16 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped, but OFFLOAD_PASSES_NO_SKIP=1 forbids skips: {reason}"
+
+
+@pytest.fixture(scope="session")
+def triton_interpreted():
+    """triton imported in interpreter mode (the kernels then run on CPU tensors)."""
+    triton = pytest.importorskip("triton", reason="the [cuda] extra (triton) is not installed")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from offload_passes.custom_ops.cuda import dsa_serve
+
+    assert isinstance(dsa_serve._serve_kernel, InterpretedFunction), (
+        "triton was imported before TRITON_INTERPRET=1 was set; the kernels would need a GPU")
+    return triton

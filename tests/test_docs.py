@@ -338,7 +338,7 @@ def _classes() -> dict:
 
 
 def _symbol_problem(token: str) -> str | None:
-    """Why ``token`` (``npu_modes.NpuLowering``, ``offload_passes.cuda.plan_placement``, ``OpSpec.schema``)
+    """Why ``token`` (``lowering.npu.NpuLowering``, ``offload_passes.cuda.plan_placement``, ``OpSpec.schema``)
     names nothing of ours; None if it exists or is not ours (``torch.compile``)."""
     parts = token.removesuffix("()").split(".")
     if any(p.startswith("__") for p in parts):  # module attributes Python sets (offload_passes.__file__)

@@ -392,7 +392,7 @@ def _finish(r: CaseResult, got: list, want: list, tol: float) -> None:
 
 def _backend(args, mode: str, bookkeeping: bool):
     from offload_passes.backend import NpuOffloadBackend
-    from offload_passes.npu_modes import recipe_compiler_config
+    from offload_passes.lowering.npu import recipe_compiler_config
 
     kw = {"pool_size": args.pool_size} if args.pool_size else {}
     cfg = None if args.plain_config else recipe_compiler_config(mode)

@@ -3,7 +3,7 @@
 The ``torch-npu`` wheel bundles TorchAir and npugraph_ex as pure-Python packages under
 ``torch_npu/dynamo/`` (plus four CANN-linked ``.so`` files in ``torchair/core``). The converter and
 reinplace tests run against exactly that Python code, with only the CANN-linked modules replaced by
-labelled test stand-ins (``tests/converters/standins/``). This module obtains that code **without
+labelled test stand-ins (``tests/testdoubles/``). This module obtains that code **without
 installing torch_npu**:
 
 1. ``pip download --no-deps torch-npu==<version>`` into ``<cache>/wheels`` (nothing is installed;

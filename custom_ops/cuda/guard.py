@@ -1,4 +1,4 @@
-"""Triton kernel of the ``cuda`` mode's in-graph guards (``offload_cuda::guard``, ``lowering_cuda.py``).
+"""Triton kernel of the ``cuda`` mode's in-graph guards (``offload_cuda::guard``, ``lowering/cuda.py``).
 
 ``aten._assert_async`` on a CUDA tensor is a device-side assert: the CUDA context is lost and the process
 with it. The ``cuda`` lowering replaces each guard by ``offload_cuda::guard(ok, msg)``: on the device this

@@ -1,6 +1,6 @@
 """FX passes that prepare the functional graph for the registry-driven reinplace (npugraph_ex / ACL).
 
-Both run as npugraph_ex's ``post_grad_custom_post_pass`` (``offload_passes.npu_modes.npugraph_ex_config``),
+Both run as npugraph_ex's ``post_grad_custom_post_pass`` (``offload_passes.lowering.npu.npugraph_ex_config``),
 after AOT and before npugraph_ex's reinplace, which only reinplaces a functional twin whose mutated
 arguments are all graph inputs with their own ``copy_`` epilogues.
 

@@ -107,7 +107,7 @@ def test_compiled_step_has_no_host_read_of_a_device_value(flow):
     (the guards are ``offload_cuda::guard``), no copy to the host. The decode-path reference ops
     (``offload_ref::`` indexer / sparse attention) are CPU references with a host fallback on CUDA
     (``custom_ops/cuda/fallback.py``); they are listed, not judged here."""
-    from offload_passes.lowering_cuda import GUARD_OP
+    from offload_passes.lowering.cuda import GUARD_OP
 
     g = flow["be"].final_graph()
     nodes = [n for n in g.nodes if n.op == "call_function"]

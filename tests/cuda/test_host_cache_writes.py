@@ -127,7 +127,7 @@ def test_rewritten_graph_runs_and_writes_the_rows(mode):
 
 def _lower(gm, inputs):
     """The CPU ``eager`` lowering the cuda lowering delegates to (AOT, our reinplace); the final graph."""
-    from offload_passes.lowering_cpu import _lower_eager
+    from offload_passes.lowering.cpu import _lower_eager
     from offload_passes.passes.reinplace import reinplace
 
     out = {}
@@ -323,7 +323,7 @@ def tiny():
     of its rewritten pre-AOT graph as the lowering left it (what the pass saw)."""
     from offload_passes import models
     from offload_passes.backend import OffloadBackend
-    from offload_passes.lowering_cuda import CUDA_MODE, CudaLowering
+    from offload_passes.lowering.cuda import CUDA_MODE, CudaLowering
 
     torch._dynamo.reset()
     built = models.build("tiny", enable_offload=True)

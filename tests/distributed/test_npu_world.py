@@ -1,5 +1,5 @@
 """The W = 2 decode graph (``tiny``, rank 0 and rank 1 of a 2-rank world on torch's fake process group)
-through the NPU lowerings, with the real TorchAir / npugraph_ex Python (tests/converters/conftest.py).
+through the NPU lowerings, with the real TorchAir / npugraph_ex Python (tests/npu_doubles.py).
 
 * ``ge_graph``: TorchAir's own converters lower the ``_c10d_functional`` collectives to HCOM ops, in the
   graph's collective order, on the main stream; every side-stream scope that a collective follows
@@ -17,7 +17,7 @@ import torch
 from offload_passes import _compat, models
 from offload_passes.backend import NpuOffloadBackend
 from offload_passes.demo_world import collective_kinds, collective_sequence
-from offload_passes.npu_modes import SIDE_STREAM_LABEL, is_collective
+from offload_passes.lowering.side_stream import SIDE_STREAM_LABEL, is_collective
 
 PS = 64
 #: TorchAir's GE type of each functional collective in the tiny W = 2 decode graph.

@@ -3,7 +3,7 @@
 through the offload backend, every rank against its own unmodified model.
 
 One spawn runs both modes on both ranks (eager, then inductor; the reference in inductor mode is the
-unmodified model through plain Inductor, as tests/backend/test_inductor.py does). Inductor runs ``tiny``
+unmodified model through plain Inductor, as tests/lowering/test_cpu_inductor.py does). Inductor runs ``tiny``
 cut to 4 layers (``FSFS``: two groups, 3 MoE layers) to halve its two compiles per rank. A hang
 (collectives out of order) is a failure after the timeout, never a blocked run.
 """

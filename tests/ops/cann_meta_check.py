@@ -1,5 +1,5 @@
 """Run in a child process by ``test_cann_coexistence.py``: our fake kernels vs the Meta kernels of the CPU
-stand-in of CANN's library (TEST DOUBLE, ``tests/standins/cann_custom_ops.cpp``) over random valid shapes.
+stand-in of CANN's library (TEST DOUBLE, ``tests/testdoubles/cann_custom_ops.cpp``) over random valid shapes.
 
 ``python tests/ops/cann_meta_check.py LIB N SEED`` loads LIB first (CANN's order), imports offload_passes
 (so our fakes are *not* registered: CANN has Meta kernels) and, for N random geometries per op, calls

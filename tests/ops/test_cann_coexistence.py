@@ -1,7 +1,7 @@
 """offload_passes beside CANN's custom-op library, in both load orders (docs/atlas.md §3, §4).
 
 CANN's library cannot load here; these tests use its CPU stand-in (TEST DOUBLE,
-``tests/standins/cann_custom_ops.cpp``: ``TORCH_LIBRARY(custom, m)`` with the seven schemas, CANN's
+``tests/testdoubles/cann_custom_ops.cpp``: ``TORCH_LIBRARY(custom, m)`` with the seven schemas, CANN's
 Meta kernels and throwing PrivateUse1 kernels), built once per session. Every scenario runs in a child
 process: a wrong order aborts the process inside ``dlopen`` (exit code -6 / 134), which pytest itself
 could not survive.
@@ -23,7 +23,7 @@ from offload_passes.custom_ops import _cann, _library as Lib, cann_library_statu
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path.insert(0, str(REPO / "tests" / "standins"))
+sys.path.insert(0, str(REPO / "tests" / "testdoubles"))
 import cann_standin  # noqa: E402
 
 INPLACE = ("dsa_serve", "dsa_install", "npu_gather_selection_kv_cache")

@@ -20,7 +20,7 @@ from offload_passes import _compat
 from offload_passes.custom_ops import CUSTOM_OPS, OP_SPECS, spec_for
 from offload_passes.custom_ops.opspec import GeOp, Limit, OpSpec, counted_names, ge_ref_table, reinplace_pairs
 
-STANDIN = Path(__file__).resolve().parents[1] / "converters" / "standins" / "torchair_core.py"
+STANDIN = Path(__file__).resolve().parents[1] / "testdoubles" / "torchair_core.py"
 
 CUSTOM = ["custom::dsa_install", "custom::dsa_install_functional", "custom::dsa_plan", "custom::dsa_serve",
           "custom::dsa_serve_functional", "custom::npu_gather_selection_kv_cache",

@@ -39,7 +39,7 @@ PS = 64
 UNIT = "FFSS"
 SIZES = (2, 4)  # units: 8 and 16 layers
 PASSES = ("detect", "group", "plan_pass", "rewrite", "reinplace")
-import offload_passes.lowering_cpu as lowering_mod  # noqa: E402
+import offload_passes.lowering.cpu as lowering_mod  # noqa: E402
 import offload_passes.passes.frontend_recipe as recipe_mod  # noqa: E402
 import offload_passes.pipeline as pipeline_mod  # noqa: E402
 
@@ -273,9 +273,8 @@ class _GeGraphView:
 
 def _npu_toolchain():
     """TorchAir and npugraph_ex test copies with the CANN test doubles, our converters registered (the
-    helpers of tests/converters/conftest.py, loaded by path: it is not a conftest of this folder)."""
-    cf = load_file("offload_passes_test_converter_fixtures",
-                   Path(__file__).resolve().parents[1] / "converters" / "conftest.py")
+    helpers of tests/npu_doubles.py)."""
+    import npu_doubles as cf
     site = cf.torchair_env.site_dir()
     if site is None:
         pytest.skip(cf.SKIP_REASON)

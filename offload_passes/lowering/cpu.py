@@ -13,14 +13,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
-from . import _compat
-from .modes import CPU_EXE_MODES, check_exe_mode
-from .options import OffloadOptions
-from .passes import _fx
-from .passes.inductor_targets import define_aliases, retarget_for_inductor
-from .passes.reinplace import ReinplaceReport, reinplace
-from .passes.rewrite import InstallHook
-from .state import OffloadState
+from .. import _compat
+from ..modes import CPU_EXE_MODES, check_exe_mode
+from ..options import OffloadOptions
+from ..passes import _fx
+from ..passes.inductor_targets import define_aliases, retarget_for_inductor
+from ..passes.reinplace import ReinplaceReport, reinplace
+from ..passes.rewrite import InstallHook
+from ..state import OffloadState
 
 __all__ = ["CpuLowering", "pass_uuid"]
 
@@ -28,15 +28,15 @@ def _package_dir(module: Any) -> Path:
     return Path(module.__file__).resolve().parent
 
 
-from . import custom_ops as _custom_ops, passes as _passes  # noqa: E402  (their folders: custom_ops/ is mapped)
+from .. import custom_ops as _custom_ops, passes as _passes  # noqa: E402  (their folders: custom_ops/ is mapped)
 
 _ROOT = _package_dir(__import__(__package__))
 #: Everything whose change can change what the custom Inductor pass (or the graph it sees) produces:
 #: every pass module, the op specs and kernels' Python, the FX and version glue. Inductor's FX-graph
 #: cache keys on :func:`pass_uuid`.
-UUID_FILES = (sorted(_package_dir(_passes).glob("*.py")) + sorted(_package_dir(_custom_ops).glob("*.py"))
+UUID_FILES = (sorted(_package_dir(_passes).rglob("*.py")) + sorted(_package_dir(_custom_ops).glob("*.py"))
               + [_ROOT / n for n in ("_compat.py", "options.py", "modes.py", "pipeline.py", "state.py",
-                                     "lowering_cpu.py")])
+                                     "lowering/cpu.py")])
 
 
 def pass_uuid(options: Optional[OffloadOptions] = None) -> str:
@@ -70,7 +70,7 @@ class _ReinplacePass:
 
 def _custom_op_overloads() -> list:
     """The default overloads of our ``custom::`` ops (custom_ops.CUSTOM_OPS)."""
-    from .custom_ops import CUSTOM_OPS
+    from ..custom_ops import CUSTOM_OPS
 
     return [getattr(torch.ops.custom, name).default for name in CUSTOM_OPS]
 

@@ -43,27 +43,23 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 from torch import fx
 
-from . import _compat
-from .custom_ops import spec_for
-from .modes import NPU_EXE_MODES, check_exe_mode
-from .options import OffloadOptions
-from .state import OffloadState
+from .. import _compat
+from ..modes import NPU_EXE_MODES, check_exe_mode
+from ..options import OffloadOptions
+from ..state import OffloadState
+from ..passes.bookkeeping import strip_bookkeeping
+from .side_stream import SIDE_STREAM_LABEL, is_collective, join_points, move_after_serve, side_inputs
 
-log = logging.getLogger("offload_passes.npu_modes")
+log = logging.getLogger("offload_passes.lowering.npu")
 
 #: Stream label of the install side stream (``_user_stream_label``).
-SIDE_STREAM_LABEL = "dsa_offload_install"
 
 __all__ = ["NpuLowering", "lower_ge_graph", "lower_npugraph_ex", "recipe_compiler_config",
-           "acl_install_hook", "ge_install_hook", "AclInstallHook", "GeInstallHook", "strip_bookkeeping", "ge_config",
+           "acl_install_hook", "ge_install_hook", "AclInstallHook", "GeInstallHook", "ge_config",
            "npugraph_ex_config", "SIDE_STREAM_LABEL"]
 
 
 # ----------------------------------------------------------------------------------------- helpers
-
-
-def _is_graph_input(n: Any) -> bool:
-    return isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr")
 
 
 def _chain(first: Optional[Callable], second: Callable) -> Callable:
@@ -88,148 +84,6 @@ def _chain_once(cfg: Any, option: str, flag: str, fn: Callable) -> None:
 
 # ------------------------------------------------------------------------------------ install hooks
 
-_INSTALL, _SERVE = spec_for("dsa_install"), spec_for("dsa_serve")
-#: Install arguments (positional, schema order) the install writes (pools and group metadata) / only
-#: reads (records, selection buffers and table): from the op's schema.
-_INSTALL_WRITES = _INSTALL.mutated_positions
-_INSTALL_READS = tuple(_INSTALL.arg_names.index(a) for a in (
-    "install_records", "selection_kv_cache", "selection_k_rope", "selection_kv_block_table"))
-_INSTALL_SELECTION = _INSTALL.arg_names.index("selection_kv_cache")
-_SERVE_SELECTION = _SERVE.arg_names.index("selection_kv_cache")
-
-
-def _base(n: Any) -> Any:
-    from .passes import _fx
-
-    return _fx.strip_views(n)
-
-
-def _serve_of(install: fx.Node) -> Optional[fx.Node]:
-    """The serve that filled the selection buffer this install reads (its layer's serve)."""
-    sel = _base(install.args[_INSTALL_SELECTION])
-    # a paged group (passes/frontend_recipe.py) keeps the model's gather after the serve: it writes the
-    # rest of the selection buffer, so the installs start after it
-    for u in sel.users:
-        if "npu_gather_selection_kv_cache" in str(u.target) and any(_base(a) is sel for a in u.args[:2]):
-            return u
-    for u in sel.users:
-        if "dsa_serve" in str(u.target) and len(u.args) > _SERVE_SELECTION and _base(u.args[_SERVE_SELECTION]) is sel:
-            return u
-    return None
-
-
-def _last_serve(installs: list) -> fx.Node:
-    """The serve the installs may start after: that of ``installs[0]``'s layer (the layer the hook is
-    called for; the owner's md=1 install that may follow belongs to an earlier serve)."""
-    serve = _serve_of(installs[0])
-    if serve is None:
-        raise RuntimeError(f"no dsa_serve found for the installs {[i.name for i in installs]}")
-    return serve
-
-
-def _written_bases(n: fx.Node) -> set:
-    """Graph tensors ``n`` writes in place (through views): mutable schema args, ``x.op_()`` methods."""
-    out = set()
-    if n.op == "call_method" and str(n.target).endswith("_") and n.args:
-        out.add(_base(n.args[0]))
-    elif n.op == "call_function":
-        t = n.target
-        if "record_tagged_stream" in str(t):
-            return out  # declared (a!) but only registers the tensor with a stream
-        if isinstance(t, _compat.OpOverloadPacket):
-            t = getattr(t, t.overloads()[0])
-        if isinstance(t, _compat.OpOverload):
-            for i, a in enumerate(t._schema.arguments):
-                if a.alias_info is not None and a.alias_info.is_write:
-                    v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
-                    if isinstance(v, fx.Node):
-                        out.add(_base(v))
-        elif getattr(t, "__name__", "").endswith("_") and n.args:  # e.g. torch.Tensor.index_put_
-            out.add(_base(n.args[0]))
-    return out
-
-
-def _read_bases(n: fx.Node) -> set:
-    return {_base(a) for a in n.all_input_nodes}
-
-
-#: MC2's MoE dispatch / combine (any namespace): collectives too.
-MC2_OPS = ("npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2")
-#: What npugraph_ex decomposes ``_c10d_functional.all_to_all_single`` into (its HCOM all-to-all op).
-NPUGRAPH_EX_COLLECTIVES = {("npu_define", "all_to_all_single_npu"): "all_to_all_single"}
-
-
-def namespace_and_op(n: fx.Node) -> tuple:
-    """``(namespace, op)`` of a call to a torch op (overload or packet), else ``("", "")``."""
-    t = n.target
-    if isinstance(t, _compat.OpOverload):
-        qual = t.name()
-    elif isinstance(t, _compat.OpOverloadPacket):
-        qual = t._qualified_op_name
-    else:
-        return "", ""
-    ns, _, op = qual.partition("::")
-    return ns, op.split(".")[0]
-
-
-def is_collective(n: fx.Node) -> bool:
-    """A ``_c10d_functional`` collective (``wait_tensor`` excluded) or an MC2 dispatch / combine.
-
-    Every rank must issue its collectives in the same order, so no side-stream scope may contain one
-    and every join is placed before the first collective after its scope (multi-rank decode graphs).
-    """
-    if n.op != "call_function":
-        return False
-    ns, op = namespace_and_op(n)
-    return (ns == "_c10d_functional" and op != "wait_tensor") or op in MC2_OPS or (ns, op) in NPUGRAPH_EX_COLLECTIVES
-
-
-def _join_points(graph: fx.Graph, pending: List[tuple]) -> dict:
-    """For each ``(installs, scope_exit, tag)``: the node before which the main stream must wait for the
-    installs — the first later main-stream node that reads or writes what they write (pools, metadata)
-    or writes what they read (records, selection buffers), or is a collective (:func:`is_collective`:
-    the side stream never runs across one), else the graph output (the next step's plan and serves are
-    the next call). One walk over the graph."""
-    hazards = []  # (exit node, writes, reads, tag)
-    for installs, ex, tag in pending:
-        writes = {_base(i.args[k]) for i in installs for k in _INSTALL_WRITES if k < len(i.args)}
-        reads = {_base(i.args[k]) for i in installs for k in _INSTALL_READS if k < len(i.args)}
-        hazards.append((ex, writes, reads, tag))
-    exits = {h[0]: h for h in hazards}
-    out: dict = {}
-    open_: List[tuple] = []
-    all_w: set = set()
-    all_r: set = set()
-    depth = 0
-    for n in graph.nodes:
-        name = str(n.target)
-        if n in exits:
-            open_.append(exits[n])
-            all_w |= exits[n][1]
-            all_r |= exits[n][2]
-        if n.op == "output":
-            for h in open_:
-                out[h[3]] = n
-            break
-        if name.endswith("scope_enter.default"):
-            depth += 1
-        elif name.endswith("scope_exit.default"):
-            depth -= 1
-        elif depth == 0 and open_ and is_collective(n):
-            for h in open_:
-                out[h[3]] = n
-            open_, all_w, all_r = [], set(), set()
-        elif depth == 0 and open_ and n.op in ("call_function", "call_method"):
-            w, r = _written_bases(n), _read_bases(n)
-            if (w & (all_w | all_r)) or (r & all_w):
-                hit = [h for h in open_ if (w & (h[1] | h[2])) or (r & h[1])]
-                for h in hit:
-                    out[h[3]] = n
-                open_ = [h for h in open_ if h not in hit]
-                all_w = set().union(*(h[1] for h in open_))
-                all_r = set().union(*(h[2] for h in open_))
-    return out
-
 
 class AclInstallHook:
     """npugraph_ex side-stream hook (see module doc); call :meth:`finish` once the rewrite is done."""
@@ -252,18 +106,10 @@ class AclInstallHook:
         ops = _compat.npugraph_ex_ops()  # torch.ops.npugraph_ex (npu 2.13) or torch.ops.air (2.8)
         ready = self._tag(f"dsa_offload_{self.graph_id}_l{layer}_ready")
         done = self._tag(f"dsa_offload_{self.graph_id}_l{layer}_done")
-        serve = _last_serve(installs)
-        seen: List[fx.Node] = []
-        for inst in installs:
-            for a in inst.args:
-                if isinstance(a, fx.Node) and not _is_graph_input(a) and a not in seen:
-                    seen.append(a)
+        seen = side_inputs(installs)
         # the whole block goes right after the serve: the side stream starts when serve is done and
         # runs beside the layer's SFA and MoE on the main stream
-        anchor = serve
-        for inst in installs:  # program order kept: md=0 installs of this layer, then the owner's md=1
-            anchor.append(inst)
-            anchor = inst
+        move_after_serve(installs)
         first, last = installs[0], installs[-1]
         with graph.inserting_before(first):
             for t in seen:  # main-stream allocations read on the side stream (the plan's records)
@@ -280,7 +126,7 @@ class AclInstallHook:
     def finish(self, graph: fx.Graph) -> List[str]:
         """Place each layer's join (main stream waits on ``done``). Returns the node names joined before."""
         ops = _compat.npugraph_ex_ops()  # torch.ops.npugraph_ex (npu 2.13) or torch.ops.air (2.8)
-        points = _join_points(graph, self.pending)
+        points = join_points(graph, self.pending)
         where = []
         for _, _, done in self.pending:
             point = points[done]
@@ -313,11 +159,7 @@ class GeInstallHook:
 
     def __call__(self, graph: fx.Graph, installs: list, layer: int) -> None:
         air = torch.ops.air
-        serve = _last_serve(installs)
-        anchor = serve
-        for inst in installs:
-            anchor.append(inst)
-            anchor = inst
+        serve = move_after_serve(installs)
         first, last = installs[0], installs[-1]
         with graph.inserting_after(serve):
             rec = graph.call_function(air.record.default, ())
@@ -363,39 +205,6 @@ def ge_install_hook(label: str = SIDE_STREAM_LABEL, priority: int = 0) -> GeInst
     return GeInstallHook(label, priority)
 
 
-# ------------------------------------------------------------------------------------- bookkeeping
-
-
-def strip_bookkeeping(gm: fx.GraphModule, stats_attrs: Sequence[str]) -> int:
-    """Remove the in-graph per-step statistics (``copy_`` into the ``stats`` buffers and what only feeds
-    it). Returns the number of nodes removed. Only pure ATen nodes are removed with it."""
-    graph = gm.graph
-    attrs = set(stats_attrs)
-    roots = [n for n in graph.nodes if "copy_" in str(n.target) and n.args
-             and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr" and n.args[0].target in attrs]
-    gone: set = set()
-    todo: List[fx.Node] = []
-    for r in roots:
-        todo += r.all_input_nodes
-        graph.erase_node(r)
-        gone.add(r)
-    while todo:
-        n = todo.pop()
-        if n in gone or n.users or n.op != "call_function":
-            continue
-        t = n.target
-        if not isinstance(t, _compat.OpOverload) or t._schema.is_mutable or t.namespace != "aten":
-            continue
-        todo += n.all_input_nodes
-        graph.erase_node(n)
-        gone.add(n)
-    for n in [n for n in graph.nodes if n.op == "get_attr" and n.target in attrs and not n.users]:
-        graph.erase_node(n)
-    graph.lint()
-    gm.recompile()
-    return len(gone)
-
-
 # ------------------------------------------------------------------------------------------ lowering
 
 
@@ -409,7 +218,7 @@ def ge_config(compiler_config: Any = None) -> Any:
     """
     import torchair
 
-    from .passes.cache_writes import cache_writes_to_scatter_nd
+    from ..passes.cache_writes import cache_writes_to_scatter_nd
 
     def cache_write(gm, example_inputs, config):
         cache_writes_to_scatter_nd(gm)
@@ -424,7 +233,7 @@ def lower_ge_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler_c
     """Compile with TorchAir's GE backend (converters, ref-copy elimination and in-place cache writes)."""
     import torchair
 
-    from . import converters
+    from .. import converters
 
     converters.register_ge()
     cfg = ge_config(compiler_config)
@@ -437,8 +246,8 @@ def npugraph_ex_config(compiler_config: Any = None) -> Any:
     masked metadata updates and KV-cache writes made in place on their inputs, install chains split."""
     import npugraph_ex
 
-    from .passes.cache_writes import cache_writes_in_place
-    from .passes.npu_install_chains import clone_input_copy_sources, inplace_masked_input_updates, split_install_chains
+    from ..passes.cache_writes import cache_writes_in_place
+    from ..passes.npu_install_chains import clone_input_copy_sources, inplace_masked_input_updates, split_install_chains
 
     cfg = compiler_config if compiler_config is not None else npugraph_ex.CompilerConfig()
     cfg.mode = "npugraph_ex"
@@ -463,7 +272,7 @@ def lower_npugraph_ex(gm: fx.GraphModule, example_inputs: Sequence[Any], compile
     """
     import npugraph_ex
 
-    from . import converters
+    from .. import converters
 
     converters.register_npugraph_ex()
     opts = dict(npu_options or {})
@@ -536,7 +345,7 @@ class NpuLowering:
 
     def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Any = None) -> tuple:
         """Register the mode's converters; the rewrite's options and side-stream install hook."""
-        from . import converters
+        from .. import converters
 
         if self.mode == "ge_graph":
             converters.register_ge()

@@ -127,7 +127,7 @@ def test_no_example_values_is_refused(caplog):
 # Variants our own fake kernels already reject while Dynamo traces, but CANN's Meta kernels (output shapes
 # only) let through on an Ascend machine: there the precondition is the only check before the rewrite
 # replaces the gather (whose NPU kernel would have validated at run time). Checked with CANN's library
-# stand-in (TEST DOUBLE, tests/standins) owning the custom:: schemas, in a child process.
+# stand-in (TEST DOUBLE, tests/testdoubles) owning the custom:: schemas, in a child process.
 CANN_META_VARIANTS: dict[str, tuple[dict, str]] = {
     "topk_layout": (dict(S=2, topk_view="B1SK"), "is not [B, S, 1, K] / [B*S, 1, K] with B=2"),
     "kv_dtype": (dict(dtype=torch.float16, full_dtype=torch.bfloat16), "selection and full caches differ in dtype"),
@@ -180,7 +180,7 @@ def test_reasons_only_cann_meta_graphs_can_reach():
     import subprocess
     import sys
 
-    sys.path.insert(0, str(ROOT / "tests" / "standins"))
+    sys.path.insert(0, str(ROOT / "tests" / "testdoubles"))
     import cann_standin
 
     lib = cann_standin.build()
@@ -200,7 +200,7 @@ def test_reasons_only_cann_meta_graphs_can_reach():
 
 # Reasons of other front-ends, triggered by their own tests (reason -> "file::test" that asserts it).
 TESTED_ELSEWHERE: dict[str, str] = {
-    "float8_indexer_cache": "tests/backend/test_detect_producers.py::test_float8_indexer_cache_is_a_named_refusal",
+    "float8_indexer_cache": "tests/passes/test_detect_producers.py::test_float8_indexer_cache_is_a_named_refusal",
     "hf_site_not_verified": "tests/hf/test_sparse_semantics.py::",
     "dense_cheaper": "tests/hf/test_sparse_semantics.py::test_graph_where_dense_is_cheaper_is_left_as_is",
     "cache_layout": "tests/hf/test_sparse_semantics.py::test_offload_refusal_keeps_the_sparse_rewrite",

@@ -15,7 +15,7 @@ import torch
 
 from offload_passes import _compat, models
 from offload_passes.backend import NpuOffloadBackend
-from offload_passes.npu_modes import SIDE_STREAM_LABEL
+from offload_passes.lowering.side_stream import SIDE_STREAM_LABEL
 
 GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]
 PS = 64
@@ -36,7 +36,7 @@ def _tiny():
 
 def test_npu_modes_and_converters_import_without_torchair():
     code = (
-        "import sys, offload_passes.npu_modes, offload_passes.converters as c\n"
+        "import sys, offload_passes.lowering.npu, offload_passes.converters as c\n"
         "assert not {'torchair', 'npugraph_ex', 'torch_npu'} & set(sys.modules), sorted(sys.modules)\n"
         "if c.torchair_available():\n"
         "    print('TORCHAIR INSTALLED'); sys.exit(0)\n"
@@ -54,7 +54,7 @@ def test_npu_modes_and_converters_import_without_torchair():
 
 
 def test_recipe_compiler_configs(torchair, npugraph_ex_pkg):
-    from offload_passes.npu_modes import recipe_compiler_config
+    from offload_passes.lowering.npu import recipe_compiler_config
 
     def on(opt):  # TorchAir stores booleans as "1"/"0"
         return str(opt.value) in ("True", "1")

@@ -3,7 +3,7 @@
 They run against the real Python code of TorchAir and npugraph_ex from the ``torch-npu`` wheel that
 matches our torch, prepared (without installing torch_npu) by
 ``python -m offload_passes.tools.torchair_env``. Only the CANN-linked compiled modules are replaced, by
-the labelled test doubles in ``standins/``. The tests skip, naming the command, when that copy is not
+the labelled test doubles in ``testdoubles/``. The tests skip, naming the command, when that copy is not
 prepared; everything else is a failure.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from offload_passes.tools import torchair_env
 
-STANDINS = Path(__file__).resolve().parent / "standins"
+STANDINS = Path(__file__).resolve().parent / "testdoubles"
 SKIP_REASON = (
     "TorchAir/npugraph_ex test copy not prepared; run `python -m offload_passes.tools.torchair_env` "
     "(pip-downloads the torch-npu wheel and extracts its pure-Python torchair/npugraph_ex)"

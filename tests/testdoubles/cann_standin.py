@@ -10,7 +10,7 @@ with ``TORCH_LIBRARY(custom, m)``, CANN's Meta kernels (output shapes) and throw
 * :func:`wheel_layout` lays out an importable ``custom_ops`` package (``custom_ops/__init__.py`` +
   ``custom_ops/custom_ops_lib.so``) the way CANN's wheel installs it, for the discovery tests.
 
-Command line: ``python tests/standins/cann_standin.py`` builds and prints the library path.
+Command line: ``python tests/testdoubles/cann_standin.py`` builds and prints the library path.
 """
 from __future__ import annotations
 

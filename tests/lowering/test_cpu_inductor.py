@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compile_settings import _backend_process_settings, _fresh_dynamo  # noqa: F401  (autouse fixtures)
 
 import dsa_synth as synth
 from backend_helpers import assert_final_graph, check_ledger, run_pair
 from offload_passes.backend import make_offload_backend
-from offload_passes.lowering_cpu import UUID_FILES, _inductor_pass, pass_uuid
+from offload_passes.lowering.cpu import UUID_FILES, _inductor_pass, pass_uuid
 from offload_passes.options import OffloadOptions
 
 PS = 64
@@ -86,7 +87,7 @@ def test_custom_pass_is_cacheable():
 def test_custom_pass_uuid_covers_every_input(tmp_path, monkeypatch):
     """Inductor's FX-graph cache keys on the pass's uuid: a change to any pass module, op spec, the FX /
     version glue, or an option that reaches the pass must change it (else a stale graph is reused)."""
-    from offload_passes import lowering_cpu
+    from offload_passes.lowering import cpu as lowering_cpu
 
     names = {f.name for f in UUID_FILES}
     for must in ("rewrite.py", "reinplace.py", "inductor_targets.py", "frontend_recipe.py", "rewrite_hf.py",

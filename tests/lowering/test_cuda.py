@@ -19,7 +19,7 @@ import torch
 
 from offload_passes import models
 from offload_passes.backend import OffloadBackend
-from offload_passes.lowering_cuda import (CUDA_MODE, RUNTIME, STREAM_OPS, UNSUPPORTED_COMPILE_MODES, CudaInstallHook,
+from offload_passes.lowering.cuda import (CUDA_MODE, RUNTIME, STREAM_OPS, UNSUPPORTED_COMPILE_MODES, CudaInstallHook,
                                           CudaLowering)
 
 STEPS = 3
@@ -180,7 +180,7 @@ def test_side_stream_off_keeps_the_cpu_schedule():
 def test_guards_are_device_safe_in_the_cuda_mode(compiled):
     """Every in-graph guard of the rewrite (``aten._assert_async.msg``: a device-side assert on CUDA, which
     loses the context) is ``offload_cuda::guard`` in the graph that runs, with the same message."""
-    from offload_passes.lowering_cuda import GUARD_OP
+    from offload_passes.lowering.cuda import GUARD_OP
 
     be, rep = compiled["be"], compiled["rep"]
     replaced = be.lowering.guards[rep["graph_id"]]
@@ -198,7 +198,7 @@ def test_guard_raises_on_the_host_now_and_on_the_device_at_the_next_step(compile
     before its next call, then runs again normally."""
     from offload_passes import cuda
     from offload_passes.custom_ops.cuda import guard as G
-    from offload_passes.lowering_cuda import GUARD_OP
+    from offload_passes.lowering.cuda import GUARD_OP
 
     GUARD_OP(torch.tensor(True), "offload guard: fine")
     with pytest.raises(RuntimeError, match="^offload guard: broken$"):

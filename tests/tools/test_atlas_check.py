@@ -1,6 +1,6 @@
 """``offload-atlas-check`` on CPU: argument handling, dry run, preflight and report writing (its device
-runs need an Atlas A3). CANN's op library is the labelled C++ TEST DOUBLE of ``tests/standins``; GE's IR
-registry is the ``_torchair`` TEST DOUBLE of ``tests/converters/standins``."""
+runs need an Atlas A3). CANN's op library is the labelled C++ TEST DOUBLE of ``tests/testdoubles``; GE's IR
+registry is the ``_torchair`` TEST DOUBLE of ``tests/testdoubles``."""
 from __future__ import annotations
 
 import json
@@ -142,7 +142,7 @@ def test_cann_library_first_then_preflight_and_report_with_the_cpp_standin(tmp_p
     """CANN's library (C++ TEST DOUBLE: schemas, Meta, throwing NPU kernels) loaded through --cann-ops in a
     fresh process: every op then has an NPU kernel, nothing is reported missing, and the report holds
     the library status."""
-    sys.path.insert(0, str(ROOT / "tests" / "standins"))
+    sys.path.insert(0, str(ROOT / "tests" / "testdoubles"))
     try:
         import cann_standin
     finally:

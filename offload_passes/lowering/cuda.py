@@ -3,10 +3,10 @@
 What the mode is (the decisions; docs/cuda.md has the reasons at length):
 
 * **Lowering** = the CPU ``eager`` lowering (AOT functionalisation, our reinplace, the graph run op by op;
-  ``lowering_cpu``) on CUDA tensors, with the Triton kernels of ``custom_ops/cuda/`` as the CUDA
+  ``lowering/cpu.py``) on CUDA tensors, with the Triton kernels of ``custom_ops/cuda/`` as the CUDA
   implementation of the same ops. The state is per-call graph inputs chosen by the caches
   (``shared_state = True``), the in-graph run-time guards stay.
-* **Schedule** = the NPU modes' (``npu_modes.py``): each layer's installs (its md=0 install; on the
+* **Schedule** = the NPU modes' (``lowering/npu.py``, ``lowering/side_stream.py``): each layer's installs (its md=0 install; on the
   group's last layer also the owner's md=1 install) move right after that layer's ``dsa_serve`` and run
   on a side stream: ``scope_enter`` (record a *ready* event on the main stream, the side stream waits on
   it, becomes current), ``record_stream`` of every main-stream intermediate the installs read (the plan's
@@ -14,7 +14,7 @@ What the mode is (the decisions; docs/cuda.md has the reasons at length):
   (record *done* on the side stream, the main stream becomes current again). The main stream waits on
   *done* (``stream_join``) before the first later main-stream node that touches what the installs write
   or writes what they read, else before the graph output — the same joins as the CPU/NPU schedule
-  (``npu_modes._join_points``). They are ops of the ``offload_cuda`` namespace with side effects (never
+  (``lowering/side_stream.py join_points``). They are ops of the ``offload_cuda`` namespace with side effects (never
   dead-code eliminated), traced by AOT in program order; on a machine without CUDA they do nothing.
 * **Inductor** would reorder the ops across the stream switches (it has no notion of the current stream
   of a custom op), so this mode never hands the graph to Inductor; ``torch.compile(mode=...)`` (Inductor
@@ -38,15 +38,16 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 from torch import fx
 
-from .custom_ops.cuda._common import raise_device_errors
-from .lowering_cpu import CpuLowering
-from .modes import CUDA_EXE_MODES, check_exe_mode
-from .options import OffloadOptions
-from .passes.host_cache_writes import HostCacheWritesReport, host_cache_writes
-from .passes.rewrite import InstallHook
-from .state import OffloadState
+from ..custom_ops.cuda._common import raise_device_errors
+from .cpu import CpuLowering
+from .side_stream import join_points, move_after_serve, side_inputs
+from ..modes import CUDA_EXE_MODES, check_exe_mode
+from ..options import OffloadOptions
+from ..passes.host_cache_writes import HostCacheWritesReport, host_cache_writes
+from ..passes.rewrite import InstallHook
+from ..state import OffloadState
 
-log = logging.getLogger("offload_passes.lowering_cuda")
+log = logging.getLogger("offload_passes.lowering.cuda")
 
 __all__ = ["CudaLowering", "CudaInstallHook", "CUDA_MODE", "STREAM_NAMESPACE", "STREAM_OPS", "GUARD_OP",
            "StreamRuntime", "RUNTIME", "UNSUPPORTED_COMPILE_MODES", "device_safe_guards", "raise_device_errors"]
@@ -148,7 +149,7 @@ def _guard(ok: torch.Tensor, msg: str) -> None:
         if not bool(ok):
             raise RuntimeError(msg)
         return
-    from .custom_ops.cuda import guard as G
+    from ..custom_ops.cuda import guard as G
 
     G.flag(ok, msg)
 
@@ -200,10 +201,6 @@ def device_safe_guards(gm: fx.GraphModule) -> List[str]:
 _TAGS = itertools.count(1)
 
 
-def _is_graph_input(n: Any) -> bool:
-    return isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr")
-
-
 class CudaInstallHook:
     """The rewrite's install hook for ``exe_mode="cuda"`` (see the module doc); :meth:`finish` once the
     rewrite is done places the joins."""
@@ -214,20 +211,10 @@ class CudaInstallHook:
         self.tags: dict = {}  # layer -> tag
 
     def __call__(self, graph: fx.Graph, installs: list, layer: int) -> None:
-        from .npu_modes import _last_serve
-
         tag = next(_TAGS)
         self.tags[layer] = tag
-        serve = _last_serve(installs)
-        anchor = serve
-        for inst in installs:  # program order kept: this layer's md=0 install(s), then the owner's md=1
-            anchor.append(inst)
-            anchor = inst
-        seen: List[fx.Node] = []
-        for inst in installs:
-            for a in inst.args:
-                if isinstance(a, fx.Node) and not _is_graph_input(a) and a not in seen:
-                    seen.append(a)
+        move_after_serve(installs)
+        seen = side_inputs(installs)
         first, last = installs[0], installs[-1]
         with graph.inserting_before(first):
             graph.call_function(STREAM_OPS["scope_enter"], (tag,))
@@ -239,9 +226,7 @@ class CudaInstallHook:
 
     def finish(self, graph: fx.Graph) -> List[str]:
         """Each layer's join (the main stream waits on its done event); the node names joined before."""
-        from .npu_modes import _join_points
-
-        points = _join_points(graph, self.pending)
+        points = join_points(graph, self.pending)
         where = []
         for _, _, tag in self.pending:
             point = points[tag]
@@ -253,7 +238,7 @@ class CudaInstallHook:
 
 
 class CudaLowering:
-    """The lowering of ``exe_mode="cuda"`` (same protocol as ``lowering_cpu.CpuLowering``).
+    """The lowering of ``exe_mode="cuda"`` (same protocol as ``lowering.cpu.CpuLowering``).
 
     ``side_stream=False`` keeps the installs on the main stream (the CPU schedule on CUDA tensors).
     Refuses the NPU-only settings and Inductor's ``torch.compile(mode=...)`` by name.

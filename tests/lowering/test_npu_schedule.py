@@ -20,7 +20,7 @@ import torch
 
 from offload_passes import _compat, models
 from offload_passes.backend import NpuOffloadBackend
-from offload_passes.npu_modes import SIDE_STREAM_LABEL
+from offload_passes.lowering.side_stream import SIDE_STREAM_LABEL
 
 PS = {"tiny": 64, "glm-5.2-78l": 256}  # a multiple of the selection block size (16 / 128)
 #: 10 layers in the suite; ``benchmarks/bench_npu_schedule.py`` sets 78 (the whole preset) through this env var
@@ -260,7 +260,7 @@ def test_ngx_no_functional_twin_and_no_copies(ngx_sched):
 def test_bookkeeping_is_off_by_default_in_npu_modes(keep, monkeypatch, reinplace_registered):
     """The rewritten graph (lowering replaced by running it as is: no TorchAir needed) keeps the
     per-step statistics and the ledger update only with ``npu_bookkeeping=True``."""
-    from offload_passes import npu_modes
+    from offload_passes.lowering import npu as npu_modes
     from offload_passes.options import OffloadOptions
 
     assert OffloadOptions().npu_bookkeeping is False
@@ -306,7 +306,7 @@ def test_join_goes_before_the_first_main_stream_hazard():
     write of the selection buffer it reads, gets the join; reads of what it only reads do not."""
     from torch import fx
 
-    from offload_passes.npu_modes import _join_points
+    from offload_passes.lowering.side_stream import join_points as _join_points
 
     g = fx.Graph()
     ph = {n: g.placeholder(n) for n in ("rec", "sel_kv", "sel_rope", "table", "pkv", "prope", "ids", "i2s",

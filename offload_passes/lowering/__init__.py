@@ -1,0 +1,60 @@
+"""The lowerings: one per platform of ``modes.MODES`` (``cpu`` for eager / inductor, ``npu`` for
+ge_graph / npugraph_ex, ``cuda``), each behind :class:`Lowering`; ``side_stream`` holds the install
+schedule the NPU and CUDA lowerings share. The backend core (``backend.py``) does everything else.
+
+Importing this package imports no lowering: ``modes.lowering_for`` imports the one a mode names, so the
+NPU lowering's TorchAir / npugraph_ex are needed only when used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+from torch import fx
+
+from ..dump import Dumper
+from ..options import OffloadOptions
+from ..passes.rewrite import InstallHook
+from ..report import GraphReport
+from ..state import OffloadState
+
+__all__ = ["LowerContext", "Lowering"]
+
+
+@dataclass
+class LowerContext:
+    """What the core hands a lowering besides the graph (one compile)."""
+
+    graph_id: str
+    options: OffloadOptions
+    state: Optional[OffloadState]
+    report: GraphReport
+    dumper: Optional[Dumper]
+    kwargs: dict = field(default_factory=dict)  # extra arguments Dynamo passed to the backend
+    final_graph: Optional[fx.Graph] = None  # set by a lowering that runs our reinplace
+
+    @property
+    def timings(self) -> dict:
+        return self.report.timings
+
+    @property
+    def dump_dir(self) -> Optional[Path]:
+        return self.dumper.root if self.dumper is not None else None
+
+
+class Lowering(Protocol):
+    """One exe_mode's part of the backend: everything else (graph ids, state binding, dumps, reports)
+    is the core's. ``lowering.cpu.CpuLowering``, ``lowering.npu.NpuLowering``,
+    ``lowering.cuda.CudaLowering`` (duck-typed)."""
+
+    #: the state as per-call graph inputs chosen by the caches (CPU) or as private graph buffers (NPU)
+    shared_state: bool
+
+    def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
+                ) -> tuple[OffloadOptions, Optional[InstallHook]]: ...
+
+    def after_rewrite(self, gm: fx.GraphModule, state: Optional[OffloadState], report: GraphReport,
+                      options: OffloadOptions, install_hook: Optional[InstallHook]) -> None: ...
+
+    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable: ...
