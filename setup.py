@@ -164,9 +164,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "protobuf>=3.13", "packaging", "scipy"],
-        "plan": ["numpy", "scipy"],  # offload-plan --what-if: the bounded least-squares fit (tools/capacity_plan_whatif.py)
+        "plan": ["numpy", "scipy"],  # offload-capacity --what-if: the bounded least-squares fit (tools/capacity_plan_whatif.py)
         "viz": ["graphviz", "matplotlib"],  # matplotlib: offload-sim --plot
-        "hf": ["transformers==5.23.0"],  # the HF front-end (models/hf, passes/detect_hf.py), verified on 5.23.0
+        "hf": ["transformers==5.23.0"],  # the HF front-end (models/hf, passes/frontends/hf/), verified on 5.23.0
         "cuda": ["triton>=3.2"],  # the Triton kernels (custom_ops/cuda/); tests/cuda run them in its interpreter on CPU
     },
     ext_modules=EXT_MODULES,
@@ -176,7 +176,8 @@ setup(
         "console_scripts": [
             "offload-demo = offload_passes.demo:main",
             "offload-inspect = offload_passes.tools.inspect_dump:main",
-            "offload-plan = offload_passes.tools.capacity_plan:main",
+            "offload-capacity = offload_passes.tools.capacity_plan:main",
+            "offload-plan = offload_passes.tools.capacity_plan:main_alias",  # deprecated alias of offload-capacity
             "offload-atlas-check = offload_passes.tools.atlas_check:main",
             "offload-sim = offload_passes.trace.cli:main",
         ],

@@ -238,8 +238,9 @@ def serve_main(a: argparse.Namespace) -> int:
             f"same requests in a static batch {st.get('hit_rate', float('nan')):.2%}",
             f"  served / static hits {out.get('hit_ratio_vs_static', float('nan')):.4f} "
             f"({out.get('hit_rate_points_vs_static', float('nan')):+.2f} points)",
-            f"  RSS: {out['rss_mib']['after_warmup']:.1f} MiB after warm-up -> {out['rss_mib']['end']:.1f} MiB at the "
-            f"end (growth {out['rss_mib']['growth_after_warmup']:+.1f} MiB); {out['run_s']:.0f} s",
+            f"  RSS: {out['rss_mib']['start']:.1f} MiB at the start, {out['rss_mib']['after_warmup']:.1f} MiB after "
+            f"warm-up -> {out['rss_mib']['end']:.1f} MiB at the end (growth {out['rss_mib']['growth_after_warmup']:+.1f} "
+            f"MiB); {out['run_s']:.0f} s, {out['steps'] / max(out['run_s'], 1e-9):.2f} steps/s",
         ]))
     ok = out["max_abs_diff"] == 0 and out.get("unannounced", {}).get("max_abs_diff", 0) == 0
     return 0 if ok else 1

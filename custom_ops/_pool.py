@@ -3,7 +3,7 @@
 ``dsa_plan`` and ``dsa_install`` address the same per-group pool (``PS`` slots in 16-way sets,
 ``NS = PS / 16`` sets, one LRU counter per set) and an ``id_to_slot`` table ``IR`` ids wide, so the
 ops, the options (``offload_passes/options.py``) and the planning passes (``passes/preconditions.py``,
-``passes/rewrite_hf.py``) must agree on both; :func:`pool_size_problem` and :func:`id_range_for` are the
+``passes/frontends/hf/``) must agree on both; :func:`pool_size_problem` and :func:`id_range_for` are the
 rule, with the numbers of the install's OpSpec (its ``MAX_POOL`` and ``WAYS`` are the shared limits of
 ``opspec.SHARED_LIMITS``; ``tests/ops/test_opspec.py`` checks each user binds them). ``dsa_serve`` reads
 the pool payload only and keeps its own (different) limits.

@@ -23,7 +23,7 @@ One-call API::
     b.driver.save_trace("topk.pt")           # top-k trace for tools (format in models/glm/driver.py)
 
     models.list_presets()   # ['glm-5.2-78l', 'glm-5.2-78l-w8a8', 'small', 'tiny', 'tiny-w8a8']
-    b.model.index_groups()  # IndexShare groups, e.g. [[0,1,2,3],[4,5,6,7]] for tiny
+    b.model.groups()  # IndexShare groups, e.g. [[0,1,2,3],[4,5,6,7]] for tiny
     b.model.reset_rows([b]) # a batch row starts a new request: caches + gather ledger cleared
     b.model.memory_footprint()  # bytes of parameters / caches / selection buffers
 

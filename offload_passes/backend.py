@@ -228,6 +228,7 @@ class OffloadBackend:
                 dumper.graph(graph_id, "rewrite", gm)
             gm, example_inputs, binder = self._bind(gm, example_inputs, state, graph_id)
             report.state_per_caches = binder.input_names is not None
+            report.cold_resets = 0  # counted by the binder (a pattern that keeps the pools cold)
         elif MODES[opts.exe_mode].platform != "cpu":
             bump = _fx.mutated_placeholders(gm)
         self.reports.append(report)

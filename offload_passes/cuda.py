@@ -15,7 +15,7 @@ tensors. Verified on CPU: the placement decisions; only a GPU can confirm the re
 * :func:`plan_placement` (pure, no CUDA needed): what moves where, for a recipe-form model built with
   ``enable_offload`` (``models/glm``: each attention's ``kv_cache`` / ``k_rope_cache``) or a Hugging
   Face ``StaticCache`` (each layer's ``keys`` = latent ``[B, 1, T, C]``, ``values`` = rope
-  ``[B, 1, T, r]``; see ``passes/detect_hf.py``). Everything else (selection buffers, block tables,
+  ``[B, 1, T, r]``; see ``passes/frontends/hf/detect.py``). Everything else (selection buffers, block tables,
   ledgers, indexer key caches, the pools the backend allocates) stays on the device.
 * :func:`place_full_caches`: applies the plan (needs CUDA: pinning is a CUDA driver call).
 * :func:`kv_bytes`: device and host bytes of a plan (the benchmark's accounting).

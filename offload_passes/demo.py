@@ -4,8 +4,9 @@ same model compiled with the ``dsa_offload`` backend, prefill + N decode steps, 
 Prints a readable summary, or with ``--json`` one JSON object, the same keys for ``--model glm`` and
 ``--model hf`` (``RESULT_KEYS``; ``null`` where a field does not apply to the front-end): ``groups``,
 ``ops`` (dsa_plan / dsa_serve / dsa_install in the final graph), ``hits``, ``misses``, ``window``,
-``host_rows_read``, ``baseline_host_rows_read`` (rows the unmodified gather path read from the host
-cache, replayed from its own ledger rule; recipe model only), ``max_abs_diff`` and ``max_rel_diff``
+``host_rows_read``, ``unmodified_host_rows_read`` (rows the unmodified gather path read from the host
+cache, replayed from its own ledger rule; recipe model only; ``baseline_host_rows_read`` repeats it for
+one release, ``demo_common.KEY_ALIASES``), ``max_abs_diff`` and ``max_rel_diff``
 (each ``{"logits": x, "attn": y}``; relative = to the reference's largest magnitude; ``attn`` is null for
 the HF model, whose attention outputs are not exposed), ``tolerance`` (the limits ``within_tolerance``
 checks, under the measure they apply to), ``refusals``, ``compile_s``, ``pass_s``.
@@ -30,7 +31,7 @@ from .demo_common import (  # noqa: F401  (the schema and helpers are part of de
     op_counts, per_output, result, set_threads)
 
 
-def baseline_host_rows(topk_steps: list, lengths: list, groups: list, S: int) -> int:
+def unmodified_host_rows(topk_steps: list, lengths: list, groups: list, S: int) -> int:
     """Rows the unmodified gather path reads from host (docs/ops.md §1.4 ledger, bsz = 1).
 
     Every layer of a group receives the same top-k, so its ledger evolves identically: row ``r``
@@ -99,10 +100,10 @@ def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: O
 
     d_logits, r_logits = max_diffs(res0.logits, res1.logits)
     d_attn, r_attn = max_diffs([x for s in res0.steps for x in s.attn], [y for s in res1.steps for y in s.attn])
-    groups = [g["layers"] for g in rep.get("groups", [])] or base.model.index_groups()
+    groups = [g["layers"] for g in rep.get("groups", [])] or base.model.groups()
     S = base.driver.S
     lengths = [(s.positions[:, -1] + 1).tolist() for s in res0.steps]
-    base_rows = baseline_host_rows([s.topk for s in res0.steps], lengths, base.model.index_groups(), S)
+    base_rows = unmodified_host_rows([s.topk for s in res0.steps], lengths, base.model.groups(), S)
     tot = state.totals() if state is not None else {"hits": 0, "misses": 0, "window": 0, "host_rows_read": 0}
     ops = op_counts(rep, replacement_policy)
     hits, misses = tot["hits"], tot["misses"]
@@ -116,7 +117,7 @@ def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: O
         hits=hits, misses=misses, window=tot["window"],
         hit_rate=hits / (hits + misses) if hits + misses else 0.0,
         host_rows_read=tot["host_rows_read"],
-        baseline_host_rows_read=base_rows,
+        unmodified_host_rows_read=base_rows,
         host_rows_saved=1.0 - tot["host_rows_read"] / base_rows if base_rows else 0.0,
         reference="unmodified model, " + ("inductor" if mode == "inductor" else "eager"),
         max_abs_diff=per_output(logits=d_logits, attn=d_attn),
@@ -290,7 +291,7 @@ def _summary(o: dict) -> str:
         + (f"{o['ops']['dsa_install_sc']} dsa_install_sc (second chance)" if o["ops"].get("dsa_install_sc")
            else f"{o['ops']['dsa_install']} dsa_install"),
         f"  pool: hits {o['hits']}  misses {o['misses']}  window {o['window']}  hit rate {o['hit_rate']:.1%}",
-        f"  host rows read: {o['host_rows_read']} (unmodified gather path: {o['baseline_host_rows_read']}, "
+        f"  host rows read: {o['host_rows_read']} (unmodified gather path: {o['unmodified_host_rows_read']}, "
         f"saved {o['host_rows_saved']:.1%})",
         f"  max |diff| vs {o['reference']}: logits {o['max_abs_diff']['logits']:.3g}, attention "
         f"{o['max_abs_diff']['attn']:.3g}  ({'within' if o['within_tolerance'] else 'OUTSIDE'} tolerance)",

@@ -20,11 +20,15 @@ MAX_THREADS = os.cpu_count() or 1
 RESULT_KEYS = (
     "model", "config", "mode", "steps", "B", "S", "K", "T", "prefill", "attn_implementation", "dtype",
     "pool_size", "rewritten", "sparse_layers", "groups", "offload", "ops", "replacement_policy",
-    "hits", "misses", "window", "hit_rate", "host_rows_read", "baseline_host_rows_read", "host_rows_saved",
+    "hits", "misses", "window", "hit_rate", "host_rows_read", "unmodified_host_rows_read", "baseline_host_rows_read",
+    "host_rows_saved",
     "reference", "max_abs_diff", "max_rel_diff", "tolerance", "within_tolerance",
     "refusals", "offload_refusals", "dense_masks_left",
     "compile_s", "pass_s", "timings", "state_bytes", "run_s", "trace",
 )
+#: Deprecated keys -> the key whose value each repeats (removed in the next release; docs/glossary.md,
+#: "Renamed"). ``result`` fills them: a front-end passes only the canonical key.
+KEY_ALIASES = {"baseline_host_rows_read": "unmodified_host_rows_read"}
 #: The outputs each difference measure is reported for (``None`` where the front-end has no such output).
 DIFF_OUTPUTS = ("logits", "attn")
 #: The difference measures; ``tolerance`` is keyed the same way.
@@ -33,10 +37,10 @@ DIFF_MEASURES = ("max_abs_diff", "max_rel_diff")
 
 def result(**fields: Any) -> dict:
     """A ``--json`` object: every key of ``RESULT_KEYS`` in that order, ``None`` where not given."""
-    unknown = sorted(set(fields) - set(RESULT_KEYS))
+    unknown = sorted(set(fields) - (set(RESULT_KEYS) - set(KEY_ALIASES)))
     if unknown:  # a front-end adding a key of its own would split the schema again
-        raise TypeError(f"demo result: keys {unknown} are not in RESULT_KEYS")
-    return {k: fields.get(k) for k in RESULT_KEYS}
+        raise TypeError(f"demo result: keys {unknown} are not in RESULT_KEYS (or are aliases: {sorted(KEY_ALIASES)})")
+    return {k: fields.get(KEY_ALIASES.get(k, k)) for k in RESULT_KEYS}
 
 
 def per_output(**values: Optional[float]) -> dict:

@@ -81,7 +81,7 @@ def run_hf(config: str = "hf-tiny", steps: int = 64, mode: str = "eager", pool_s
         hits=hits, misses=misses, window=tot["window"],
         hit_rate=hits / (hits + misses) if hits + misses else 0.0,
         host_rows_read=tot["host_rows_read"],
-        # baseline_host_rows_read / host_rows_saved: the HF model has no gather path to compare with (null)
+        # unmodified_host_rows_read / host_rows_saved: the HF model has no gather path to compare with (null)
         reference="unmodified model, " + ("inductor" if mode == "inductor" else "eager"),
         max_abs_diff=per_output(logits=d_abs), max_rel_diff=per_output(logits=rel),
         tolerance={"max_abs_diff": None, "max_rel_diff": per_output(logits=tol)},

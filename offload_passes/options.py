@@ -50,6 +50,8 @@ class OffloadOptions:
     npu_bookkeeping: in the NPU modes (ge_graph / npugraph_ex), keep the per-step pool statistics and the
         ledger update in the graph. Off by default there: main-stream work the reference does not do
         (``state.counters()`` then stays zero and the ledger is not kept). Ignored on CPU (always on).
+    cuda_graphs: in ``exe_mode="cuda"``, capture each lowered step in one CUDA graph and replay it
+        (``lowering/cuda_graphs.py``; docs/cuda.md). Only with ``exe_mode="cuda"``.
     """
 
     pool_size: int | None = None
@@ -65,6 +67,7 @@ class OffloadOptions:
     update_ledger: bool = True
     npu_bookkeeping: bool = False
     replacement_policy: str = "fifo"
+    cuda_graphs: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +88,8 @@ class OffloadOptions:
         if self.pa_block_size is not None and not (is_pow2(self.pa_block_size) and 16 <= self.pa_block_size <= 128):
             raise ValueError(f"option pa_block_size must be a power of two in [16, 128], got {self.pa_block_size}")
         check_replacement_policy(self.replacement_policy, self.exe_mode, name="option replacement_policy")
+        if self.cuda_graphs and self.exe_mode != "cuda":
+            raise ValueError(f"option cuda_graphs applies to exe_mode='cuda' only, got exe_mode={self.exe_mode!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):  # a PathLike: keep it as text
             object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
 

@@ -1,33 +1,34 @@
-"""The one orchestrator: detect → group → plan → rewrite, for every front-end and every exe_mode.
+"""The one orchestrator: detect → group → preconditions → rewrite, for every front-end and every exe_mode.
 
 ``rewrite_for_offload(gm, example_inputs, options, install_hook)`` tries the front-ends in order
-(:data:`FRONT_ENDS`: the recipe form, then the Hugging Face form); the first that finds DSA sites owns
-the graph. Preconditions, refusals and ``strict``, state allocation, the shared rewrite core
+(``passes/frontends/``, ``FRONT_ENDS``: the recipe form, then the Hugging Face form); the first that finds
+DSA sites owns the graph. Preconditions, refusals and ``strict``, state allocation, the shared rewrite core
 (``passes/rewrite.py``: guards, new-request invalidation, plan / serve / install, ``replacement_policy``,
-``install_hook``) and the report exist once, here; a front-end adds only detection, planning and how a
-site's attention is emitted. Each pass is timed (``report.timings[<pass>_s]``) and logged; Python's
-cyclic GC is paused while the passes run (``passes/_fx.paused_gc``: a full sweep of the compiler's heap
-is never charged to a pass at random).
+``install_hook``) and the report exist once, here; a front-end adds only what its protocol declares
+(``frontends.FrontEnd``: detection, screening, preconditions, emission, what a refusal leaves). The passes
+are direct calls in order (:func:`_run`), each inside :func:`timed` (``report.timings[<pass>_s]``, a debug
+log line); Python's cyclic GC is paused while they run (``passes/_fx.paused_gc``: a full sweep of the
+compiler's heap is never charged to a pass at random).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import fx
 
 from .options import OffloadOptions
 from .passes import _fx
-from .passes.detect import Refusal
-from .passes.frontend_recipe import RECIPE
+from .passes.frontends import FRONT_ENDS, Detection, FrontEnd, PartialRefusal
 from .passes.group import group
-from .passes.preconditions import PlanReport
-from .passes.rewrite import FrontEnd, InstallHook, OffloadRefused, rewrite
-from .passes.rewrite_hf import HF
+from .passes.preconditions import PreconditionReport
+from .passes.refusal import Refusal
+from .passes.rewrite import InstallHook, OffloadRefused, rewrite
 from .passes.state_build import build_state
 from .report import GraphReport
 from .state import OffloadState
@@ -52,10 +53,6 @@ def warn_once(key: Any, msg: str) -> None:
     _warned.add(key)
     warnings.warn(msg, OffloadWarning, stacklevel=3)
 
-#: The front-ends, tried in order; the first whose detection finds DSA sites rewrites the graph.
-FRONT_ENDS: tuple[FrontEnd, ...] = (RECIPE, HF)
-#: passes every front-end shares (the report's ``passes`` list adds each front-end's own)
-SHARED_PASS_FILES = {"group": "passes/group.py", "rewrite": "passes/rewrite.py", "reinplace": "passes/reinplace.py"}
 
 _graph_ids = itertools.count()
 
@@ -68,7 +65,7 @@ def rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], optio
                         install_hook: Optional[InstallHook] = None, graph_id: Optional[str] = None,
                         shared_state: bool = False, in_graph_guards: Optional[bool] = None,
                         ) -> tuple[fx.GraphModule, Optional[OffloadState], GraphReport]:
-    """Detect, group, plan and rewrite ``gm`` in place.
+    """Detect, group, check the preconditions of and rewrite ``gm`` in place.
 
     Returns ``(gm, state, report)``: ``state`` is None when nothing was offloaded. Raises
     ``OffloadRefused`` under ``options.strict`` when there are DSA sites but a precondition fails.
@@ -87,27 +84,27 @@ def rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], optio
                     in_graph_guards)
 
 
-class _Timer:
-    def __init__(self, timings: dict):
-        self.t = timings
-
-    def __call__(self, name: str, fn, *args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.t[f"{name}_s"] = self.t.get(f"{name}_s", 0.0) + time.perf_counter() - t0
+@contextlib.contextmanager
+def timed(report: GraphReport, name: str) -> Iterator[None]:
+    """Time the pass ``name`` into ``report.timings[name + "_s"]`` (summed over calls) and log it."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        dt = time.perf_counter() - t0
+        report.timings[f"{name}_s"] = report.timings.get(f"{name}_s", 0.0) + dt
+        log.debug("%s: %s pass %.2f ms", report.graph_id, name, dt * 1e3)
 
 
 def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions, install_hook: Optional[InstallHook],
          graph_id: str, shared_state: bool, in_graph_guards: bool,
          ) -> tuple[fx.GraphModule, Optional[OffloadState], GraphReport]:
     report = GraphReport(graph_id, opts.exe_mode, opts.to_dict())
-    timed = _Timer(report.timings)
     report.ops = {"before": _fx.count_ops(gm.graph), "after": None}
-    fe, det = None, None
+    fe: Optional[FrontEnd] = None
     for cand in FRONT_ENDS:
-        det = timed("detect", cand.detect, gm)
+        with timed(report, "detect"):
+            det = cand.detect(gm)
         if det.has_dsa:
             fe = cand
             break
@@ -115,29 +112,24 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
         report.timings.setdefault(k, 0.0)
     report.ops["after"] = report.ops["before"]
     if fe is None:
-        report.detect = _detect_summary(det)
-        report.passes = _passes(RECIPE)
+        # no front-end owns the graph: the last one's detection summary, the first one's pass list
+        report.detect = cand.detect_summary(det)
+        report.passes = _passes(FRONT_ENDS[0])
         log.debug("%s: no DSA site in the graph; passing it through", graph_id)
         return gm, None, report
     report.frontend = fe.name
     report.passes = _passes(fe)
-    report.detect = _detect_summary(det)
-    if fe is HF:
-        report.hf = {"form": "transformers", "sites": [s.to_dict() for s in det.sites], "offload": False,
-                     "offload_refusals": []}
-    grp = timed("group", group, det)
-    partial = getattr(fe, "partial_on_refusal", False)
-    blocking, quiet = fe.screen(det) if hasattr(fe, "screen") else (list(det.refusals), [])
-    if blocking and fe is HF:
-        alloc = _allocated_caches(gm)
-        if alloc:
-            # the first call on a new StaticCache allocates the cache inside the graph (HF's lazy
-            # initialisation, i.e. generate()'s prefill): there is no cache to keep a pool of yet, and the
-            # whole prompt attends densely anyway. Dense by design, not a refusal; strict does not apply.
-            report.dense = {"reason": "prefill", "detail": f"the graph allocates the KV caches it writes "
-                            f"({', '.join(alloc[:2])}{', ...' if len(alloc) > 2 else ''}): a prefill on a new "
-                            "cache runs dense by design; the decode graphs that read the cache are rewritten"}
-            log.info("%s: %s", graph_id, report.dense["detail"])
+    report.detect = fe.detect_summary(det)
+    extras = report.hf = fe.report_extras(det)
+    with timed(report, "group"):
+        grp = group(det)
+    partial = fe.on_offload_refusal is PartialRefusal.SPARSE_WITHOUT_OFFLOAD
+    blocking, quiet = fe.screen(det)
+    if blocking:
+        detail = fe.dense_by_design(gm, det, blocking)
+        if detail is not None:
+            report.dense = {"reason": "prefill", "detail": detail}
+            log.info("%s: %s", graph_id, detail)
             return gm, None, report
     if quiet and not blocking:
         report.refusals = [r.to_dict() for r in quiet]
@@ -152,7 +144,10 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
         if spec:
             report.specialised = spec
     offload_on = opts.enable_offload and opts.shared_indexer_offload
-    pr = timed("plan", fe.plan, gm, grp, example_inputs, opts) if offload_on and not blocking else PlanReport([], [])
+    pr = PreconditionReport([], [])
+    if offload_on and not blocking:
+        with timed(report, "plan"):
+            pr = fe.check_preconditions(gm, grp, example_inputs, opts)
     report.groups = [p.to_dict() for p in pr.groups]
     refusals: list[Refusal] = list(blocking)
     if not offload_on and not partial:
@@ -163,23 +158,24 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
         report.refusals = [r.to_dict() for r in refusals]
         _refuse(graph_id, refusals, opts.strict, "DSA offload not applied", "compiling the graph unmodified")
         return gm, None, report
-    if offload_refusals:  # HF: the sparse rewrite stays (it is exact), without the offload
-        report.hf["offload_refusals"] = [r.to_dict() for r in offload_refusals]
-        if {r.reason for r in offload_refusals} == {"raw_seq"}:
-            # a prompt (chunk) of S > MAX_RAW_SEQ tokens on an existing cache: the offload serves decode
-            # graphs; sparse attention is exact here, so this is the prefill's design, not a refusal
-            report.dense = {"reason": "prefill", "detail": f"a prefill of S = {det.sites[0].dims['S']} "
-                            "query tokens: sparse attention without the offload (it serves decode graphs)"}
-            log.info("%s: %s", graph_id, report.dense["detail"])
+    if offload_refusals:  # a partial refusal: the front-end's rewrite stays, without the offload
+        if extras is not None:
+            extras["offload_refusals"] = [r.to_dict() for r in offload_refusals]
+        detail = fe.sparse_by_design(det, offload_refusals)
+        if detail is not None:
+            report.dense = {"reason": "prefill", "detail": detail}
+            log.info("%s: %s", graph_id, detail)
         else:
             _refuse(graph_id, offload_refusals, opts.strict,
                     f"shared-indexer offload not applied to the {fe.name} graph", "sparse attention only")
     plans = pr.groups if offload_on else []
     state = None
     if plans:
-        state = timed("alloc", build_state, gm, plans, example_inputs, graph_id, shared_state)
-    rr = timed("rewrite", rewrite, gm, fe, grp, plans, state, opts.update_ledger, install_hook, in_graph_guards,
-               True, opts.replacement_policy)
+        with timed(report, "alloc"):
+            state = build_state(gm, plans, example_inputs, graph_id, shared_state)
+    with timed(report, "rewrite"):
+        rr = rewrite(gm, fe, grp, plans, state, opts.update_ledger, install_hook, in_graph_guards, True,
+                     opts.replacement_policy)
     if not rr.offload:
         report.groups = [{"group_id": g.group_id, "owner_layer": g.owner.layer, "layers": g.layers,
                           "topk_node": g.producer.name, "K": g.owner.dims["K"], "S": g.owner.dims["S"],
@@ -192,42 +188,21 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
     report.state_bytes = state.total_bytes if state is not None else 0
     report.buffers = rr.buffers
     report.guards = rr.guards
-    if report.hf is not None:
-        report.hf.update({"offload": rr.offload, **rr.extra})
+    if extras is not None:
+        extras.update({"offload": rr.offload, **rr.extra})
     log.info("%s: %s form: rewrote %d DSA layers in %d groups %s%s", graph_id, fe.name, len(rr.sites),
              len(grp.groups), [g.layers for g in grp.groups], "" if rr.offload else " (sparse attention, no offload)")
     return gm, state, report
 
 
-_ALLOC = {"zeros", "empty", "full", "ones", "new_zeros", "new_empty", "new_full", "zeros_like", "empty_like"}
-
-
-def _allocated_caches(gm: fx.GraphModule) -> list[str]:
-    """Tensors allocated inside the graph and written by ``index_copy_`` (a KV cache the graph creates:
-    HF's ``StaticCache`` initialises its layers lazily on their first update)."""
-    out = []
-    for n in gm.graph.nodes:
-        if n.op not in ("call_function", "call_method") or not n.args:
-            continue
-        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        if name not in ("index_copy_", "index_copy"):
-            continue
-        dst = _fx.strip_views(n.args[0]) if isinstance(n.args[0], fx.Node) else None
-        if dst is not None and dst.op in ("call_function", "call_method"):
-            dname = dst.target if dst.op == "call_method" else getattr(dst.target, "__name__", "")
-            if str(dname).split(".")[0] in _ALLOC:
-                out.append(dst.name)
-    return out
-
-
-def _specialise(det: Any) -> dict:
+def _specialise(det: Detection) -> dict:
     """Symbolic sizes of the DSA sites -> concrete ints. ``guard_int`` records the guard in Dynamo's
     ShapeEnv, so Dynamo checks it before reusing the graph and recompiles for other sizes."""
     from torch.fx.experimental.symbolic_shapes import guard_int
 
     done: dict = {}
-    for s in getattr(det, "sites", ()):
-        dims = getattr(s, "dims", None)
+    for s in det.sites:
+        dims = getattr(s, "dims", None)  # the HF form's sites carry their sizes (B, S, T, K, ...)
         if not isinstance(dims, dict):
             continue
         for k, v in list(dims.items()):
@@ -238,18 +213,10 @@ def _specialise(det: Any) -> dict:
 
 
 def _passes(fe: FrontEnd) -> list[dict]:
-    files = {"detect": fe.pass_files["detect"], "group": SHARED_PASS_FILES["group"], "plan": fe.pass_files["plan"],
-             "rewrite": SHARED_PASS_FILES["rewrite"], "emit": fe.pass_files["emit"],
-             "reinplace": SHARED_PASS_FILES["reinplace"]}
-    return [{"name": k, "file": v} for k, v in files.items()]
-
-
-def _detect_summary(det: Any) -> dict:
-    if det is None:
-        return {"gathers": 0, "sites": 0, "indexers": [], "other_topk": []}
-    if hasattr(det, "candidates"):  # HF
-        return {"gathers": det.candidates, "sites": len(det.sites), "indexers": det.topk_nodes, "other_topk": []}
-    return {"gathers": det.gathers, "sites": len(det.sites), "indexers": det.indexers, "other_topk": det.other_topk}
+    """``GraphReport.passes``: each pass and its source file, in the order they run."""
+    return [{"name": "detect", "file": fe.files.detect}, {"name": "group", "file": "passes/group.py"},
+            {"name": "plan", "file": fe.files.preconditions}, {"name": "rewrite", "file": "passes/rewrite.py"},
+            {"name": "emit", "file": fe.files.emit}, {"name": "reinplace", "file": "passes/reinplace.py"}]
 
 
 def refusal_message(refusals: Sequence[Refusal]) -> str:

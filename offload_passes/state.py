@@ -13,10 +13,15 @@ side (``OffloadState.begin_request`` / ``move_rows``) is the engine's account of
 (docs/new-requests.md).
 
 Ownership: the tensors belong to the full caches, not to a graph. In the CPU modes they are
-extra inputs of the rewritten graph, chosen per call by :class:`StateBinder` from :data:`REGISTRY`
-(keyed by the live cache tensors; graphs with the same group layout on the same caches share them);
-in the NPU modes they are buffers of the graph (private) and the same stale-state rule applies. Every
-method here works in place (never reallocates): the graph holds the very tensors.
+extra inputs of the rewritten graph, chosen per call by :class:`StateBinder` from :data:`REGISTRY`,
+keyed by the caches' storage (:func:`cache_key`: the tensor that owns the memory, the address, shape
+and strides; a fresh view object of the same cache finds the same state). Every graph whose group
+has the same pool geometry (pool size, id range, dims, paged or not) on the same caches shares one
+:class:`SharedGroup`, whatever its batch size: its tensors have one row per cache row (the largest
+batch bound so far) and a graph of batch ``B`` serves rows ``0 .. B-1`` (views). In the NPU modes the
+tensors are buffers of the graph (private) and the same stale-state rule applies. Every method here
+works in place: a graph that holds the tensors keeps holding them (only a per-call binding grows a
+shared group, see :meth:`SharedGroup.grow`).
 """
 from __future__ import annotations
 
@@ -37,10 +42,11 @@ class SharedGroup:
     """The tensors of one IndexShare group on one set of full caches (shared by every graph serving them)."""
 
     __slots__ = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external_write", "pools", "ran",
-                 "versions", "flagged", "seen_table", "announced", "__weakref__")
+                 "versions", "flagged", "seen_table", "announced", "gen", "__weakref__")
 
     def __init__(self, B: int, PS: int, IR: int, dims: Sequence[tuple[int, int, torch.dtype]],
                  device: torch.device, table_cols: int = 0) -> None:
+        self.gen = 0  # bumped when grow() replaces the tensors (memoised views of them are then rebuilt)
         self.pool_ids = torch.full((B, PS), -1, dtype=torch.int32, device=device)
         self.id_to_slot = torch.full((B, IR), -1, dtype=torch.int32, device=device)
         self.lru_counter = torch.zeros((B, PS // 16), dtype=torch.int32, device=device)
@@ -63,24 +69,67 @@ class SharedGroup:
         self.versions: Optional[tuple] = None  # the full caches' version counters after the last step
         self.flagged = False  # external_write was set for the coming step
 
+    @property
+    def rows(self) -> int:
+        """Batch rows held (the largest batch of a graph bound to it so far)."""
+        return int(self.pool_ids.size(0))
+
+    def per_row(self) -> list[torch.Tensor]:
+        """Every tensor with one row per batch row (metadata, ``seen_table``, pools)."""
+        ts = [self.pool_ids, self.id_to_slot, self.lru_counter, self.seen_len]
+        ts += [self.seen_table] if self.seen_table is not None else []
+        return ts + [t for pair in self.pools for t in pair]
+
+    @torch.no_grad()
+    def grow(self, B: int) -> None:
+        """Hold ``B`` rows: new tensors, the existing rows copied, the new rows empty (a graph of a larger
+        batch bucket joined). Only for per-call bindings (the CPU modes): a graph that holds the old
+        tensors as buffers would keep them, so private states never grow."""
+        n = self.rows
+        if B <= n:
+            return
+
+        def bigger(t: torch.Tensor, fill: float) -> torch.Tensor:
+            out = torch.full((B, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+            out[:n].copy_(t)
+            return out
+
+        self.pool_ids = bigger(self.pool_ids, -1)
+        self.id_to_slot = bigger(self.id_to_slot, -1)
+        self.lru_counter = bigger(self.lru_counter, 0)
+        self.seen_len = bigger(self.seen_len, 0)
+        if self.seen_table is not None:
+            self.seen_table = bigger(self.seen_table, -1)
+        self.pools = [(bigger(kv, 0), bigger(rope, 0)) for kv, rope in self.pools]
+        self.gen += 1
+
 
 class GroupState:
     """One group of one compiled graph (``group_id``/``layers`` numbered in that graph), over the
     :class:`SharedGroup` tensors of the caches it runs on."""
 
-    def __init__(self, group_id: int, owner_layer: int, layers: Sequence[int], shared: SharedGroup) -> None:
+    def __init__(self, group_id: int, owner_layer: int, layers: Sequence[int], shared: SharedGroup,
+                 B: Optional[int] = None) -> None:
         self.group_id = group_id
         self.owner_layer = owner_layer
         self.layers = list(layers)
         self.shared = shared
+        self.B = shared.rows if B is None else B  # this graph's batch: rows 0 .. B-1 of the shared tensors
 
-    pool_ids = property(lambda self: self.shared.pool_ids)
-    id_to_slot = property(lambda self: self.shared.id_to_slot)
-    lru_counter = property(lambda self: self.shared.lru_counter)
+    def _rows(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return t if t is None or t.size(0) == self.B else t[: self.B]
+
+    pool_ids = property(lambda self: self._rows(self.shared.pool_ids))
+    id_to_slot = property(lambda self: self._rows(self.shared.id_to_slot))
+    lru_counter = property(lambda self: self._rows(self.shared.lru_counter))
     stats = property(lambda self: self.shared.stats)
-    seen_len = property(lambda self: self.shared.seen_len)
+    seen_len = property(lambda self: self._rows(self.shared.seen_len))
     external_write = property(lambda self: self.shared.external_write)
-    seen_table = property(lambda self: self.shared.seen_table)
+    seen_table = property(lambda self: self._rows(self.shared.seen_table))
+
+    def pools(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer of the group: (kv, rope) pools, this graph's rows."""
+        return [(self._rows(kv), self._rows(rope)) for kv, rope in self.shared.pools]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         g = self.group_id
@@ -117,7 +166,9 @@ class GroupLayout:
 
     @property
     def signature(self) -> tuple:
-        return (self.B, self.pool_size, self.id_range, tuple(self.dims), self.table_cols)
+        """The pool geometry: graphs whose groups have the same one on the same caches share their state
+        (the batch size is not part of it: a smaller batch serves the first rows)."""
+        return (self.pool_size, self.id_range, tuple(self.dims), self.table_cols)
 
 
 @dataclass
@@ -129,9 +180,9 @@ class OffloadState:
     pool_size: int
     id_range: int
     groups: list[GroupState] = field(default_factory=list)
-    pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> (kv, rope)
     resets: int = 0
     _flat: dict = field(default_factory=dict, repr=False, compare=False)
+    _pools: Optional[tuple] = field(default=None, repr=False, compare=False)  # (generations, layer -> pools)
     # how the backend rebuilds / selects this state per call (set by build_state)
     layouts: Optional[list] = field(default=None, repr=False, compare=False)
     cache_refs: Optional[list] = field(default=None, repr=False, compare=False)
@@ -153,18 +204,32 @@ class OffloadState:
         p0 = layouts[0]
         st = cls(graph_id, p0.B, p0.pool_size, p0.id_range)
         for lay, sg in zip(layouts, shared):
-            st.groups.append(GroupState(lay.group_id, lay.owner_layer, lay.layers, sg))
-            for l, pools in zip(lay.layers, sg.pools):
-                st.pools[l] = pools
+            st.groups.append(GroupState(lay.group_id, lay.owner_layer, lay.layers, sg, lay.B))
         return st
+
+    def _gens(self) -> tuple:
+        return tuple(g.shared.gen for g in self.groups)
+
+    @property
+    def pools(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """layer -> (pool_kv, pool_rope), this graph's rows (rebuilt after a shared group grew)."""
+        gens = self._gens()
+        if self._pools is None or self._pools[0] != gens:
+            out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for g in self.groups:
+                for l, pools in zip(g.layers, g.pools()):
+                    out[l] = pools
+            self._pools = (gens, out)
+        return self._pools[1]
 
     def flat(self, names: Sequence[str]) -> list[torch.Tensor]:
         """The state tensors named ``names`` (graph-input order of the rewritten graph), memoised."""
-        key = tuple(names)
+        key = (tuple(names), self._gens())
         out = self._flat.get(key)
         if out is None:
             t = self.tensors()
-            out = self._flat[key] = [t[n] for n in names]
+            self._flat = {key: [t[n] for n in names]}  # one entry: an old generation's views are dropped
+            out = self._flat[key]
         return out
 
     # -- inspection -----------------------------------------------------------------------
@@ -230,36 +295,36 @@ class OffloadState:
         if not self.groups:  # nothing compiled yet: nothing cached
             return
         if rows is None:
-            for g in self.groups:
-                g.pool_ids.fill_(-1)
-                g.id_to_slot.fill_(-1)
-                g.lru_counter.zero_()
-                g.seen_len.zero_()
-                g.shared.versions = None  # nothing cached: no outside write can make it stale
-            for kv, rope in self.pools.values():
-                kv.zero_()
-                rope.zero_()
+            # every row of the shared tensors, not only this graph's: "nothing cached" must hold for the
+            # caches as a whole (versions = None trusts every row), whichever batch bucket asks
+            for sg in self._shared_groups():
+                _reset_shared(sg)
             if counters is None or counters:
                 self.reset_counters()
             self.resets += 1
             return
+        self._reset_rows(rows, self.B)
+        if counters:
+            self.reset_counters()
+
+    @torch.no_grad()
+    def _reset_rows(self, rows: Iterable[int], limit: int) -> None:
         idx = sorted({int(r) for r in rows})
         for r in idx:
-            if not 0 <= r < self.B:
-                raise RuntimeError(f"reset: rows must be in [0, B={self.B}), got {r}")
+            if not 0 <= r < limit:
+                raise RuntimeError(f"reset: rows must be in [0, B={limit}), got {r}")
         if not idx:
             return
         t = torch.tensor(idx, dtype=torch.long)
-        for g in self.groups:
-            g.pool_ids[t] = -1
-            g.id_to_slot[t] = -1
-            g.lru_counter[t] = 0
-            g.seen_len[t] = 0
-        for kv, rope in self.pools.values():
-            kv[t] = 0
-            rope[t] = 0
-        if counters:
-            self.reset_counters()
+        for sg in self._shared_groups():
+            i = t.to(sg.pool_ids.device)
+            sg.pool_ids[i] = -1
+            sg.id_to_slot[i] = -1
+            sg.lru_counter[i] = 0
+            sg.seen_len[i] = 0
+            for kv, rope in sg.pools:
+                kv[i] = 0
+                rope[i] = 0
 
     def _shared_groups(self) -> list[SharedGroup]:
         out: list[SharedGroup] = []
@@ -275,7 +340,11 @@ class OffloadState:
         KV transfer, any write, with or without version counters). Their pool rows are forgotten at once;
         an outside write the version counters show then invalidates only these rows, not the batch
         (docs/new-requests.md, "The engine's contract"). ``rows`` may be empty (nothing new)."""
-        self.reset(rows=rows)
+        self._announce(rows, self.B)
+
+    def _announce(self, rows: Iterable[int], limit: int) -> None:
+        if self.groups:
+            self._reset_rows(rows, limit)
         for sg in self._shared_groups():
             sg.announced = True
 
@@ -284,27 +353,30 @@ class OffloadState:
         """The batch changed between steps: row ``b`` now holds the request that was at row ``src[b]``
         (``-1``: a new request). The pool rows follow their request (copied in place, once per change);
         rows with ``-1`` start cold. Like :meth:`begin_request`, it names every row written outside the
-        graph: only the ``-1`` rows may have been (docs/new-requests.md)."""
+        graph: only the ``-1`` rows may have been (docs/new-requests.md). ``src`` is as long as the next
+        step's batch; with batch buckets it may be shorter than the shared state's rows (the largest
+        bucket): the rows past it hold no request and are emptied."""
         src = [int(x) for x in src]
         if not self.groups:  # nothing compiled yet: nothing cached
             return
-        if len(src) != self.B:
-            raise RuntimeError(f"move_rows: src must have one entry per batch row (B={self.B}), got {len(src)}")
-        bad = [x for x in src if not -1 <= x < self.B]
+        rows = min(sg.rows for sg in self._shared_groups())
+        if not 1 <= len(src) <= rows:
+            raise RuntimeError(f"move_rows: src must have one entry per batch row of the next step, at most "
+                               f"{rows} (the rows of the shared state), got {len(src)}")
+        bad = [x for x in src if not -1 <= x < rows]
         if bad:
-            raise RuntimeError(f"move_rows: src entries must be in [-1, B={self.B}), got {bad}")
+            raise RuntimeError(f"move_rows: src entries must be in [-1, {rows}), got {bad}")
         kept = [x for x in src if x >= 0]
         if len(set(kept)) != len(kept):
             raise RuntimeError(f"move_rows: a request cannot move to two rows, got src={src}")
-        if src != list(range(self.B)):
-            idx = torch.tensor([max(x, 0) for x in src], dtype=torch.long)
+        # a smaller batch bucket next: the rows past it hold no request (emptied, never trusted)
+        full = src + [-1] * (rows - len(src))
+        if full != list(range(rows)):
+            idx = torch.tensor([max(x, 0) for x in full], dtype=torch.long)
             for sg in self._shared_groups():
-                ts = [sg.pool_ids, sg.id_to_slot, sg.lru_counter, sg.seen_len]
-                ts += [sg.seen_table] if sg.seen_table is not None else []
-                ts += [t for pair in sg.pools for t in pair]
-                for t in ts:
-                    t.copy_(t[idx.to(t.device)])
-        self.begin_request([b for b, x in enumerate(src) if x < 0])
+                for t in sg.per_row():
+                    t[:rows].copy_(t[:rows][idx.to(t.device)])
+        self._announce([b for b, x in enumerate(full) if x < 0], rows)
 
     @torch.no_grad()
     def reset_counters(self) -> None:
@@ -327,44 +399,78 @@ class OffloadState:
 
 
 # -- state by caches -------------------------------------------------------------------------------------
+def cache_key(t: torch.Tensor) -> tuple:
+    """What the registry knows a full cache by: the tensor that owns its memory (``t._base`` for a view,
+    else ``t``) by identity, then the address, shape, strides and dtype of ``t``. A fresh view object of
+    the same cache rows (an engine hands per-layer views every step) has the same key; a view of other
+    rows, or of another cache, has another. The owner's identity is what makes it safe: the registry
+    holds a ``weakref.finalize`` on the owner and forgets every key naming it when it dies, so memory
+    freed and re-used by a later tensor at the same address never finds the old pools (the same
+    Python id is only handed out after the finalizer ran). Memory swapped under a live owner
+    (``set_``) moves its version counter, which the outside-write check sees (every row cold)."""
+    base = t._base
+    root = t if base is None else base
+    return (id(root), _ptr(t), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _ptr(t: torch.Tensor) -> Any:
+    try:
+        return t.data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (a fake tensor): known by identity only
+        return ("id", id(t))
+
+
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+def cache_keys(caches: Sequence[Sequence[torch.Tensor]]) -> tuple:
+    """Per group, the :func:`cache_key` of each of its full caches."""
+    return tuple(tuple(cache_key(t) for t in cs) for cs in caches)
+
+
 class StateRegistry:
-    """Which state serves which full caches (process-wide; everything keyed by live cache tensors).
+    """Which state serves which full caches (process-wide; keyed by the caches' storage, :func:`cache_key`).
 
     * ``bind(graph_id, layouts, caches)``: the :class:`OffloadState` of one compiled graph on one set of
-      full caches; graphs with the same group layout on the same caches share the group tensors (the
-      pools mirror cache rows, which do not depend on the graph that planned them).
+      full caches. Every graph whose group has the same pool geometry (``GroupLayout.signature``: pool
+      size, id range, dims, paged or not) on the same caches shares one :class:`SharedGroup`, whatever
+      its batch size (the pools mirror cache rows, which do not depend on the graph that planned them):
+      recompiles, batch-size buckets, other backends, fresh view objects of the caches.
     * ``activate(state, caches)``: the one stale-state rule of every mode: a group whose caches were
-      last served by *other* group tensors (another layout / pool size, or another graph's private
-      state) is reset before it runs: cold, never stale.
-    * Entries die with their caches (``weakref.finalize`` on each cache tensor) and with their graph
-      (``drop_graph``); the group tensors are held only by the live states that use them.
+      last served by *other* group tensors (another pool geometry, or another graph's private state)
+      is reset before it runs: cold, never stale.
+    * Entries die with the tensors that own the caches' memory (``weakref.finalize``) and with their
+      graph (``drop_graph``); the group tensors are held only by the live states that use them.
     """
 
     def __init__(self) -> None:
-        self._bindings: dict[tuple, OffloadState] = {}  # (graph_id, cache ids) -> state
-        self._shared: dict[tuple, "weakref.ref[SharedGroup]"] = {}  # (cache ids, signature) -> group tensors
-        self._claims: dict[int, "weakref.ref[SharedGroup]"] = {}  # cache id -> group tensors that ran last
-        self._watched: dict[int, "weakref.finalize"] = {}
-        self._by_cache: dict[int, set] = {}  # cache id -> binding / shared keys that name it
-        self._seen: "weakref.WeakKeyDictionary[SharedGroup, tuple]" = weakref.WeakKeyDictionary()  # -> cache ids
+        self._bindings: dict[tuple, OffloadState] = {}  # (graph_id, cache keys) -> state
+        self._shared: dict[tuple, "weakref.ref[SharedGroup]"] = {}  # (cache keys, signature) -> group tensors
+        self._claims: dict[tuple, "weakref.ref[SharedGroup]"] = {}  # cache key -> group tensors that ran last
+        self._watched: dict[int, "weakref.finalize"] = {}  # owner id -> its finalizer
+        self._by_owner: dict[int, set] = {}  # owner id -> binding / shared / claim keys that name it
+        self._seen: "weakref.WeakKeyDictionary[SharedGroup, tuple]" = weakref.WeakKeyDictionary()  # -> cache keys
 
     # -- lifetime -------------------------------------------------------------------------
-    def _watch(self, t: torch.Tensor, key: tuple) -> None:
-        i = id(t)
-        self._by_cache.setdefault(i, set()).add(key)
+    def _watch(self, owner: torch.Tensor, key: tuple) -> None:
+        i = id(owner)
+        self._by_owner.setdefault(i, set()).add(key)
         if i not in self._watched:
-            self._watched[i] = weakref.finalize(t, StateRegistry._cache_died, weakref.ref(self), i)
+            self._watched[i] = weakref.finalize(owner, StateRegistry._owner_died, weakref.ref(self), i)
 
     @staticmethod
-    def _cache_died(ref: "weakref.ref[StateRegistry]", i: int) -> None:
+    def _owner_died(ref: "weakref.ref[StateRegistry]", i: int) -> None:
         self = ref()
         if self is None:
             return
         self._watched.pop(i, None)
-        self._claims.pop(i, None)
-        for key in self._by_cache.pop(i, ()):
-            self._bindings.pop(key, None)
-            self._shared.pop(key, None)
+        for key in self._by_owner.pop(i, ()):
+            if key[0] == "claim":
+                self._claims.pop(key[1], None)
+            else:
+                self._bindings.pop(key, None)
+                self._shared.pop(key, None)
 
     def drop_graph(self, graph_id: str) -> None:
         """Forget the states of a compiled graph that no longer exists."""
@@ -372,89 +478,108 @@ class StateRegistry:
             del self._bindings[key]
 
     # -- lookup ---------------------------------------------------------------------------
-    def bind(self, graph_id: str, layouts: Sequence[GroupLayout], caches: Sequence[Sequence[torch.Tensor]]
-             ) -> OffloadState:
-        """``caches[g]``: the full caches (kv, rope per layer) of group ``g`` of ``layouts``."""
-        ids = tuple(tuple(id(t) for t in cs) for cs in caches)
-        key = (graph_id, ids)
+    def bind(self, graph_id: str, layouts: Sequence[GroupLayout], caches: Sequence[Sequence[torch.Tensor]],
+             keys: Optional[tuple] = None) -> OffloadState:
+        """``caches[g]``: the full caches (kv, rope per layer) of group ``g`` of ``layouts``; ``keys``: their
+        :func:`cache_keys` when the caller has them."""
+        keys = cache_keys(caches) if keys is None else keys
+        key = (graph_id, keys)
         st = self._bindings.get(key)
         if st is not None:
             return st
         shared = []
-        for lay, cs, gids in zip(layouts, caches, ids):
-            skey = (gids, lay.signature)
+        for lay, cs, gkeys in zip(layouts, caches, keys):
+            dev = torch.device(lay.device) if lay.device else cs[0].device
+            skey = (gkeys, lay.signature, str(dev))
             ref = self._shared.get(skey)
             sg = ref() if ref is not None else None
             if sg is None:
-                sg = SharedGroup(lay.B, lay.pool_size, lay.id_range, lay.dims,
-                                 torch.device(lay.device) if lay.device else cs[0].device, lay.table_cols)
+                sg = SharedGroup(lay.B, lay.pool_size, lay.id_range, lay.dims, dev, lay.table_cols)
                 self._shared[skey] = weakref.ref(sg)
                 for t in cs:
-                    self._watch(t, skey)
-                log.debug("%s: new pools for group %d on caches %s", graph_id, lay.group_id, gids[:2])
+                    self._watch(_owner(t), skey)
+                log.debug("%s: new pools for group %d", graph_id, lay.group_id)
+            elif sg.rows < lay.B:
+                # a larger batch bucket on the same caches: the rows it shares keep what they hold
+                log.debug("%s: group %d's shared state grows from %d to %d rows", graph_id, lay.group_id,
+                          sg.rows, lay.B)
+                sg.grow(lay.B)
             shared.append(sg)
         st = OffloadState.from_shared(graph_id, layouts, shared)
         self._bindings[key] = st
         for cs in caches:
             for t in cs:
-                self._watch(t, key)
+                self._watch(_owner(t), key)
         return st
 
     def bindings(self, graph_ids: Optional[Iterable[str]] = None) -> list[OffloadState]:
         ids = None if graph_ids is None else set(graph_ids)
         return [s for k, s in self._bindings.items() if ids is None or k[0] in ids]
 
-    def activate(self, state: OffloadState, caches: Sequence[Sequence[torch.Tensor]]) -> bool:
+    def activate(self, state: OffloadState, caches: Sequence[Sequence[torch.Tensor]],
+                 keys: Optional[tuple] = None) -> bool:
         """Apply the stale-state rule before ``state`` runs on ``caches``; True if something was reset."""
+        keys = cache_keys(caches) if keys is None else keys
         reset = False
-        for g, cs in zip(state.groups, caches):
+        for g, cs, gkeys in zip(state.groups, caches, keys):
             sg = g.shared
             if sg.ran:
-                for t in cs:
-                    ref = self._claims.get(id(t))
+                for k in gkeys:
+                    ref = self._claims.get(k)
                     if ref is None or ref() is not sg:
                         reset = True
                         _reset_shared(sg)
                         break
             sg.ran = True
             _check_outside_writes(sg, cs, state.graph_id)
-            self._seen[sg] = tuple(id(t) for t in cs)
-            ref = weakref.ref(sg)
-            for t in cs:
-                i = id(t)
-                if i not in self._watched:
-                    self._watch(t, ("claim", i))
-                self._claims[i] = ref
+            if self._seen.get(sg) != gkeys:
+                self._seen[sg] = gkeys
+            ref = None
+            for t, k in zip(cs, gkeys):
+                old = self._claims.get(k)
+                if old is None or old() is not sg:
+                    ref = ref or weakref.ref(sg)
+                    self._claims[k] = ref
+                    self._watch(_owner(t), ("claim", k))
         if reset:
             state.resets += 1  # noqa: SIM113
             log.info("%s: its caches were served by other offload state since its last run; its pools "
                      "were reset (cold start)", state.graph_id)
         return reset
 
-    def current_groups(self, cache_ids: set) -> list[tuple[tuple, SharedGroup]]:
-        """Group tensors that ran on caches all in ``cache_ids`` and still hold them (not superseded)."""
+    def current_groups(self, owner_ids: set) -> list[tuple[tuple, SharedGroup]]:
+        """Group tensors that ran on caches owned by tensors all in ``owner_ids`` (ids) and still hold
+        them (not superseded); with their cache keys."""
         out = []
-        for sg, ids in list(self._seen.items()):
-            if not ids or not all(i in cache_ids for i in ids):
+        for sg, keys in list(self._seen.items()):
+            if not keys or not all(k[0] in owner_ids for k in keys):
                 continue
-            claim = self._claims.get(ids[0])
+            claim = self._claims.get(keys[0])
             if claim is not None and claim() is sg:
-                out.append((ids, sg))
+                out.append((keys, sg))
         return out
 
 
 def module_state(module: Any, registry: Optional[StateRegistry] = None) -> OffloadState:
-    """The offload state of every graph that serves ``module`` (its buffers are the full caches), graph
-    breaks included: one :class:`OffloadState` over all of them, layers numbered in the module's buffer
-    order, groups by first layer. Empty (``groups == []``, ``reset`` a no-op) before the first call."""
+    """The offload state of every graph that serves ``module`` (its buffers own the full caches; the graphs
+    may get them as views), graph breaks and batch buckets included: one :class:`OffloadState` over all
+    of them, with every row of the shared state (the largest batch bound), layers numbered in the
+    module's buffer order (views of one buffer by address), groups by first layer. Empty
+    (``groups == []``, ``reset`` a no-op) before the first call."""
     reg = registry or REGISTRY
     pos: dict[int, int] = {}
     for i, buf in enumerate(module.buffers()):
         pos.setdefault(id(buf), i)
+        if isinstance(buf, torch.Tensor) and buf._base is not None:  # a view: the registry knows its owner
+            pos.setdefault(id(buf._base), i)
     found = reg.current_groups(set(pos))
-    kv_ids = sorted({ids[j] for ids, _ in found for j in range(0, len(ids), 2)}, key=pos.__getitem__)
-    layer_of = {i: n for n, i in enumerate(kv_ids)}
-    entries = sorted(((([layer_of[ids[j]] for j in range(0, len(ids), 2)]), sg) for ids, sg in found),
+
+    def order(k: tuple) -> tuple:
+        return (pos[k[0]], k[1] if isinstance(k[1], int) else -1)
+
+    kv_keys = sorted({keys[j] for keys, _ in found for j in range(0, len(keys), 2)}, key=order)
+    layer_of = {k: n for n, k in enumerate(kv_keys)}
+    entries = sorted(((([layer_of[keys[j]] for j in range(0, len(keys), 2)]), sg) for keys, sg in found),
                      key=lambda e: e[0][0])
     if not entries:
         return OffloadState("module", 0, 0, 0)
@@ -540,7 +665,7 @@ class StateBinder:
 
     ``cache_refs``: per group, per layer the full caches as ``("arg", i)`` (graph input i) or
     ``("const", tensor)`` (a buffer the graph holds). ``input_names`` set: the state is passed as extra
-    graph inputs and chosen per call by the identity of the caches; None: the graph holds ``initial``
+    graph inputs and chosen per call by the caches' storage (:func:`cache_key`); None: the graph holds ``initial``
     as buffers (one private state). Either way :meth:`StateRegistry.activate` runs before the graph.
     """
 
@@ -556,26 +681,44 @@ class StateBinder:
         self._last: Optional["weakref.ref[OffloadState]"] = weakref.ref(initial)
         self.calls = 0
         # times the stale-state rule reset this graph's pools before a call: other offload state (another
-        # graph's layout, another backend's private state) served its caches in between. More than one
+        # pool geometry, another backend's private state) served its caches in between. More than one
         # means a pattern that keeps the pool cold (alternating graphs over the same caches).
         self.cold_resets = 0
+        # the previous call's cache tensors (weakly) and their keys: the same objects again (the usual
+        # case: module buffers) skip computing the keys; a view that died never matches
+        self._last_caches: list = []
+        self._last_keys: Optional[tuple] = None
 
     def caches(self, args: Sequence[Any]) -> list[list[torch.Tensor]]:
         return [[args[v] if kind == "arg" else v for kind, v in refs] for refs in self.cache_refs]
 
+    def _keys(self, caches: list[list[torch.Tensor]]) -> tuple:
+        flat = [t for cs in caches for t in cs]
+        last = self._last_caches
+        keys = self._last_keys
+        if (keys is not None and len(last) == len(flat)
+                and all(r() is t and k[1] == _ptr(t) for (r, k), t in zip(last, flat))):
+            return keys  # the same objects on the same memory (``.data =`` swaps memory under an object)
+        keys = cache_keys(caches)
+        self._last_caches = list(zip([weakref.ref(t) for t in flat], [k for ks in keys for k in ks]))
+        self._last_keys = keys
+        return keys
+
     def state_for(self, args: Sequence[Any]) -> OffloadState:
         caches = self.caches(args)
+        keys = self._keys(caches)
         if self.input_names is None:
             st = self._initial
         else:
-            st = self.registry.bind(self.graph_id, self.layouts, caches)
-        if self.registry.activate(st, caches):
+            st = self.registry.bind(self.graph_id, self.layouts, caches, keys)
+        if self.registry.activate(st, caches, keys):
             self.cold_resets += 1
             if self.cold_resets == 2:
                 log.warning("%s: its offload pools were reset again because other offload state served the same "
-                            "caches in between (graphs with another batch size / pool layout, or another backend, "
-                            "alternating over one set of caches): the pools stay cold, every step pays the offload "
-                            "and gains nothing. The report's 'cold_resets' counts it (docs/new-requests.md).",
+                            "caches in between (graphs with another pool geometry: pool size, id range, paged or "
+                            "not; or a graph with private state, the NPU modes), alternating over one set of "
+                            "caches: the pools stay cold, every step pays the offload and gains nothing. The "
+                            "report's 'cold_resets' counts it (docs/new-requests.md, 'Graphs that share caches').",
                             self.graph_id)
         if not caches:  # caches the binder cannot name: writes outside the graph cannot be seen
             for g in st.groups:  # so every step starts cold (correct; docs/new-requests.md)

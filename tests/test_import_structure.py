@@ -137,3 +137,38 @@ def test_no_import_circles():
     found = cycles(import_graph())
     assert not found, "import circles (move the shared piece into a module both import):\n" + \
         "\n".join(" <-> ".join(c) for c in found)
+
+
+#: What the passes and the backend are built from, each kind in one package (docs/ARCHITECTURE.md).
+SEAM_PACKAGES = {"offload_passes.passes.frontends": "front-ends (one module per graph form, FRONT_ENDS)",
+                 "offload_passes.lowering": "lowerings (one module per platform, modes.MODES)"}
+
+
+def test_front_ends_and_lowerings_are_packages():
+    mods = modules()
+    for pkg, what in SEAM_PACKAGES.items():
+        assert pkg in mods and mods[pkg][1], f"{pkg}: the {what} are a package"
+    # every lowering modes.MODES names, and every front-end the registry imports, lives in its package
+    modes = ast.parse((ROOT / "offload_passes" / "modes.py").read_text())
+    lowerings = {n.value.split(":")[0] for n in ast.walk(modes)
+                 if isinstance(n, ast.Constant) and isinstance(n.value, str) and ":" in n.value
+                 and n.value.startswith("offload_passes.")}
+    assert lowerings and all(m.startswith("offload_passes.lowering.") and m in mods for m in lowerings), lowerings
+    g = import_graph()
+    front_ends = {m for m in g["offload_passes.passes.frontends"] if m.startswith("offload_passes.passes.frontends.")}
+    assert {"offload_passes.passes.frontends.recipe", "offload_passes.passes.frontends.hf"} <= front_ends
+
+
+def test_the_top_level_holds_entry_points_and_the_core():
+    """No front-end or lowering module outside its package: the top level of ``offload_passes/`` and of
+    ``passes/`` keep the entry points, the core and the shared passes."""
+    stray = []
+    for name, (path, is_pkg) in modules().items():
+        parts = name.split(".")
+        if parts[0] != "offload_passes" or len(parts) > 3 or is_pkg:
+            continue
+        if len(parts) == 2 or parts[1] == "passes":
+            leaf = parts[-1]
+            if leaf.startswith(("lowering", "frontend", "detect", "rewrite_")) or leaf == "npu_modes":
+                stray.append(name)
+    assert stray == [], f"front-end / lowering modules outside offload_passes.passes.frontends / .lowering: {stray}"

@@ -10,11 +10,11 @@ Order of work (each step is reported, none stops the run):
    with CANN (``DsaPlan``, ``DsaServe``, ``DsaInstall``, ``ScatterNdUpdate``, ...). Everything missing is
    named; the cases that need it are reported as skipped with that reason.
 3. **Cases**, per preset, all from the same prefilled state (deep copies) and the same token stream:
-   ``basic-offload`` (the unmodified model: full KV in host memory, CANN's gather op; the reference for
+   ``unmodified`` (the unmodified model: full KV in host memory, CANN's gather op; the reference for
    logits), ``rewrite-ge_graph`` / ``rewrite-npugraph_ex`` (our backend), and with ``--recipe PATH`` the
    reference's hand-wired shared-indexer path (``run_shared_indexer_offload`` of cann-recipes-infer,
    routed into the same model in place of the gather op, eager). Each: compile time, synchronised step
-   times (median of the measured steps), max |logits - basic-offload| per step, final pool metadata
+   times (median of the measured steps), max |logits - unmodified| per step, final pool metadata
    compared between the offload cases, H2D bytes per step (rows read from the host cache x row bytes,
    from a separate counting run with the in-graph statistics on, so the timed run stays lean).
 4. **One JSON report** (``--report``, default ``atlas_check_report.json``) with the environment, the
@@ -49,13 +49,16 @@ GE_IR = {
     "ge_graph": ("DsaPlan", "DsaServe", "DsaInstall", "GatherSelectionKvCache", "ScatterNdUpdate",
                  "SparseFlashAttention", "LightningIndexer"),
 }
-REPORT_FORMAT = "offload_passes.atlas_check/2"
+#: The report's format and its version: a parser checks it before it reads the case names.
+REPORT_FORMAT = "offload_passes.atlas_check/3"
+#: The case every other case is compared with: the unmodified model (docs/glossary.md).
+UNMODIFIED = "unmodified"
 
 
 @dataclass
 class CaseResult:
     preset: str
-    case: str                    # basic-offload | rewrite-ge_graph | rewrite-npugraph_ex | recipe
+    case: str                    # unmodified | rewrite-ge_graph | rewrite-npugraph_ex | recipe
     status: str = "pending"      # passed | failed | error | skipped
     ok: bool = False
     reason: Optional[str] = None
@@ -70,9 +73,6 @@ class CaseResult:
     rewritten: Optional[bool] = None
     traceback: Optional[str] = None
 
-
-#: Kept for callers of the first version of this script.
-RunResult = CaseResult
 
 
 def _csv(value: str, allowed: Sequence[str], flag: str, ap: argparse.ArgumentParser) -> List[str]:
@@ -96,7 +96,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="steps run before timing; the first compiles (default 2)")
     ap.add_argument("--pool-size", type=int, default=None, help="pool slots per row (default: backend default 8192)")
     ap.add_argument("--device", default="npu:0")
-    ap.add_argument("--tol", type=float, default=2e-2, help="max |logits - basic-offload| to pass (default 2e-2)")
+    ap.add_argument("--tol", type=float, default=2e-2, help="max |logits - unmodified| to pass (default 2e-2)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model / runner overrides")
     ap.add_argument("--no-side-stream", action="store_true", help="keep installs on the main stream")
     ap.add_argument("--plain-config", action="store_true",
@@ -175,7 +175,7 @@ def environment() -> Dict[str, Any]:
 
 
 def case_names(args: argparse.Namespace) -> List[str]:
-    names = ["basic-offload"] + [f"rewrite-{m}" for m in args.modes]
+    names = [UNMODIFIED] + [f"rewrite-{m}" for m in args.modes]
     if args.recipe:
         names.append("recipe")
     return names
@@ -463,7 +463,7 @@ def run_check(args: argparse.Namespace, missing: Dict[str, List[str]],
             r = CaseResult(preset, case)
             results.append(r)
             try:
-                if case in missing and case != "basic-offload":
+                if case in missing and case != UNMODIFIED:
                     r.status, r.reason = "skipped", "; ".join(missing[case])
                     continue
                 if base is None:
@@ -472,7 +472,7 @@ def run_check(args: argparse.Namespace, missing: Dict[str, List[str]],
                                         shared_indexer_offload=True, **over)
                     base.driver.prefill()  # in HBM: each case's deep copy then moves its caches to host
                     # memory (a deep copy of swapped memory is not swapped memory, see _fresh)
-                if case == "basic-offload":
+                if case == UNMODIFIED:
                     b = _fresh(base, args)
                     ref_logits, times = _timed(b, None, total, sync)
                     r.step_ms = [1e3 * t for t in times[args.warmup:]]

@@ -1,4 +1,4 @@
-"""``offload-plan``: KV capacity planner for GLM-5.2-style DSA models with and without KV offload.
+"""``offload-capacity``: KV capacity planner for GLM-5.2-style DSA models with and without KV offload.
 
 Given a model config (a preset under ``models/configs/`` or a yaml with HF ``glm_moe_dsa`` keys) and a
 hardware budget, it computes, showing every step:
@@ -63,6 +63,10 @@ except ImportError:  # pragma: no cover - only when run as a loose script
     from capacity_plan_model import WEIGHT_KEYS, ModelShape, list_presets, load_model_shape  # type: ignore
 
 log = logging.getLogger("offload_passes.tools.capacity_plan")
+
+#: The command's name, and its deprecated alias (a second console script, for one more release).
+PROG = "offload-capacity"
+ALIAS = "offload-plan"
 
 GiB = 1 << 30
 MIN_ID_RANGE = 131072       # _DSA_MIN_ID_RANGE in the recipe (docs/ops.md §7)
@@ -403,7 +407,7 @@ def plan(shape: ModelShape, budget: Budget, batch: int | None = None,
                 "pool_hbm_per_rank": per * m.pool_per_request,
                 "fits": bool(need <= free and fits_host and m.applicable),
             })
-    log.debug("offload-plan %s: %s", shape.name, {m.mode: m.max_global for m in out.modes})
+    log.debug("%s %s: %s", PROG, shape.name, {m.mode: m.max_global for m in out.modes})
     return out
 
 
@@ -413,7 +417,7 @@ def render(p: Plan) -> str:
     m = p.model
     bd = p.budget
     lines = [
-        f"offload-plan: {m['name']} ({m['source']})",
+        f"{PROG}: {m['name']} ({m['source']})",
         f"  {m['num_hidden_layers']} layers: {m['full_layers']} full + {m['shared_layers']} shared indexer layers, "
         f"{m['groups']} IndexShare groups ({m['indexer_types_source']}), {m['mtp_layers']} MTP layer(s), K={m['index_topk']}",
         f"  budget: {bd['devices']} devices x {bd['ranks_per_device']} ranks = {bd['ranks']} ranks, "
@@ -449,7 +453,7 @@ def render(p: Plan) -> str:
 def _parser() -> argparse.ArgumentParser:
     d = Budget()
     ap = argparse.ArgumentParser(
-        prog="offload-plan",
+        prog=PROG,
         description="KV capacity planner: per-request KV bytes and the largest batch with and without KV offload.")
     ap.add_argument("--config", default="glm-5.2",
                     help="built-in glm-5.2 (full size), a preset (models/configs/<name>.yaml) or a yaml path "
@@ -478,7 +482,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     ap.add_argument("--list-presets", action="store_true")
     ap.add_argument("--what-if", action="store_true",
-                    help="A3 per-step latency what-if model instead (flags: offload-plan --what-if --help)")
+                    help="A3 per-step latency what-if model instead (flags: offload-capacity --what-if --help)")
     return ap
 
 
@@ -496,6 +500,14 @@ def budget_from_args(args: argparse.Namespace, shape: ModelShape) -> Budget:
         prefill_mini_batch=args.prefill_mini_batch)
 
 
+def main_alias(argv: Sequence[str] | None = None) -> int:
+    """``offload-plan``: ``offload-capacity`` under its deprecated name, installed for one more release
+    (docs/glossary.md, "Renamed"). Same flags, output and exit codes; one note on stderr names the command."""
+    print(f"{ALIAS}: note: this command is {PROG}; the name {ALIAS} is deprecated and will be removed in the "
+          "next release", file=sys.stderr)
+    return main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--what-if" in argv:  # latency what-if model (capacity_plan_whatif.py), its own flags
@@ -508,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list_presets:
         print("\n".join(list_presets()) or "(no presets installed)")
         return 0
-    return run_cli("offload-plan", lambda: _main(args))
+    return run_cli(PROG, lambda: _main(args))
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -546,7 +558,7 @@ def _main(args: argparse.Namespace) -> int:
     result = plan(shape, budget_from_args(args, shape), batch=args.batch, weights_like=like)
     try:
         print(json.dumps(result.to_json(), indent=2) if args.json else render(result))
-    except BrokenPipeError:  # `offload-plan | head`: the reader left, not an error
+    except BrokenPipeError:  # `offload-capacity | head`: the reader left, not an error
         sys.stderr = open(os.devnull, "w")
     return 0
 

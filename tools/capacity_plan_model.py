@@ -1,4 +1,4 @@
-"""Model shape for ``offload-plan``: read a model preset or a user yaml (HF ``glm_moe_dsa`` key names).
+"""Model shape for ``offload-capacity``: read a model preset or a user yaml (HF ``glm_moe_dsa`` key names).
 
 The presets live in ``models/configs/<name>.yaml`` (installed as ``offload_passes/models/configs``).
 Keys are HF ``GlmMoeDsaConfig`` names (``num_hidden_layers``, ``kv_lora_rank``, ...) plus the recipe's

@@ -1,4 +1,4 @@
-"""``offload-plan --what-if``: a per-step latency model of GLM-5.2 decode on Atlas A3, fitted to the
+"""``offload-capacity --what-if``: a per-step latency model of GLM-5.2 decode on Atlas A3, fitted to the
 reference's latency table, then used to predict other pool sizes, policies, batches and contexts.
 
 Model (one rank = one 910C die; attention data-parallel, so every rank runs ``b = batch / ranks`` rows):
@@ -339,7 +339,7 @@ def what_if(batches: Sequence[int], pools: Sequence[int], policies: Sequence[str
             "note": "hit rates: one set per ensemble member (trace model x seed; S=1 traces, batch rows "
                     "independent) for both the fit (SA-FIFO 8K/16K) and the predictions; ms = median (min-max) "
                     "over members; ms_interval_with_loo widens that range by the largest leave-one-out error; "
-                    "a latency model only: whether a batch fits in HBM is offload-plan's question"}
+                    "a latency model only: whether a batch fits in HBM is offload-capacity's question"}
 
 
 def _question(ok: list, hits64: Optional[list], policies: Sequence[str], pools: Sequence[int], mode: str,
@@ -555,7 +555,7 @@ MAX_BATCH = 65536
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from offload_passes import _cli
 
-    ap = _cli.ArgumentParser(prog="offload-plan --what-if", description=__doc__.split("\n\n")[0])
+    ap = _cli.ArgumentParser(prog="offload-capacity --what-if", description=__doc__.split("\n\n")[0])
     ap.add_argument("--what-if", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batches", type=_ints, default=[64, 128, 192], help="global batches (32 ranks)")
     ap.add_argument("--pools", type=_ints, default=[4096, 8192, 16384])
@@ -603,7 +603,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(a.anchored) as fh:
                 st = json.load(fh)
         except (OSError, ValueError) as e:
-            print(f"offload-plan: error: --anchored {a.anchored}: {' '.join(str(e).split())}", file=sys.stderr)
+            print(f"offload-capacity: error: --anchored {a.anchored}: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
         print("\n".join(consistency_table(h16s) + [""] + anchored_table(st, h16s, mode=a.mode)))
         return 0
@@ -638,7 +638,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         o = what_if(a.batches, a.pools, pols, a.contexts, a.mode, a.seeds, a.steps, a.warmup, which)
     except NonPhysicalFit as e:
-        print(f"offload-plan: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"offload-capacity: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(json.dumps(o, indent=1) if a.json else render(o))
     return 0
@@ -665,7 +665,7 @@ def _main_trace(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             raise ValueError(f"--warmup must be in [0, steps={tr.steps}) of the trace, got {a.warmup}")
         o = predict_trace(tr, a.policy, a.pool, a.batch, a.mode, a.warmup, a.fifo8k_hit, a.fifo16k_hit)
     except (ValueError, OSError, RuntimeError) as e:
-        print(f"offload-plan: error: --trace {a.trace}: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"offload-capacity: error: --trace {a.trace}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     o["trace"] = a.trace
     print(json.dumps(o, indent=1) if a.json else render_trace(o))

@@ -253,7 +253,7 @@ def _pass_files(dump_dir: Path, gdir: Path, g: dict[str, Any]) -> list[PassFile]
     """The graph's ``NN_<stage>.py`` files in stage order.
 
     ``passes`` entries of the report are used when they name files inside the dump; the backend may
-    also list its pass *modules* there (``passes/detect.py``), which are not dump files.
+    also list its pass *modules* there (``passes/group.py``), which are not dump files.
     """
     found: dict[Path, str] = {}
     for p in sorted(gdir.glob("[0-9][0-9]_*.py")):

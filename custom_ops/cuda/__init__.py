@@ -2,9 +2,11 @@
 
 One module per op, named by the op's ``OpSpec.cuda_kernel`` (``dsa_plan``, ``dsa_serve``, ``dsa_install``,
 ``npu_gather_selection_kv_cache``, ``dsa_install_sc``, ``cache_write``: the host-KV write of
-``offload_ref::npu_mla_prolog_cache_write_``); ``guard.py`` is the kernel of the ``cuda`` mode's guards. Each has ``run(...)`` (validate with the op's own
-``validate_<op>``, then launch: what the CUDA registration calls, and what the tests call on CPU tensors
-under ``TRITON_INTERPRET=1``), ``run_functional`` for the functional twins, and ``register()``.
+``offload_ref::npu_mla_prolog_cache_write_``); ``guard.py`` is the kernel of the ``cuda`` mode's guards.
+Each op module builds one ``_common.CudaOp`` from the op's ``OpSpec``: ``run(...)`` / ``run_functional(...)``
+take the arguments as the schema does (``custom_ops/_library.py`` ``bind``), validate with the op's own
+``validate_<op>`` once per signature, then launch; ``register()`` adds them as the CUDA kernels. The tests
+call ``run`` on CPU tensors under ``TRITON_INTERPRET=1``.
 
 Registration: ``import offload_passes`` calls :func:`autoregister`, which registers the CUDA kernels only
 when torch sees a CUDA device *and* ``triton`` is installed (the ``[cuda]`` extra); on a CPU-only machine

@@ -147,3 +147,81 @@ def raise_device_errors() -> None:
             f.zero_()
     if msgs:
         raise RuntimeError("device-side check failed: " + "; ".join(msgs))
+
+
+# ------------------------------------------------------------------------------ one registration per op
+
+#: op -> signatures (ints, and shape / stride / dtype / device of every tensor) that passed validation
+_VALIDATED: dict = {}
+_VALIDATED_MAX = 1024
+
+
+def _signature(op: str, a: tuple) -> tuple:
+    return (op,) + tuple((tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor)
+                         else x if isinstance(x, (int, float, bool, str, type(None))) else id(x) for x in a)
+
+
+def validated(op: str, a: tuple, validate) -> object:
+    """``validate(a, op)``, skipped for a signature that passed before (what it returned is remembered).
+
+    The op validations (``validate_<op>`` in ``custom_ops/<op>.py``) read shapes, dtypes, layouts and the
+    int arguments only, all part of the signature, so a signature that passed passes again; this keeps
+    their Python cost out of every launch after the first (and out of CUDA-graph capture after the warm-up,
+    ``offload_passes/lowering/cuda_graphs.py``). Failures are never stored."""
+    key = _signature(op, a)
+    try:
+        return _VALIDATED[key]
+    except KeyError:
+        pass
+    out = validate(a, op)
+    if len(_VALIDATED) >= _VALIDATED_MAX:
+        _VALIDATED.clear()
+    _VALIDATED[key] = out
+    return out
+
+
+class CudaOp:
+    """The CUDA kernels of one op and its functional twin, written once against the op's schema.
+
+    ``spec``: the op's ``OpSpec``. ``validate(a, op)``: the op's checks on the bound arguments ``a``
+    (``custom_ops/_library.py`` ``bind``: schema order, defaults filled in); its result is handed to
+    ``launch(a, checked)``, which writes the mutated arguments of ``a`` in place and returns the op's own
+    outputs (None when the schema returns none). ``twin_outputs(a)``: the buffers the twin writes instead of
+    the mutated arguments (default clones). :meth:`run` / :meth:`run_functional` take the arguments as the
+    schema does (positional or by name); :meth:`register` adds them as the ops' CUDA kernels.
+    """
+
+    def __init__(self, spec, validate, launch, twin_outputs=None):
+        self.spec, self.validate, self.launch, self.twin_outputs = spec, validate, launch, twin_outputs
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple:
+        from .. import _library as L
+
+        return L.bind(self.spec, args, kwargs)
+
+    def run(self, *args, **kwargs):
+        a = self._bind(args, kwargs)
+        return self.launch(a, validated(self.spec.name, a, self.validate))
+
+    def run_functional(self, *args, **kwargs) -> tuple:
+        spec = self.spec
+        a = self._bind(args, kwargs)
+        checked = validated(spec.functional, a, self.validate)
+        outs = tuple(self.twin_outputs(a)) if self.twin_outputs else tuple(a[i].clone() for i in spec.mutated_positions)
+        b = list(a)
+        for i, out in zip(spec.mutated_positions, outs):
+            b[i] = out
+        own = self.launch(tuple(b), checked)
+        own = () if own is None else tuple(own) if isinstance(own, (tuple, list)) else (own,)
+        return own + outs
+
+    def register(self) -> list:
+        """CUDA kernels of the op and its twin (skipped where one is already registered)."""
+        from .. import _library as L
+        from .._attention_common import REF_NAMESPACE, ref_impl
+
+        impl = ref_impl if self.spec.namespace == REF_NAMESPACE else L.impl
+        pairs = [(self.spec.name, self.run)]
+        if self.spec.functional is not None:
+            pairs.append((self.spec.functional, self.run_functional))
+        return [n for n, fn in pairs if impl(n, "CUDA", fn)]

@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import cache_write as M
-from .._attention_common import ref_impl
-from ._common import ERR_CACHE_INDEX, bits, error_flags, host_operand, next_pow2, require_triton
+from ._common import ERR_CACHE_INDEX, CudaOp, bits, error_flags, host_operand, next_pow2, require_triton
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -52,10 +51,9 @@ def _write_kernel(idx_ptr, kv_ptr, kr_ptr, kvc_ptr, krc_ptr, flag_ptr, T, R, Dkv
     _rows(t, ok, r, kr_ptr, krc_ptr, Dr, BLOCK_DR)
 
 
-def run(kv_cache: torch.Tensor, kr_cache: torch.Tensor, cache_index: torch.Tensor, kv: torch.Tensor,
-        kr: torch.Tensor) -> None:
-    """The CUDA kernel of the op (in place; the caches may be pinned host tensors)."""
-    M._check_prolog(kv_cache, kr_cache, cache_index, kv, kr)
+def launch(kv_cache: torch.Tensor, kr_cache: torch.Tensor, cache_index: torch.Tensor, kv: torch.Tensor,
+           kr: torch.Tensor) -> None:
+    """The CUDA kernel of the op on checked arguments (in place; the caches may be pinned host tensors)."""
     if kv.is_cuda:  # a host cache must be pinned (its address valid on the device); under the interpreter all is host
         host_operand(kv_cache, QUALNAME, "kv_cache")
         host_operand(kr_cache, QUALNAME, "kr_cache")
@@ -73,5 +71,11 @@ def run(kv_cache: torch.Tensor, kr_cache: torch.Tensor, cache_index: torch.Tenso
         flags, T, R, Dkv, Dr, BLOCK_T=BLOCK_T, BLOCK_DKV=next_pow2(Dkv), BLOCK_DR=next_pow2(Dr))
 
 
-def register() -> list[str]:
-    return [OP] if ref_impl(OP, "CUDA", run) else []
+def _validate(a: tuple, op: str) -> None:
+    M._check_prolog(*a)
+
+
+#: ``offload_ref::npu_mla_prolog_cache_write_`` on CUDA (``_common.CudaOp``: shapes checked once per signature;
+#: the row bounds on the device, every launch)
+KERNELS = CudaOp(M.PROLOG_SPEC, _validate, lambda a, _checked=None: launch(*a))
+run, register = KERNELS.run, KERNELS.register

@@ -5,10 +5,12 @@ records layout. The C++ kernel walks a batch row's records in order; here the wo
 **(batch row, set)** so that many programs run at once and none races another:
 
 1. ``_first_kernel`` / ``_cand_kernel`` (record-parallel): per-row dedupe. The first occurrence of an
-   id is the valid record with the smallest global index ``g = mt*cap + i``; ``atomic_min`` over
-   ``[B, IR]`` gives the same answer whatever the order of the programs. Each installing record gets
-   the key ``b*NS + set``; a stable device sort of the keys lists every set's installs in record order.
-2. ``_assign_kernel`` (one program per ``(b, set)``): walks its set's list in record order. The victim choice (FIFO pointer, or the
+   id is the valid record with the smallest global index ``g = mt*cap + i``; ``atomic_max`` of
+   ``INT32_MAX - g`` over ``[B, IR]`` gives the same answer whatever the order of the programs. Each
+   installing record gets the key ``b*NS + set``; a stable device sort of the keys lists every set's
+   installs in record order.
+2. ``_assign_kernel`` (one program per ``(b, set)``): finds its set's run in the sorted keys by binary
+   search and walks it in record order. The victim choice (FIFO pointer, or the
    second-chance reference bits, set first from the plan's POOL_HIT rows of that set), the set's
    counter (a register) and its 16 ``pool_ids`` entries are owned by that program: **per-set independence**
    (a record only ever touches the ways of the set it names, and a set's counter only moves with its own
@@ -26,10 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import _library as L
 from .. import dsa_install as M
 from .._records import records_layout
-from ._common import COPY_TILE, INT32_MAX, bits, commit, int32_words, next_pow2, out_buffer, require_triton
+from ._common import COPY_TILE, CudaOp, bits, commit, int32_words, next_pow2, out_buffer, require_triton
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -53,7 +54,8 @@ def _first_kernel(words_ptr, first_ptr, MT, S, K, IR, NS, stride_w, cnt_w, cap, 
     sq = tl.load(rb + 2, mask=im, other=-1)
     pos = tl.load(rb + 3, mask=im, other=-1)
     ok = im & (x >= 0) & (x < IR) & (st >= 0) & (st < NS) & (sq >= 0) & (sq < S) & (pos >= 0) & (pos < K)
-    tl.atomic_min(first_ptr + b.to(tl.int64) * IR + x, mt * cap + i, mask=ok)
+    # first[b, x] = INT32_MAX - (smallest g): an atomic_max on the -1-filled scratch (no second fill)
+    tl.atomic_max(first_ptr + b.to(tl.int64) * IR + x, 2147483647 - (mt * cap + i), mask=ok)
 
 
 @triton.jit
@@ -75,38 +77,54 @@ def _cand_kernel(words_ptr, first_ptr, key_ptr, MT, S, K, IR, NS, stride_w, cnt_
     ok = im & (x >= 0) & (x < IR) & (st >= 0) & (st < NS) & (sq >= 0) & (sq < S) & (pos >= 0) & (pos < K)
     g = mt * cap + i
     fst = tl.load(first_ptr + b.to(tl.int64) * IR + x, mask=ok, other=-1)
-    tl.store(key_ptr + g, tl.where(ok & (fst == g), b * NS + st, sentinel), mask=inside)
+    tl.store(key_ptr + g, tl.where(ok & (fst == 2147483647 - g), b * NS + st, sentinel), mask=inside)
 
 
 @triton.jit
 def _ref_kernel(plan_ptr, ref_ptr, rows, SK, NS, PS, BLOCK_Q: tl.constexpr):
-    # second chance: one lane per plan row; a POOL_HIT row sets its way's bit in its set's reference word
-    # (atomic_or: the same bits whatever the order), so every set's bits cost O(B*S*K) in all
+    # second chance: one lane per plan row; a POOL_HIT row clears its way's bit in its set's word of the
+    # -1-filled scratch (atomic_and: the same bits whatever the order; the word holds the *inverted*
+    # reference bits), so every set's bits cost O(B*S*K) in all
     q = tl.program_id(0).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qm = q < rows
     kd = tl.load(plan_ptr + 2 * q, mask=qm, other=0)
     v = tl.load(plan_ptr + 2 * q + 1, mask=qm, other=-1)
     hit = qm & (kd == 1) & (v >= 0) & (v < PS)
     b = q // SK
-    tl.atomic_or(ref_ptr + b * NS + v // 16, 1 << (v % 16), mask=hit)
+    tl.atomic_and(ref_ptr + b * NS + v // 16, ~(1 << (v % 16)), mask=hit)
 
 
 @triton.jit
-def _assign_kernel(words_ptr, order_ptr, start_ptr, count_ptr, lru_ptr, pid_ptr, ref_ptr, log_slot_ptr,
+def _lower_bound(sorted_ptr, n, key):
+    """First index of the sorted ``sorted_ptr[:n]`` whose value is >= ``key`` (binary search)."""
+    lo = n * 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        below = tl.load(sorted_ptr + mid) < key
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
+def _assign_kernel(words_ptr, sorted_ptr, order_ptr, n_keys, lru_ptr, pid_ptr, ref_ptr, log_slot_ptr,
                    log_old_ptr, S, K, NS, PS, stride_w, cap,
                    SECOND_CHANCE: tl.constexpr, UPDATE: tl.constexpr):
     b = tl.program_id(0)
     me = tl.program_id(1)
     c = tl.load(lru_ptr + b.to(tl.int64) * NS + me)
     if SECOND_CHANCE:
-        # reference bits of this set's hits, gathered once for all sets by _ref_kernel
-        c = c | (tl.load(ref_ptr + b.to(tl.int64) * NS + me) << 4)
-    # This set's installs, in record order (a stable sort of the install keys, done by the launcher).
+        # reference bits of this set's hits, gathered once for all sets by _ref_kernel (stored inverted)
+        c = c | ((~tl.load(ref_ptr + b.to(tl.int64) * NS + me) & 0xFFFF) << 4)
+    # This set's installs, in record order: the run of key b*NS + me in the stably sorted install keys
+    # (the launcher's device sort), found by two binary searches (no count / prefix-sum launches).
     # The set's 16 pool_ids entries are owned by this program; a barrier after each write makes it
     # visible to every thread of the program before the next install reads it.
     row_ids = pid_ptr + b.to(tl.int64) * PS + me * 16
-    first = tl.load(start_ptr + b * NS + me)
-    n_installs = tl.load(count_ptr + b * NS + me)
+    key = b * NS + me
+    first = _lower_bound(sorted_ptr, n_keys, key)
+    n_installs = _lower_bound(sorted_ptr, n_keys, key + 1) - first
     t = 0
     while t < n_installs:  # not range(runtime bound): see the note in npu_gather_selection_kv_cache.py
         g = tl.load(order_ptr + first + t)
@@ -199,7 +217,10 @@ def _apply_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr
 def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache, pool_k_rope, pool_ids,
            id_to_slot, lru_counter, raw_seq: int, topk: int, selection_block_size: int, metadata_update: int,
            plan=None) -> None:
-    """Run the four kernels on validated arguments. ``plan`` given: second-chance victims (``dsa_install_sc``)."""
+    """Run the kernels on validated arguments. ``plan`` given: second-chance victims (``dsa_install_sc``).
+
+    Launches: one fill of the scratch, [``_ref_kernel``], ``_first_kernel``, ``_cand_kernel``, the device
+    sort, ``_assign_kernel``, ``_keys_kernel``, ``_apply_kernel`` (tests/cuda/test_install_launches.py)."""
     B, PS = pool_kv_cache.size(0), pool_kv_cache.size(1)
     S, K, sbs, NS, IR = raw_seq, topk, selection_block_size, PS // WAYS, id_to_slot.size(1)
     lay = records_layout(B, S, K)
@@ -212,15 +233,14 @@ def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache,
     if not update:  # private counters and pool ids: the metadata stays bit-identical
         lru, pid = lru.clone(), pid.clone()
     skv, srp = selection_kv_cache.contiguous(), selection_k_rope.contiguous()
-    first = torch.full((B, IR), INT32_MAX, dtype=torch.int32, device=dev)
-    # the four -1-initialised scratch arrays: one allocation, one fill
-    n_log = MT * cap
-    scratch = torch.full((2 * n_log + B * IR + B * PS,), -1, dtype=torch.int32, device=dev)
-    log_slot, log_old, win_i2s, win_dst = scratch.split([n_log, n_log, B * IR, B * PS])
-    win_i2s = win_i2s.view(B, IR)
     sc = plan is not None
+    # Every -1-initialised scratch array in one allocation and one fill: the first-occurrence words (stored
+    # as INT32_MAX - g, atomic_max), the install log, the winners, and the inverted reference bits.
+    n_log = MT * cap
+    sizes = [B * IR, n_log, n_log, B * IR, B * PS, B * NS if sc else 0]
+    scratch = torch.full((sum(sizes),), -1, dtype=torch.int32, device=dev)
+    first, log_slot, log_old, win_i2s, win_dst, ref = scratch.split(sizes)
     if sc:  # reference bits per (row, set), one pass over the plan
-        ref = torch.zeros(B * NS, dtype=torch.int32, device=dev)
         rows_q = plan.size(0)
         block_q = min(1024, next_pow2(rows_q))
         _ref_kernel[(triton.cdiv(rows_q, block_q),)](plan.contiguous(), ref, rows_q, S * K, NS, PS, BLOCK_Q=block_q)
@@ -232,16 +252,12 @@ def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache,
     grid = (triton.cdiv(MT, mpp),)
     _first_kernel[grid](words, first, MT, S, K, IR, NS, cnt_w=lay.rec_bytes // 4, BLOCK_CAP=block_cap, MPP=mpp,
                         **common)
-    key = torch.empty(MT * cap, dtype=torch.int32, device=dev)
+    key = torch.empty(n_log, dtype=torch.int32, device=dev)
     _cand_kernel[grid](words, first, key, MT, S, K, IR, NS, cnt_w=lay.rec_bytes // 4, sentinel=B * NS,
                        BLOCK_CAP=block_cap, MPP=mpp, **common)
-    # Per-(b, set) install lists in record order: device-side sort/count, no host synchronisation.
-    order = torch.sort(key, stable=True).indices.to(torch.int32)
-    # (scatter_add, not bincount: bincount sizes its output from the data, a host synchronisation)
-    count = torch.zeros(B * NS + 1, dtype=torch.int32, device=dev).scatter_add_(
-        0, key.long(), torch.ones_like(key))[: B * NS]
-    start = (torch.cumsum(count, 0, dtype=torch.int32) - count).to(torch.int32)
-    _assign_kernel[(B, NS)](words, order, start, count, lru, pid, ref, log_slot, log_old, S, K, NS, PS,
+    # Per-(b, set) install lists in record order: a stable device sort, no host synchronisation
+    sorted_key, order = torch.sort(key, stable=True)
+    _assign_kernel[(B, NS)](words, sorted_key, order, n_log, lru, pid, ref, log_slot, log_old, S, K, NS, PS,
                             SECOND_CHANCE=sc, UPDATE=update, **common)
     base = (PS // sbs) * sbs  # NPU destination formula: dst = b*(PS//sbs)*sbs + slot
     _keys_kernel[grid](words, log_slot, log_old, win_i2s, win_dst, MT, S, IR, pool_row_base=base, UPDATE=update,
@@ -259,29 +275,12 @@ def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache,
         commit(dst, buf)
 
 
-def run(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table, pool_kv_cache,
-        pool_k_rope, pool_ids, id_to_slot, lru_counter, *, raw_seq: int = 1, topk: int = 2048,
-        selection_block_size: int = 128, metadata_update: int = 1) -> None:
-    """``custom::dsa_install`` through the Triton kernels (in place; same validation as the CPU kernel)."""
-    M.validate_dsa_install(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-                           pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-                           raw_seq, topk, selection_block_size, metadata_update)
-    launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache, pool_k_rope, pool_ids,
-           id_to_slot, lru_counter, raw_seq, topk, selection_block_size, metadata_update)
+def _launch_bound(a: tuple, _checked: object = None) -> None:
+    """:func:`launch` on the op's bound arguments (schema order; ``selection_kv_block_table`` unread)."""
+    launch(*a[:3], *a[4:9], *a[9:13])
 
 
-def run_functional(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-                   pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter, *, raw_seq: int = 1,
-                   topk: int = 2048, selection_block_size: int = 128, metadata_update: int = 1) -> tuple:
-    """``custom::dsa_install_functional``: updated clones, inputs untouched."""
-    M.validate_dsa_install(install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-                           pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-                           raw_seq, topk, selection_block_size, metadata_update, op=FUNCTIONAL_OP)
-    outs = tuple(t.clone() for t in (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter))
-    launch(install_records, selection_kv_cache, selection_k_rope, *outs, raw_seq, topk, selection_block_size,
-           metadata_update)
-    return outs
-
-
-def register() -> list[str]:
-    return [n for n, fn in ((OP, run), (FUNCTIONAL_OP, run_functional)) if L.impl(n, "CUDA", fn)]
+#: ``custom::dsa_install`` / ``dsa_install_functional`` on CUDA (``_common.CudaOp``: bound once, validated once
+#: per signature with the CPU kernel's own checks)
+KERNELS = CudaOp(M.SPEC, lambda a, op: M.validate_dsa_install(*a, op=op), _launch_bound)
+run, run_functional, register = KERNELS.run, KERNELS.run_functional, KERNELS.register

@@ -8,22 +8,17 @@ from __future__ import annotations
 
 
 from .. import dsa_install_sc as M
-from .._attention_common import ref_impl
 from . import dsa_install as I
+from ._common import CudaOp
 
 OP = M.OP
 
 
-def run(plan, install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table, pool_kv_cache,
-        pool_k_rope, pool_ids, id_to_slot, lru_counter, *, raw_seq: int = 1, topk: int = 2048,
-        selection_block_size: int = 128, metadata_update: int = 1) -> None:
-    """``offload_ref::dsa_install_sc`` through the Triton kernels (in place; same validation as on CPU)."""
-    M.validate_dsa_install_sc(plan, install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-                              pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-                              raw_seq, topk, selection_block_size, metadata_update)
-    I.launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache, pool_k_rope, pool_ids,
-             id_to_slot, lru_counter, raw_seq, topk, selection_block_size, metadata_update, plan=plan)
+def _launch_bound(a: tuple, _checked: object = None) -> None:
+    """The install kernels on the op's bound arguments (schema order: ``plan`` first, the table unread)."""
+    I.launch(*a[1:4], *a[5:10], *a[10:14], plan=a[0])
 
 
-def register() -> list[str]:
-    return [OP] if ref_impl(OP, "CUDA", run) else []
+#: ``offload_ref::dsa_install_sc`` on CUDA (``_common.CudaOp``: bound once, validated once per signature)
+KERNELS = CudaOp(M.SPEC, lambda a, op: M.validate_dsa_install_sc(*a), _launch_bound)
+run, register = KERNELS.run, KERNELS.register

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import _library as L
 from .. import dsa_plan as M
 from .._records import records_layout
-from ._common import next_pow2, require_triton
+from ._common import CudaOp, next_pow2, require_triton
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -110,15 +109,12 @@ def launch(selection_topk_indices, full_kv_actual_seq, id_to_slot, PS: int, raw_
     return plan, records, act
 
 
-def run(selection_topk_indices: torch.Tensor, full_kv_actual_seq: torch.Tensor, pool_ids: torch.Tensor,
-        id_to_slot: torch.Tensor, lru_counter: torch.Tensor, *, raw_seq: int = 1, group_id: int = 0,
-        owner_layer: int = 0, group_kind: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``custom::dsa_plan`` through the Triton kernel (same validation and observers as the CPU kernel)."""
-    M.validate_dsa_plan(selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter, raw_seq)
-    for observe in M.PLAN_OBSERVERS:
-        observe(selection_topk_indices, full_kv_actual_seq, pool_ids, raw_seq)
-    return launch(selection_topk_indices, full_kv_actual_seq, id_to_slot, pool_ids.size(1), raw_seq)
+def _launch_bound(a: tuple, _checked: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    for observe in M.PLAN_OBSERVERS:  # host hooks (offload_passes/trace/record.py), as the CPU kernel calls them
+        observe(a[0], a[1], a[2], a[5])
+    return launch(a[0], a[1], a[3], a[2].size(1), a[5])
 
 
-def register() -> list[str]:
-    return [OP] if L.impl(OP, "CUDA", run) else []
+#: ``custom::dsa_plan`` on CUDA (``_common.CudaOp``: bound once, validated once per signature)
+KERNELS = CudaOp(M.SPEC, lambda a, op: M.validate_dsa_plan(*a[:6]), _launch_bound)
+run, register = KERNELS.run, KERNELS.register

@@ -13,11 +13,10 @@ cache. That assumption is checked on a GPU only (``benchmarks/gpu_check.py``).
 """
 from __future__ import annotations
 
-import torch
 
 from .. import dsa_serve as M
 from .. import _library as L
-from ._common import COPY_TILE, bits, commit, host_operand, next_pow2, out_buffer, require_triton
+from ._common import COPY_TILE, CudaOp, bits, commit, host_operand, next_pow2, out_buffer, require_triton
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -81,28 +80,12 @@ def launch(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selecti
         commit(dst, buf)
 
 
-def run(plan: torch.Tensor, full_kv_cache: torch.Tensor, full_k_rope: torch.Tensor, pool_kv_cache: torch.Tensor,
-        pool_k_rope: torch.Tensor, selection_kv_cache: torch.Tensor, selection_k_rope: torch.Tensor,
-        raw_seq: int = 1, topk: int = 2048, selection_block_size: int = 128, compact_layout: int = 1) -> None:
-    """``custom::dsa_serve`` through the Triton kernel (in place); the CUDA registration calls this too."""
-    M.validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
-                         selection_k_rope, raw_seq, topk, selection_block_size, compact_layout)
-    launch(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache, selection_k_rope,
-           raw_seq, topk, selection_block_size, compact_layout)
+def _launch_bound(a: tuple, _checked: object = None) -> None:
+    launch(*a)
 
 
-def run_functional(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
-                   selection_k_rope, raw_seq: int = 1, topk: int = 2048, selection_block_size: int = 128,
-                   compact_layout: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``custom::dsa_serve_functional``: new selection tensors, inputs untouched (as the CPU twin)."""
-    M.validate_dsa_serve(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache,
-                         selection_k_rope, raw_seq, topk, selection_block_size, compact_layout, op=FUNCTIONAL_OP)
-    kv, rope = M.functional_outputs(selection_kv_cache, selection_k_rope, compact_layout)
-    launch(plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, kv, rope,
-           raw_seq, topk, selection_block_size, compact_layout)
-    return kv, rope
-
-
-def register() -> list[str]:
-    """CUDA kernels of the op and its twin (skipped where one is already registered)."""
-    return [n for n, fn in ((OP, run), (FUNCTIONAL_OP, run_functional)) if L.impl(n, "CUDA", fn)]
+#: ``custom::dsa_serve`` / ``dsa_serve_functional`` on CUDA (``_common.CudaOp``: bound once, validated once per
+#: signature with the CPU kernel's own checks; the twin writes new selection tensors, inputs untouched)
+KERNELS = CudaOp(M.SPEC, lambda a, op: M.validate_dsa_serve(*a, op=op), _launch_bound,
+                 twin_outputs=lambda a: M.functional_outputs(a[5], a[6], a[10]))
+run, run_functional, register = KERNELS.run, KERNELS.run_functional, KERNELS.register

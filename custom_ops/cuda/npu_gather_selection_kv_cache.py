@@ -1,16 +1,22 @@
-"""Triton kernel of ``custom::npu_gather_selection_kv_cache`` (+ ``_functional``), twin of
-``csrc/npu_gather_selection_kv_cache.cpp``.
+"""Triton kernels of ``custom::npu_gather_selection_kv_cache`` (+ ``_functional``), twin of
+``csrc/npu_gather_selection_kv_cache.cpp``: the recipe's gather, the baseline the offload is measured against.
 
-One program per query row ``r = b*S + s``: a row owns its ledger row (``selection_kv_block_status[r]``),
-its ``selection_kv_actual_seq`` entry and the selection blocks its block-table row names, so rows never
-share a written address (GLM's selection table is the identity; a table that maps two rows onto the same
-block gives undefined content on every backend, as documented in the op module). Inside a row the ledger
-logic is the C++ kernel's, vectorised over the K positions: valid ids are compacted with a prefix sum,
-each id is matched against the old ledger (lowest eligible position, ``CH`` ids at a time), kept entries at or after position
-``n`` are moved below ``n``, and the ids still to write go to the free positions in ascending order. The
-sources of moved entries are at positions ``>= n`` and every destination is ``< n``, so the copies of a
-row never overlap. The K <= 32 path (any ``bsz``) copies ``bsz``-token blocks and swaps the maximum
-(possibly partial) block to position ``n - 1``, exactly as the C++ kernel.
+A row ``r = b*S + s`` owns its ledger row (``selection_kv_block_status[r]``), its ``selection_kv_actual_seq``
+entry and the selection blocks its block-table row names, so rows never share a written address (GLM's
+selection table is the identity; a table that maps two rows onto the same block gives undefined content on
+every backend, as documented in the op module). Three launches:
+
+1. ``_ledger_kernel`` (one program per row): the C++ kernel's ledger logic, vectorised over the K
+   positions. Valid ids are compacted with a prefix sum; each id is matched against the old ledger (the
+   lowest eligible position holding it) by sorting the eligible ``(id, position)`` pairs once
+   (``tl.sort``) and one binary search per id: O(K log K) per row, not the O(K^2) all-pairs compare. Kept
+   entries at or after position ``n`` move below ``n``, the ids still to write take the free positions in
+   ascending order; the ledger is written here and every payload copy is listed (destination, source,
+   length).
+2. ``_copy_kernel`` (rows x chunks of the list): the copies, many programs per row. Sources of moved
+   entries are at positions ``>= n`` and every destination is ``< n``, so a row's copies never overlap.
+3. ``_swap_kernel`` (K <= 32 only, any ``bsz``: ``bsz``-token blocks): the maximum (possibly partial) block
+   swaps to position ``n - 1`` after the copies, exactly as the C++ kernel.
 
 Block-table bounds: every entry the op would dereference is checked before anything is written, with
 the C++ kernel's messages (the reference's ``_check_tables`` runs on the host: on a GPU this is one
@@ -23,7 +29,7 @@ import torch
 
 from .. import _library as L
 from .. import npu_gather_selection_kv_cache as M
-from ._common import bits, commit, next_pow2, out_buffer, require_triton
+from ._common import COPY_TILE, CudaOp, bits, commit, next_pow2, out_buffer, require_triton
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -32,16 +38,18 @@ OP, FUNCTIONAL_OP = M.OP, M.FUNCTIONAL_OP
 
 
 @triton.jit
-def _gather_kernel(skv_ptr, srp_ptr, sbt_ptr, status_ptr, topk_ptr, fkv_ptr, frp_ptr, fbt_ptr, len_ptr, act_ptr,
-                   ids_ptr, keep_ptr, kept_ptr, moved_ptr, free_ptr,
-                   S, K, bsz, SBS, FBS, sbt_cols, fbt_cols, Dkv, Dr,
-                   SMALL: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_K: tl.constexpr, CH: tl.constexpr,
-                   BLOCK_EKV: tl.constexpr, BLOCK_ER: tl.constexpr):
+def _ledger_kernel(sbt_ptr, status_ptr, topk_ptr, fbt_ptr, len_ptr, act_ptr,
+                   ids_ptr, keep_ptr, kept_ptr, moved_ptr, free_ptr, srt_ptr, cp_ptr, cpn_ptr, swap_ptr,
+                   S, K, bsz, SBS, FBS, sbt_cols, fbt_cols,
+                   SMALL: tl.constexpr, BLOCK_K: tl.constexpr, LOG_K: tl.constexpr):
+    """One program per row: the ledger, and the row's copy list (``cp``: destination, source, length per
+    id still to write; the copies run in ``_copy_kernel``)."""
     r = tl.program_id(0)
     b = r // S
     s = r % S
     Lb = tl.load(len_ptr + b)
     Lr = Lb - (S - 1 - s)
+    tl.store(swap_ptr + r.to(tl.int64) * 4 + 3, 0)
     if (Lb > 0) & (Lr > 0):
         max_sel = (Lr + bsz - 1) // bsz - 1
         r64 = r.to(tl.int64)
@@ -67,21 +75,25 @@ def _gather_kernel(skv_ptr, srp_ptr, sbt_ptr, status_ptr, topk_ptr, fkv_ptr, frp
         else:
             max_reuse = tl.maximum(max_sel - s - 1, 0)
             elig = km & (old >= 0) & (old <= max_reuse)
+        # keep[p] = j: old position p keeps new id j (the lowest eligible position holding the id; when several
+        # j find the same p the last one wins: atomic_max, independent of the schedule). O(K log K): the
+        # eligible (id, position) pairs sorted once, then one binary search per new id.
+        pair = tl.where(elig, old.to(tl.int64) * BLOCK_K + k, 9223372036854775807)
+        srt_row = srt_ptr + r64 * BLOCK_K
+        tl.store(srt_row + k, tl.sort(pair, 0))
         tl.debug_barrier()
-        # keep[p] = j: old position p keeps new id j (the lowest eligible position holding the id; when
-        # several j find the same p the last one wins: atomic_max, independent of the schedule)
-        # Loops with a runtime bound are while loops, not range(): the Triton interpreter of triton 3.4 and
-        # 3.6 (torch 2.8 and 2.10) turns range()'s bound into an int with int() on a one-element array,
-        # which numpy >= 2.4 refuses (docs/versions.md); compiled, a while loop is an scf.while of the same steps.
-        j0 = 0
-        while j0 < n:
-            jj = j0 + tl.arange(0, CH)
-            jm = jj < n
-            xj = tl.load(ids_ptr + row_s + jj, mask=jm, other=0)
-            eq = jm[:, None] & elig[None, :] & (xj[:, None] == old[None, :])
-            p = tl.min(tl.where(eq, k[None, :], BLOCK_K), 1)
-            tl.atomic_max(keep_ptr + row_s + p, jj, mask=jm & (p < BLOCK_K))
-            j0 += CH
+        target = x.to(tl.int64) * BLOCK_K
+        lo = tl.zeros([BLOCK_K], tl.int32)
+        hi = tl.full([BLOCK_K], BLOCK_K, tl.int32)
+        for _ in tl.static_range(LOG_K + 1):
+            go = lo < hi
+            mid = (lo + hi) // 2
+            below = tl.load(srt_row + mid, mask=go, other=0) < target
+            lo = tl.where(go & below, mid + 1, lo)
+            hi = tl.where(go & ~below, mid, hi)
+        hitp = tl.load(srt_row + lo, mask=valid & (lo < BLOCK_K), other=-1)
+        found = valid & (lo < BLOCK_K) & (hitp >= 0) & (hitp // BLOCK_K == x.to(tl.int64))
+        tl.atomic_max(keep_ptr + row_s + (hitp % BLOCK_K).to(tl.int32), j_of, mask=found)
         tl.debug_barrier()
         keep = tl.load(keep_ptr + row_s + k, mask=km, other=-1)
         # kept entries at/after position n move below n
@@ -93,47 +105,34 @@ def _gather_kernel(skv_ptr, srp_ptr, sbt_ptr, status_ptr, topk_ptr, fkv_ptr, frp
         fi = freem.to(tl.int32)
         tl.store(free_ptr + row_s + tl.cumsum(fi, 0) - 1, k, mask=freem)
         tl.debug_barrier()
-        # copy the ids still to write, CH at a time (todo rank t -> t-th free position)
-        t0 = 0
-        j0 = 0
-        while j0 < n:
-            jj = j0 + tl.arange(0, CH)
-            jm = jj < n
-            xj = tl.load(ids_ptr + row_s + jj, mask=jm, other=0)
-            todo = jm & (tl.load(kept_ptr + row_s + jj, mask=jm, other=1) == 0)
-            ti = todo.to(tl.int32)
-            t = t0 + tl.cumsum(ti, 0) - 1
-            t0 += tl.sum(ti, 0)
-            dst = tl.load(free_ptr + row_s + t, mask=todo, other=0)
-            mfrom = tl.load(moved_ptr + row_s + jj, mask=todo, other=-1)
-            if SMALL:
-                tail_len = Lr - max_sel * bsz
-                ln = tl.where(xj == max_sel, tail_len, bsz)
-            else:
-                ln = tl.full([CH], 1, tl.int32)
-            # token offsets (unit: one token of the payload)
-            dtok = dst * bsz
-            d_off = tl.load(sbt_ptr + r64 * sbt_cols + dtok // SBS, mask=todo, other=0).to(tl.int64) * SBS + dtok % SBS
-            mtok = tl.maximum(mfrom, 0) * bsz
-            m_off = tl.load(sbt_ptr + r64 * sbt_cols + mtok // SBS, mask=todo & (mfrom >= 0),
-                            other=0).to(tl.int64) * SBS + mtok % SBS
-            ftok = xj * bsz
-            f_off = tl.load(fbt_ptr + b.to(tl.int64) * fbt_cols + ftok // FBS, mask=todo & (mfrom < 0),
-                            other=0).to(tl.int64) * FBS + ftok % FBS
-            from_sel = (mfrom >= 0)[:, None]
-            e = tl.arange(0, BLOCK_EKV)[None, :]
-            em = todo[:, None] & (e < ln[:, None] * Dkv)
-            a = tl.load(skv_ptr + m_off[:, None] * Dkv + e, mask=em & from_sel, other=0)
-            f = tl.load(fkv_ptr + f_off[:, None] * Dkv + e, mask=em & ~from_sel, other=0)
-            tl.store(skv_ptr + d_off[:, None] * Dkv + e, tl.where(from_sel, a, f), mask=em)
-            if HAS_ROPE:
-                e = tl.arange(0, BLOCK_ER)[None, :]
-                em = todo[:, None] & (e < ln[:, None] * Dr)
-                a = tl.load(srp_ptr + m_off[:, None] * Dr + e, mask=em & from_sel, other=0)
-                f = tl.load(frp_ptr + f_off[:, None] * Dr + e, mask=em & ~from_sel, other=0)
-                tl.store(srp_ptr + d_off[:, None] * Dr + e, tl.where(from_sel, a, f), mask=em)
-            tl.store(st_row + dst, xj, mask=todo)
-            j0 += CH
+        # the ids still to write (todo rank t -> t-th free position): ledger entries here, copies listed
+        jm = k < n
+        xj = tl.load(ids_ptr + row_s + k, mask=jm, other=0)
+        todo = jm & (tl.load(kept_ptr + row_s + k, mask=jm, other=1) < 0)
+        ti = todo.to(tl.int32)
+        t = tl.cumsum(ti, 0) - 1
+        dst = tl.load(free_ptr + row_s + t, mask=todo, other=0)
+        mfrom = tl.load(moved_ptr + row_s + k, mask=todo, other=-1)
+        if SMALL:
+            tail_len = Lr - max_sel * bsz
+            ln = tl.where(xj == max_sel, tail_len, bsz)
+        else:
+            ln = tl.full([BLOCK_K], 1, tl.int32)
+        # token offsets (unit: one token of the payload)
+        dtok = dst * bsz
+        d_off = tl.load(sbt_ptr + r64 * sbt_cols + dtok // SBS, mask=todo, other=0).to(tl.int64) * SBS + dtok % SBS
+        mtok = tl.maximum(mfrom, 0) * bsz
+        m_off = tl.load(sbt_ptr + r64 * sbt_cols + mtok // SBS, mask=todo & (mfrom >= 0),
+                        other=0).to(tl.int64) * SBS + mtok % SBS
+        ftok = xj * bsz
+        f_off = tl.load(fbt_ptr + b.to(tl.int64) * fbt_cols + ftok // FBS, mask=todo & (mfrom < 0),
+                        other=0).to(tl.int64) * FBS + ftok % FBS
+        cp = cp_ptr + (row_s + t).to(tl.int64) * 3
+        tl.store(cp, d_off, mask=todo)
+        tl.store(cp + 1, tl.where(mfrom >= 0, m_off, f_off), mask=todo)
+        tl.store(cp + 2, tl.where(mfrom >= 0, ln, -ln).to(tl.int64), mask=todo)  # sign: from the selection
+        tl.store(cpn_ptr + r, tl.sum(ti, 0))
+        tl.store(st_row + dst, xj, mask=todo)
         tl.debug_barrier()
         if SMALL:
             tail_len = Lr - max_sel * bsz
@@ -142,26 +141,16 @@ def _gather_kernel(skv_ptr, srp_ptr, sbt_ptr, status_ptr, topk_ptr, fkv_ptr, frp
                 mx = tl.max(tl.where(valid, x, -1), 0)
                 cur = tl.load(st_row + k, mask=km, other=-1)
                 last = tl.load(st_row + n - 1)
-                if last != mx:  # the max (possibly partial) block must end the selection
+                if last != mx:  # the max (possibly partial) block must end the selection (_swap_kernel)
                     pm = tl.min(tl.where((k < n) & (cur == mx), k, BLOCK_K), 0)
-                    lnm = tl.where(mx == max_sel, tail_len, bsz)
                     atok = pm * bsz
                     ztok = (n - 1) * bsz
-                    a_off = tl.load(sbt_ptr + r64 * sbt_cols + atok // SBS).to(tl.int64) * SBS + atok % SBS
-                    z_off = tl.load(sbt_ptr + r64 * sbt_cols + ztok // SBS).to(tl.int64) * SBS + ztok % SBS
-                    e1 = tl.arange(0, BLOCK_EKV)
-                    blk_max = tl.load(skv_ptr + a_off * Dkv + e1, mask=e1 < lnm * Dkv)
-                    blk_last = tl.load(skv_ptr + z_off * Dkv + e1, mask=e1 < bsz * Dkv)
-                    if HAS_ROPE:
-                        e2 = tl.arange(0, BLOCK_ER)
-                        rmax = tl.load(srp_ptr + a_off * Dr + e2, mask=e2 < lnm * Dr)
-                        rlast = tl.load(srp_ptr + z_off * Dr + e2, mask=e2 < bsz * Dr)
+                    sw = swap_ptr + r64 * 4
+                    tl.store(sw, tl.load(sbt_ptr + r64 * sbt_cols + atok // SBS).to(tl.int64) * SBS + atok % SBS)
+                    tl.store(sw + 1, tl.load(sbt_ptr + r64 * sbt_cols + ztok // SBS).to(tl.int64) * SBS + ztok % SBS)
+                    tl.store(sw + 2, tl.where(mx == max_sel, tail_len, bsz).to(tl.int64))
+                    tl.store(sw + 3, 1)
                     tl.debug_barrier()
-                    tl.store(skv_ptr + z_off * Dkv + e1, blk_max, mask=e1 < lnm * Dkv)
-                    tl.store(skv_ptr + a_off * Dkv + e1, blk_last, mask=e1 < bsz * Dkv)
-                    if HAS_ROPE:
-                        tl.store(srp_ptr + z_off * Dr + e2, rmax, mask=e2 < lnm * Dr)
-                        tl.store(srp_ptr + a_off * Dr + e2, rlast, mask=e2 < bsz * Dr)
                     tl.store(st_row + pm, last)
                     tl.store(st_row + n - 1, mx)
         else:
@@ -170,6 +159,57 @@ def _gather_kernel(skv_ptr, srp_ptr, sbt_ptr, status_ptr, topk_ptr, fkv_ptr, frp
         tl.store(st_row + k, tl.full([BLOCK_K], -1, tl.int32), mask=km & (k >= n))
         tl.store(st_row + K, actual)
         tl.store(act_ptr + r, actual)
+
+
+@triton.jit
+def _copy_kernel(skv_ptr, srp_ptr, fkv_ptr, frp_ptr, cp_ptr, cpn_ptr, K, Dkv, Dr,
+                 HAS_ROPE: tl.constexpr, CH: tl.constexpr, BLOCK_EKV: tl.constexpr, BLOCK_ER: tl.constexpr):
+    """``CH`` entries of row ``program_id(0)``'s copy list per program (grid: rows x chunks): the sources of
+    moved entries sit at positions >= n, every destination below n, so a row's copies never overlap."""
+    r = tl.program_id(0)
+    t = tl.program_id(1) * CH + tl.arange(0, CH)
+    tm = t < tl.load(cpn_ptr + r)
+    cp = cp_ptr + (r.to(tl.int64) * K + t) * 3
+    d_off = tl.load(cp, mask=tm, other=0)
+    src = tl.load(cp + 1, mask=tm, other=0)
+    sln = tl.load(cp + 2, mask=tm, other=0)
+    ln = tl.abs(sln)
+    from_sel = (sln > 0)[:, None]
+    e = tl.arange(0, BLOCK_EKV)[None, :]
+    em = tm[:, None] & (e < ln[:, None] * Dkv)
+    a = tl.load(skv_ptr + src[:, None] * Dkv + e, mask=em & from_sel, other=0)
+    f = tl.load(fkv_ptr + src[:, None] * Dkv + e, mask=em & ~from_sel, other=0)
+    tl.store(skv_ptr + d_off[:, None] * Dkv + e, tl.where(from_sel, a, f), mask=em)
+    if HAS_ROPE:
+        e = tl.arange(0, BLOCK_ER)[None, :]
+        em = tm[:, None] & (e < ln[:, None] * Dr)
+        a = tl.load(srp_ptr + src[:, None] * Dr + e, mask=em & from_sel, other=0)
+        f = tl.load(frp_ptr + src[:, None] * Dr + e, mask=em & ~from_sel, other=0)
+        tl.store(srp_ptr + d_off[:, None] * Dr + e, tl.where(from_sel, a, f), mask=em)
+
+
+@triton.jit
+def _swap_kernel(skv_ptr, srp_ptr, swap_ptr, bsz, Dkv, Dr,
+                 HAS_ROPE: tl.constexpr, BLOCK_EKV: tl.constexpr, BLOCK_ER: tl.constexpr):
+    """K <= 32 path, after the copies: the row's maximum (possibly partial) block swaps with its last one."""
+    sw = swap_ptr + tl.program_id(0).to(tl.int64) * 4
+    if tl.load(sw + 3) != 0:
+        a_off = tl.load(sw)
+        z_off = tl.load(sw + 1)
+        lnm = tl.load(sw + 2)
+        e1 = tl.arange(0, BLOCK_EKV)
+        blk_max = tl.load(skv_ptr + a_off * Dkv + e1, mask=e1 < lnm * Dkv)
+        blk_last = tl.load(skv_ptr + z_off * Dkv + e1, mask=e1 < bsz * Dkv)
+        if HAS_ROPE:
+            e2 = tl.arange(0, BLOCK_ER)
+            rmax = tl.load(srp_ptr + a_off * Dr + e2, mask=e2 < lnm * Dr)
+            rlast = tl.load(srp_ptr + z_off * Dr + e2, mask=e2 < bsz * Dr)
+        tl.debug_barrier()
+        tl.store(skv_ptr + z_off * Dkv + e1, blk_max, mask=e1 < lnm * Dkv)
+        tl.store(skv_ptr + a_off * Dkv + e1, blk_last, mask=e1 < bsz * Dkv)
+        if HAS_ROPE:
+            tl.store(srp_ptr + z_off * Dr + e2, rmax, mask=e2 < lnm * Dr)
+            tl.store(srp_ptr + a_off * Dr + e2, rlast, mask=e2 < bsz * Dr)
 
 
 def _active_rows(topk, kv_len, B: int, S: int, bsz: int) -> list:
@@ -197,12 +237,14 @@ def launch(sel_rope, sel_kv, sbt, status, topk, full_rope, full_kv, fbt, kv_len,
                     full_kv.size(0), full_kv.size(1), sel_kv.size(1), OP)
     outs = [out_buffer(t) for t in (sel_rope, sel_kv, status)]
     dev = sel_kv.device
+    block_k = next_pow2(K)
+    # scratch: the -1-filled int32 words (ids, keep, kept, moved, free, per-row list length) in one fill;
+    # the int64 words (sorted pairs, copy lists, swaps) are written before they are read
+    words = torch.full((5 * R * K + R,), -1, dtype=torch.int32, device=dev)
+    ids, keep, kept, moved, free, cpn = words.split([R * K] * 5 + [R])
+    wide = torch.empty((R * block_k + 3 * R * K + 4 * R,), dtype=torch.int64, device=dev)
+    srt, cp, swap = wide.split([R * block_k, 3 * R * K, 4 * R])
     act = torch.zeros(sbt.size(0), dtype=torch.int32, device=dev)
-    scratch = dict(ids=torch.zeros(R * K, dtype=torch.int32, device=dev),
-                   keep=torch.full((R * K,), -1, dtype=torch.int32, device=dev),
-                   kept=torch.zeros(R * K, dtype=torch.int32, device=dev),
-                   moved=torch.full((R * K,), -1, dtype=torch.int32, device=dev),
-                   free=torch.zeros(R * K, dtype=torch.int32, device=dev))
     has_rope = not geo.no_rope and sel_rope.size(2) > 0
     Dkv = sel_kv.size(2)
     Dr = sel_rope.size(2) if has_rope else 1
@@ -210,46 +252,30 @@ def launch(sel_rope, sel_kv, sbt, status, topk, full_rope, full_kv, fbt, kv_len,
     rope_full = bits(full_rope_d) if has_rope else bits(full_kv_d)
     small = K <= M.SMALL_TOPK
     tokens = bsz if small else 1
-    block_k, block_ekv = next_pow2(K), next_pow2(tokens * Dkv)
-    ch = min(block_k, 64, max(1, 16384 // block_k), max(1, 16384 // block_ekv))  # ids per [CH, K] / [CH, E] tile
-    _gather_kernel[(R,)](
-        bits(outs[1]), rope_sel, sbt_c, outs[2], topk2, bits(full_kv_d), rope_full, fbt_c, len_c, act,
-        scratch["ids"], scratch["keep"], scratch["kept"], scratch["moved"], scratch["free"],
-        S, K, bsz, sel_kv.size(1), full_kv.size(1), sbt_c.size(1), fbt_c.size(1), Dkv, Dr,
-        SMALL=small, HAS_ROPE=has_rope, BLOCK_K=block_k, CH=ch,
-        BLOCK_EKV=block_ekv, BLOCK_ER=next_pow2(tokens * Dr),
+    block_ekv, block_er = next_pow2(tokens * Dkv), next_pow2(tokens * Dr)
+    _ledger_kernel[(R,)](
+        sbt_c, outs[2], topk2, fbt_c, len_c, act, ids, keep, kept, moved, free, srt, cp, cpn, swap,
+        S, K, bsz, sel_kv.size(1), full_kv.size(1), sbt_c.size(1), fbt_c.size(1),
+        SMALL=small, BLOCK_K=block_k, LOG_K=block_k.bit_length() - 1,
     )
+    ch = max(1, min(64, next_pow2(K), COPY_TILE // block_ekv))  # list entries per [CH, E] tile (as serve's)
+    _copy_kernel[(R, triton.cdiv(K, ch))](
+        bits(outs[1]), rope_sel, bits(full_kv_d), rope_full, cp, cpn, K, Dkv, Dr,
+        HAS_ROPE=has_rope, CH=ch, BLOCK_EKV=block_ekv, BLOCK_ER=block_er)
+    if small:
+        _swap_kernel[(R,)](bits(outs[1]), rope_sel, swap, bsz, Dkv, Dr, HAS_ROPE=has_rope, BLOCK_EKV=block_ekv,
+                           BLOCK_ER=block_er)
     for dst, buf in zip((sel_rope, sel_kv, status), outs):
         commit(dst, buf)
     return act
 
 
-def run(selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
-        selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
-        full_q_actual_seq, selection_topk_block_size: int = 64) -> torch.Tensor:
-    """``custom::npu_gather_selection_kv_cache`` through the Triton kernel (in place, same validation)."""
-    geo = M.validate_npu_gather_selection_kv_cache(
-        selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
-        selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
-        full_q_actual_seq, selection_topk_block_size)
-    return launch(selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
-                  selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq, geo)
+def _launch_bound(a: tuple, geo: "M.GatherGeometry") -> torch.Tensor:
+    return launch(*a[:9], geo)
 
 
-def run_functional(selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
-                   selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
-                   full_q_actual_seq, selection_topk_block_size: int = 64) -> tuple:
-    """The functional twin: ``(actual_seq, rope, kv, table, status)`` clones, inputs untouched."""
-    geo = M.validate_npu_gather_selection_kv_cache(
-        selection_k_rope, selection_kv_cache, selection_kv_block_table, selection_kv_block_status,
-        selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table, full_kv_actual_seq,
-        full_q_actual_seq, selection_topk_block_size, op=FUNCTIONAL_OP)
-    rope, kv, table, status = (selection_k_rope.clone(), selection_kv_cache.clone(),
-                               selection_kv_block_table.clone(), selection_kv_block_status.clone())
-    act = launch(rope, kv, table, status, selection_topk_indices, full_k_rope, full_kv_cache, full_kv_block_table,
-                 full_kv_actual_seq, geo)
-    return act, rope, kv, table, status
-
-
-def register() -> list[str]:
-    return [n for n, fn in ((OP, run), (FUNCTIONAL_OP, run_functional)) if L.impl(n, "CUDA", fn)]
+#: ``custom::npu_gather_selection_kv_cache`` (+ ``_functional``: ``(actual_seq, rope, kv, table, status)``,
+#: inputs untouched) on CUDA (``_common.CudaOp``: bound once, validated once per signature; the geometry the
+#: validation returns is handed to the launcher)
+KERNELS = CudaOp(M.SPEC, lambda a, op: M.validate_npu_gather_selection_kv_cache(*a, op=op), _launch_bound)
+run, run_functional, register = KERNELS.run, KERNELS.run_functional, KERNELS.register

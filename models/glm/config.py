@@ -181,7 +181,7 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return self.mlp_layer_types[i] == "sparse"
 
-    def index_groups(self) -> list[list[int]]:
+    def groups(self) -> list[list[int]]:
         """IndexShare groups: each "full" layer opens a group, following "shared" layers join it."""
         groups: list[list[int]] = []
         for i, t in enumerate(self.indexer_types):
@@ -190,6 +190,9 @@ class ModelConfig:
             else:
                 groups[-1].append(i)
         return groups
+
+    #: Deprecated name of ``groups`` (removed in the next release; docs/glossary.md, "Renamed").
+    index_groups = groups
 
     # ---------------------------------------------------------------- validation
     def finalize(self) -> "ModelConfig":

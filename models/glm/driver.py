@@ -72,7 +72,7 @@ class Driver:
         r = self.runner
         self.B, self.S = model.batch_size, model.seq_per_step
         self.K = model.config.index_topk
-        self.groups = model.config.index_groups()
+        self.groups = model.config.groups()
         self.seed = r.seed if seed is None else seed
         self.prefill_lens = torch.tensor(
             [r.prefill_len] * self.B if prefill_lens is None else list(prefill_lens), dtype=torch.int64

@@ -375,8 +375,10 @@ class GlmMoeDsaAttention(nn.Module):
         pin = runner.enable_offload and torch.cuda.is_available() and (device is None or str(device) == "cpu")
         kv = torch.zeros(full_blocks, BS, 1, self.kv_lora_rank, dtype=dt, device=device)
         rope = torch.zeros(full_blocks, BS, 1, self.rope_dim, dtype=dt, device=device)
-        if pin:  # host-side full cache, as the recipe keeps it in swapped host memory
-            kv, rope = kv.pin_memory(), rope.pin_memory()
+        if pin:  # host-side full cache (the recipe's swapped host memory): pinned in place, exact size
+            from offload_passes.cuda import host_pinned  # cudaHostRegister, no pinned-allocator rounding
+
+            kv, rope = host_pinned(kv), host_pinned(rope)
         self.register_buffer("kv_cache", kv, persistent=False)
         self.register_buffer("k_rope_cache", rope, persistent=False)
         if self.enable_offload:
@@ -749,8 +751,12 @@ class GlmMoeDsaForCausalLM(nn.Module):
     def reset_caches(self) -> None:
         self.reset_rows(range(self.batch_size))
 
-    def index_groups(self) -> list[list[int]]:
-        return self.config.index_groups()
+    def groups(self) -> list[list[int]]:
+        """IndexShare groups of the model's layers (``ModelConfig.groups``)."""
+        return self.config.groups()
+
+    #: Deprecated name of ``groups`` (removed in the next release; docs/glossary.md, "Renamed").
+    index_groups = groups
 
     def cache_buffers(self) -> dict[str, torch.Tensor]:
         """All cache / ledger / table buffers by qualified name."""

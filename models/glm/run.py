@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     t_build = time.perf_counter() - t0
     m, r = b.model, b.runner
     fp = m.memory_footprint()
-    print(f"preset {args.preset}: {m.config.num_hidden_layers} layers, groups {len(m.index_groups())}, "
+    print(f"preset {args.preset}: {m.config.num_hidden_layers} layers, groups {len(m.groups())}, "
           f"K={m.config.index_topk}, B={r.batch_size}, S={r.seq_per_step}, dtype={m.config.torch_dtype}, "
           f"offload={r.enable_offload}")
     for k, v in fp.items():

@@ -19,6 +19,9 @@ What the mode is (the decisions; docs/cuda.md has the reasons at length):
 * **Inductor** would reorder the ops across the stream switches (it has no notion of the current stream
   of a custom op), so this mode never hands the graph to Inductor; ``torch.compile(mode=...)`` (Inductor
   settings, ``"reduce-overhead"`` = CUDA graphs / cudagraph trees) is refused by name.
+* **CUDA graphs**: option ``cuda_graphs=True`` captures the lowered step in one CUDA graph (the lowering's
+  own capture, ``lowering/cuda_graphs.py``): refused at compile time, naming the nodes, when
+  :func:`~offload_passes.lowering.cuda_graphs.capture_problems` finds a host synchronisation in the graph.
 * **Host-resident KV**: the full caches may be pinned host tensors (:mod:`offload_passes.cuda`); the
   serve kernel reads their missed rows zero-copy. Nothing here copies them. The model writes its new rows
   into them with the cache-write op (device stores through the pinned address, ``custom_ops/cuda/cache_write.py``);
@@ -39,7 +42,9 @@ import torch
 from torch import fx
 
 from ..custom_ops.cuda._common import raise_device_errors
+from ..passes import _fx
 from .cpu import CpuLowering
+from .cuda_graphs import GraphReplay, capture_problems, input_specs
 from .side_stream import join_points, move_after_serve, side_inputs
 from ..modes import CUDA_EXE_MODES, check_exe_mode
 from ..options import OffloadOptions
@@ -262,6 +267,10 @@ class CudaLowering:
         self.guards: dict[str, List[str]] = {}
         #: graph id -> the lowered step (raises a pending device error before it runs)
         self.steps: dict[str, Callable] = {}
+        #: graph id -> what keeps the graph out of a CUDA-graph capture (``cuda_graphs=True`` only)
+        self.capture_problems: dict[str, List[str]] = {}
+        #: graph id -> the captured step (``cuda_graphs=True``; ``lowering/cuda_graphs.py``)
+        self.replays: dict[str, GraphReplay] = {}
 
     def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
                 ) -> tuple[OffloadOptions, Optional[InstallHook]]:
@@ -285,9 +294,25 @@ class CudaLowering:
         if mode in UNSUPPORTED_COMPILE_MODES:
             raise RuntimeError(
                 f"exe_mode='cuda' does not support torch.compile(mode={mode!r}): the mode runs the offload graph "
-                "op by op after AOT (Inductor would reorder the ops across the install side stream), and CUDA "
-                "graphs (cudagraph trees) are not supported; call torch.compile without mode=")
+                "op by op after AOT (Inductor would reorder the ops across the install side stream), and Inductor's "
+                "cudagraph trees refuse the host-resident caches; call torch.compile without mode= and set the "
+                "backend option cuda_graphs=True for the lowering's own CUDA-graph capture (docs/cuda.md)")
+        specs = input_specs(gm, example_inputs) if ctx.options.cuda_graphs else None
+        mutated = _fx.mutated_placeholders(gm) if specs is not None else []
         fn = self._eager.lower(gm, example_inputs, ctx)
+        gid = str(ctx.graph_id)
+        if specs is not None:
+            problems = capture_problems(ctx.final_graph if ctx.final_graph is not None else gm.graph)
+            self.capture_problems[gid] = problems
+            if problems:
+                raise RuntimeError(f"cuda_graphs=True: graph {gid} cannot be captured in one CUDA graph ("
+                                   f"{len(problems)} problems): " + "; ".join(problems[:8])
+                                   + ("; ..." if len(problems) > 8 else "")
+                                   + " (docs/cuda.md, CUDA graphs; or compile with cuda_graphs=False)")
+            replay = GraphReplay(fn, specs, mutated=mutated)
+            self.replays[gid] = replay
+            self.steps[gid] = replay
+            return replay
 
         def step(*args: Any) -> Any:
             # a guard or kernel that failed on the device in an earlier call raises here, on the host
@@ -295,5 +320,5 @@ class CudaLowering:
             return fn(*args)
 
         step.__wrapped__ = fn  # type: ignore[attr-defined]
-        self.steps[str(ctx.graph_id)] = step
+        self.steps[gid] = step
         return step

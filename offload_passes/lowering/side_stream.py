@@ -46,7 +46,7 @@ def _base(n: Any) -> Any:
 def serve_of(install: fx.Node) -> Optional[fx.Node]:
     """The serve that filled the selection buffer this install reads (its layer's serve)."""
     sel = _base(install.args[_INSTALL_SELECTION])
-    # a paged group (passes/frontend_recipe.py) keeps the model's gather after the serve: it writes the
+    # a paged group (passes/frontends/recipe.py) keeps the model's gather after the serve: it writes the
     # rest of the selection buffer, so the installs start after it
     for u in sel.users:
         if "npu_gather_selection_kv_cache" in str(u.target) and any(_base(a) is sel for a in u.args[:2]):

@@ -7,24 +7,36 @@ normal; no period or pattern is assumed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
 
 from torch import fx
 
-from .detect import DetectReport, Site
+
+class GroupedSite(Protocol):
+    """What grouping reads of a front-end's site (the recipe's ``Site``, the Hugging Face form's ``HfSite``)."""
+
+    layer: int
+    producer: fx.Node  # the top-k node the site's selection comes from: the group key
+
+
+class DetectedSites(Protocol):
+    """What grouping reads of a front-end's detection report: its sites, in graph order."""
+
+    sites: Sequence[Any]
 
 
 @dataclass
 class Group:
     group_id: int
     producer: fx.Node
-    sites: list[Site]
+    sites: list[Any]  # the front-end's sites (GroupedSite)
 
     @property
-    def owner(self) -> Site:
+    def owner(self) -> Any:
         return self.sites[0]
 
     @property
-    def last(self) -> Site:
+    def last(self) -> Any:
         return self.sites[-1]
 
     @property
@@ -37,8 +49,8 @@ class GroupReport:
     groups: list[Group]
 
 
-def group(det: DetectReport) -> GroupReport:
-    by_producer: dict[fx.Node, list[Site]] = {}
+def group(det: DetectedSites) -> GroupReport:
+    by_producer: dict[fx.Node, list[GroupedSite]] = {}
     for s in det.sites:  # sites are in graph order already
         by_producer.setdefault(s.producer, []).append(s)
     ordered = sorted(by_producer.items(), key=lambda kv: kv[1][0].layer)

@@ -1,15 +1,21 @@
-"""Pass 3 — the plan step: per group, decide pool size / sets / id_range and check every precondition.
+"""Pass 3 — the precondition checks: per group, decide pool size / sets / id_range and check every limit.
 
 Anything unmet becomes a ``Refusal`` (reason code + detail naming the argument and the limit); the
-backend then compiles the graph unmodified (or raises under ``strict``). Shapes come from the nodes'
-example values; the selection block table's identity layout is checked on the real example inputs
-(serve writes the selection positionally), and the full block table's layout on them picks how misses
-are read (identity: serve's ``[B, F, D]`` view; any other: through the table).
+backend then compiles the graph unmodified (or raises under ``strict``). The group-level rules every
+front-end shares live here once (:class:`Checker`, :func:`check_topk_width`, :func:`check_raw_seq`,
+:func:`check_pool_size`, :func:`group_geometry`, the ops' limits); :func:`check_preconditions` is the
+recipe form's step (``passes/frontends/recipe.py``), the Hugging Face form's is
+``passes/frontends/hf/frontend.py::check_hf_preconditions``.
+
+Recipe form: shapes come from the nodes' example values; the selection block table's identity layout is
+checked on the real example inputs (serve writes the selection positionally), and the full block table's
+layout on them picks how misses are read (identity: serve's ``[B, F, D]`` view; any other: through the
+table).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import fx
@@ -19,9 +25,12 @@ from ..custom_ops._library import is_pow2
 from ..custom_ops._pool import id_range_for, pool_size_problem
 from ..options import OffloadOptions
 from ._fx import bind, example, input_values, is_graph_input_or_attr, strip_views
-from .detect import Refusal, Site
+from .group import Group, GroupReport
 from .producers import producer_of_call
-from .group import GroupReport
+from .refusal import Refusal
+
+if TYPE_CHECKING:
+    from .frontends.recipe import Site
 
 # A group's limits are those of the ops the rewrite emits (their OpSpecs; one definition each).
 _PLAN, _INSTALL = spec_for("dsa_plan"), spec_for("dsa_install")
@@ -57,7 +66,7 @@ class SiteGeometry:
 
 
 @dataclass
-class GroupPlan:
+class GroupGeometry:
     group_id: int
     owner_layer: int
     last_layer: int
@@ -87,20 +96,56 @@ class GroupPlan:
 
 
 @dataclass
-class PlanReport:
-    groups: list[GroupPlan]
+class PreconditionReport:
+    groups: list[GroupGeometry]  # the groups that pass (empty when the front-end refuses them all)
     refusals: list[Refusal]
 
 
-class _Checker:
-    def __init__(self, layer: Optional[int]):
-        self.layer = layer
-        self.refusals: list[Refusal] = []
+class Checker:
+    """``chk(cond, reason, detail)``: records a :class:`Refusal` at ``layer`` when ``cond`` is false;
+    returns ``cond``. ``layer`` may be given per call (a group's check naming one of its sites)."""
 
-    def __call__(self, cond: bool, reason: str, detail: str) -> bool:
+    def __init__(self, layer: Optional[int], refusals: Optional[list[Refusal]] = None):
+        self.layer = layer
+        self.refusals: list[Refusal] = [] if refusals is None else refusals
+
+    def __call__(self, cond: bool, reason: str, detail: str, layer: Optional[int] = None) -> bool:
         if not cond:
-            self.refusals.append(Refusal(reason, detail, self.layer))
+            self.refusals.append(Refusal(reason, detail, self.layer if layer is None else layer))
         return cond
+
+
+def check_topk_width(chk: Checker, K: int, bounded_by_producer: bool) -> None:
+    """The top-k width the plan takes: a multiple of ``TOPK_ALIGN``, at most ``MAX_TOPK``.
+    ``bounded_by_producer``: the top-k producer's own schema already limits K to ``MAX_TOPK`` (every
+    lightning indexer the recipe detection accepts limits sparse_count to INDEXER_MAX_SPARSE_COUNT =
+    MAX_TOPK, as does the gather), so only the alignment is checked."""
+    if bounded_by_producer:
+        chk(K % TOPK_ALIGN == 0, "topk_alignment", f"top-k width K={K} must be a multiple of {TOPK_ALIGN}")
+    else:
+        chk(K % TOPK_ALIGN == 0 and 0 < K <= MAX_TOPK, "topk_alignment",
+            f"top-k width K={K} must be a multiple of {TOPK_ALIGN} and <= {MAX_TOPK}")
+
+
+def check_raw_seq(chk: Checker, S: int, opts: OffloadOptions) -> None:
+    """Query tokens per step: ``1 <= S <= MAX_RAW_SEQ``, and ``S == next_n + 1`` when ``next_n`` is set."""
+    chk(1 <= S <= MAX_RAW_SEQ, "raw_seq", f"raw_seq S={S} must be in [1, {MAX_RAW_SEQ}]")
+    if opts.next_n is not None:
+        chk(S == opts.next_n + 1, "next_n", f"graph has raw_seq S={S}, config next_n={opts.next_n}")
+
+
+def check_pool_size(chk: Checker, pool_size: int, selection_block_size: int) -> None:
+    """The pool geometry rule (``custom_ops/_pool.py::pool_size_problem``) for this group's block size."""
+    problem = pool_size_problem(pool_size, selection_block_size)
+    chk(problem is None, "pool_size", f"pool_size={pool_size} {problem[0]}" if problem else "")
+
+
+def group_geometry(g: Group, B: int, S: int, K: int, SBS: int, F: int, lengths: fx.Node,
+                   geometry: dict[int, SiteGeometry], opts: OffloadOptions) -> GroupGeometry:
+    """A group's geometry: pool size and sets from the options, the id range from the longest cache ``F``."""
+    PS = opts.resolved_pool_size
+    return GroupGeometry(g.group_id, g.owner.layer, g.last.layer, g.layers, B, S, K, SBS, PS, PS // 16,
+                         id_range_for(F, opts.id_range), lengths, g.owner.topk, g.producer.name, geometry)
 
 
 def is_identity_table(t: torch.Tensor, rows: int, cols: int) -> bool:
@@ -124,7 +169,7 @@ def _real(node: Any, real_inputs: dict[fx.Node, torch.Tensor]) -> Optional[torch
     return t
 
 
-def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Optional[tuple]:
+def _site(site: "Site", opts: OffloadOptions, real: dict, chk: Checker) -> Optional[tuple]:
     a = site.args
     chk(a["selection_topk_block_size"] == 1, "gather_block_size",
         f"selection_topk_block_size={a['selection_topk_block_size']} (only 1, the K > 32 ledger path, is supported)")
@@ -143,17 +188,13 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Option
                f"full_kv_cache {tuple(fkv.shape)} must be [blocks, block_size, Dkv] with a 2-D block table"):
         return None
     K = tk.size(-1)
-    chk(K % TOPK_ALIGN == 0, "topk_alignment", f"top-k width K={K} must be a multiple of {TOPK_ALIGN}")
-    # K <= MAX_TOPK needs no check of its own: every top-k producer detect accepts is a lightning indexer
-    # whose schema limits sparse_count to INDEXER_MAX_SPARSE_COUNT = MAX_TOPK, as does the gather.
+    check_topk_width(chk, K, bounded_by_producer=True)
     B, maxblk = fbt.shape
     T = tk.numel() // max(K, 1)
     S = T // max(B, 1)
     chk(tk.dim() in (3, 4) and T == B * S and (tk.dim() == 3 or (tk.size(0) == B and tk.size(2) == 1)),
         "topk_layout", f"selection_topk_indices {tuple(tk.shape)} is not [B, S, 1, K] / [B*S, 1, K] with B={B}")
-    chk(1 <= S <= MAX_RAW_SEQ, "raw_seq", f"raw_seq S={S} must be in [1, {MAX_RAW_SEQ}]")
-    if opts.next_n is not None:
-        chk(S == opts.next_n + 1, "next_n", f"graph has raw_seq S={S}, config next_n={opts.next_n}")
+    check_raw_seq(chk, S, opts)
     F_blocks, FBS, Dkv = fkv.shape
     Dr = frp.size(-1)
     chk(tuple(frp.shape[:2]) == (F_blocks, FBS), "paged_layout",
@@ -197,23 +238,25 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: _Checker) -> Option
     return geo, (B, S, K, SBS)
 
 
-def plan(gm: fx.GraphModule, groups: GroupReport, example_inputs: Sequence[Any],
-         opts: OffloadOptions) -> PlanReport:
+def check_preconditions(gm: fx.GraphModule, groups: GroupReport, example_inputs: Sequence[Any],
+                        opts: OffloadOptions) -> PreconditionReport:
+    """The recipe form's precondition step: every site's arguments (shapes, layouts, block tables on the
+    real example inputs), then each group's consistency and pool geometry."""
     real = input_values(gm, example_inputs)  # graph inputs, and module buffers Dynamo left as attributes
-    out: list[GroupPlan] = []
+    out: list[GroupGeometry] = []
     refusals: list[Refusal] = []
     PS = opts.resolved_pool_size
     for g in groups.groups:
         geos: dict[int, SiteGeometry] = {}
         dims = set()
         for s in g.sites:
-            chk = _Checker(s.layer)
+            chk = Checker(s.layer)
             r = _site(s, opts, real, chk)
             refusals.extend(chk.refusals)
             if r is not None:
                 geos[s.layer] = r[0]
                 dims.add(r[1])
-        chk = _Checker(g.owner.layer)
+        chk = Checker(g.owner.layer)
         if len(dims) > 1:
             chk(False, "group_inconsistent", f"group {g.group_id}: sites disagree on (B, S, K, BS): {sorted(dims)}")
         roots = {strip_views(s.args["full_kv_actual_seq"], casts=True) for s in g.sites}
@@ -228,11 +271,8 @@ def plan(gm: fx.GraphModule, groups: GroupReport, example_inputs: Sequence[Any],
             continue
         B, S, K, SBS = dims.pop()
         F = max(geo.F for geo in geos.values())
-        IR = id_range_for(F, opts.id_range)
-        chk = _Checker(g.owner.layer)
-        problem = pool_size_problem(PS, SBS)
-        chk(problem is None, "pool_size", f"pool_size={PS} {problem[0]}" if problem else "")
+        chk = Checker(g.owner.layer)
+        check_pool_size(chk, PS, SBS)
         refusals.extend(chk.refusals)
-        out.append(GroupPlan(g.group_id, g.owner.layer, g.last.layer, g.layers, B, S, K, SBS, PS, PS // 16, IR,
-                             g.owner.args["full_kv_actual_seq"], g.owner.topk, g.producer.name, geos))
-    return PlanReport(out, refusals)
+        out.append(group_geometry(g, B, S, K, SBS, F, g.owner.args["full_kv_actual_seq"], geos, opts))
+    return PreconditionReport(out, refusals)

@@ -1,10 +1,10 @@
 """Pass 4 — the one rewrite core: each group's top-k becomes plan / serve / install, pre-AOT.
 
-Every front-end (the recipe form, ``passes/frontend_recipe.py``; the Hugging Face form,
-``passes/rewrite_hf.py``) goes through :func:`rewrite`; a front-end only says where a site's attention is
-and how it is emitted (:class:`FrontEnd`). Everything else exists once, here: the run-time guards, the
-new-request invalidation, ``dsa_plan`` and its statistics, the installs (``replacement_policy``) and the
-``install_hook`` of the NPU / CUDA lowerings.
+Every front-end (``passes/frontends/``: the recipe form, ``frontends/recipe.py``; the Hugging Face form,
+``frontends/hf/``) goes through :func:`rewrite`; a front-end only says where a site's attention is and how
+it is emitted (the emit hooks of ``frontends.FrontEnd``). Everything else exists once, here: the run-time
+guards, the new-request invalidation, ``dsa_plan`` and its statistics, the installs (``replacement_policy``)
+and the ``install_hook`` of the NPU / CUDA lowerings.
 
 Per group g (owner O, last layer Z), on the Dynamo graph (op semantics: docs/ops.md):
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import fx
@@ -44,7 +44,10 @@ from ..state import OffloadState
 from . import _fx
 from ._fx import hoist_attrs, strip_views
 from .group import GroupReport
-from .preconditions import GroupPlan
+from .preconditions import GroupGeometry
+
+if TYPE_CHECKING:  # the protocol's home imports this module (its hooks take RewriteCtx, Builder, ...)
+    from .frontends import FrontEnd
 
 aten = torch.ops.aten
 custom = torch.ops.custom
@@ -88,7 +91,7 @@ class RewriteReport:
     extra: dict = field(default_factory=dict)  # front-end specific facts (HF: erased nodes, masks left)
 
 
-class _Builder:
+class Builder:
     """Emits ``call_function`` nodes with their fake ``meta["val"]`` (``_fx.set_fake_val``)."""
 
     def __init__(self, graph: fx.Graph, hints: Sequence[Any] = ()):
@@ -161,7 +164,7 @@ class RewriteCtx:
     """One rewrite's graph, options and accumulating results (what a front-end's emitters receive)."""
 
     gm: fx.GraphModule
-    b: _Builder
+    b: Builder
     first: fx.Node  # the first computing node: state attributes and early guards go before it
     state: Optional[OffloadState]
     update_ledger: bool
@@ -188,7 +191,7 @@ class RewriteCtx:
 class GroupNodes:
     """The nodes of one offloaded group every layer's serve / install uses."""
 
-    p: GroupPlan
+    p: GroupGeometry
     meta: dict[str, fx.Node]  # pool_ids, id_to_slot, lru_counter, stats, seen_len, external_write
     pools: dict[int, tuple[fx.Node, fx.Node]]  # layer -> (pool_kv, pool_rope)
     dev: Any  # the state's device
@@ -204,45 +207,6 @@ class GroupNodes:
     by_layer: dict[int, SiteRewrite] = field(default_factory=dict)
 
 
-class FrontEnd(Protocol):
-    """What differs between graph forms: detection, planning and how a site's attention is emitted."""
-
-    name: str
-    #: pass name -> file, for the report (the pipeline adds the shared ones)
-    pass_files: dict[str, str]
-
-    def detect(self, gm: fx.GraphModule) -> Any: ...
-
-    def plan(self, gm: fx.GraphModule, grp: GroupReport, example_inputs: Sequence[Any], opts: Any) -> Any: ...
-
-    def plan_anchor(self, grp: Any) -> fx.Node:
-        """The node the group's plan (and invalidation) is inserted before."""
-
-    def lengths(self, b: _Builder, p: GroupPlan) -> fx.Node:
-        """This step's cache length per row, ``[B]`` int32 (emitted before :meth:`plan_anchor`)."""
-
-    def topk(self, b: _Builder, p: GroupPlan) -> fx.Node:
-        """The group's top-k as ``[B, S, 1, K]`` int32."""
-
-    def selection(self, ctx: RewriteCtx, grp: Any, p: GroupPlan) -> dict[int, tuple[fx.Node, fx.Node, fx.Node]]:
-        """Per layer the selection buffers serve fills and install reads: ``(kv, rope, block_table)``."""
-
-    def ledger(self, p: GroupPlan, layer: int) -> Optional[fx.Node]:
-        """The model's gather ledger of ``layer`` (``[.., K+1]`` status), or None when it has none."""
-
-    def add_guards(self, ctx: RewriteCtx, grp: GroupReport, plans: dict[int, GroupPlan]) -> None:
-        """Front-end specific run-time guards (the shared lengths guard is emitted by the core)."""
-
-    def emit_site(self, ctx: RewriteCtx, grp: Any, gn: Optional[GroupNodes], site: Any) -> fx.Node:
-        """Layer ``site``: its serve (``gn`` given) and the attention; records a :class:`SiteRewrite` in
-        ``ctx.sites`` / ``gn.by_layer`` and ``ctx.after``; returns the node installs go after."""
-
-    def layer_nodes_before(self, grp: GroupReport) -> dict[int, list[str]]: ...
-
-    def finish(self, ctx: RewriteCtx) -> dict:
-        """After every group: clean-up (e.g. dead dense nodes); extra report facts."""
-
-
 def emit_plan_stats(b: Callable[..., fx.Node], plan_n: fx.Node, stats: fx.Node, dev: Any) -> None:
     """In-graph counters after a plan: ``stats[0]`` = this step's one-hot count of the six plan kinds plus
     the step, ``stats[1]`` = the running total. ``b(target, *args, **kwargs)`` emits one node."""
@@ -255,7 +219,7 @@ def emit_plan_stats(b: Callable[..., fx.Node], plan_n: fx.Node, stats: fx.Node, 
     b(aten.copy_.default, stats, b(aten.stack.default, [new, cum]))
 
 
-def rewrite(gm: fx.GraphModule, fe: FrontEnd, groups: GroupReport, plans: Sequence[GroupPlan],
+def rewrite(gm: fx.GraphModule, fe: FrontEnd, groups: GroupReport, plans: Sequence[GroupGeometry],
             state: Optional[OffloadState], update_ledger: bool = True, install_hook: Optional[InstallHook] = None,
             in_graph_guards: bool = True, detect_new_requests: bool = True,
             replacement_policy: str = "fifo") -> RewriteReport:
@@ -272,7 +236,7 @@ def rewrite(gm: fx.GraphModule, fe: FrontEnd, groups: GroupReport, plans: Sequen
     first = next(n for n in g.nodes if n.op not in ("placeholder", "get_attr"))
     pl = {p.group_id: p for p in plans}
     hints = [p.topk for p in plans] or [s.topk for gr in groups.groups for s in gr.sites][:1]
-    ctx = RewriteCtx(gm, _Builder(g, hints), first, state, update_ledger, install_hook, detect_new_requests,
+    ctx = RewriteCtx(gm, Builder(g, hints), first, state, update_ledger, install_hook, detect_new_requests,
                      replacement_policy, in_graph_guards)
     before = fe.layer_nodes_before(groups)
     offload = bool(pl) and state is not None
@@ -300,7 +264,7 @@ def rewrite(gm: fx.GraphModule, fe: FrontEnd, groups: GroupReport, plans: Sequen
 _META = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external_write")
 
 
-def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Any, p: GroupPlan, gs: Any) -> GroupNodes:
+def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Any, p: GroupGeometry, gs: Any) -> GroupNodes:
     """The group's metadata and its layers' pools as graph attributes; the front-end's selection buffers."""
     meta = {n: ctx.attr(f"{n}_g{grp.group_id}", getattr(gs, n)) for n in _META}
     if getattr(gs, "seen_table", None) is not None:  # paged groups
@@ -339,14 +303,14 @@ def _emit_plan(ctx: RewriteCtx, fe: FrontEnd, grp: Any, gn: GroupNodes) -> None:
         gn.tk2 = b(aten.view.default, tk, [B * S, K])
         if p.paged:
             # serve reads the pool only; kinds 2 / 3 (full-cache rows) become 4 (zeros), the model's gather
-            # reads those rows through the block table (frontend_recipe._emit_paged_site)
+            # reads those rows through the block table (frontends/recipe.py, the paged site)
             gn.kinds = b(aten.select.int, gn.plan_n, 1, 0)
             far = b(aten.logical_or.default, b(aten.eq.Scalar, gn.kinds, 2), b(aten.eq.Scalar, gn.kinds, 3))
             gn.plan_pool = b(aten.stack.default, [b(aten.where.ScalarSelf, far, 4, gn.kinds),
                                                   b(aten.select.int, gn.plan_n, 1, 1)], 1)
 
 
-def _lengths_guard(ctx: RewriteCtx, grp: Any, p: GroupPlan, L: fx.Node) -> None:
+def _lengths_guard(ctx: RewriteCtx, grp: Any, p: GroupGeometry, L: fx.Node) -> None:
     root = strip_views(p.lengths, casts=True)  # the lengths input the front-end computed L from
     if root in ctx.guarded:
         return
@@ -408,7 +372,7 @@ def emit_serve_pool(ctx: RewriteCtx, gn: GroupNodes, layer: int) -> fx.Node:
                  raw_seq=p.S, topk=p.K, selection_block_size=p.BS, compact_layout=1)
 
 
-def invalidate_new_rows(b: _Builder, p: GroupPlan, meta: dict, L: fx.Node, ledgers: Sequence[fx.Node],
+def invalidate_new_rows(b: Builder, p: GroupGeometry, meta: dict, L: fx.Node, ledgers: Sequence[fx.Node],
                         table: Optional[tuple[fx.Node, int]] = None) -> None:
     """Batch rows that started a new request lose their pool rows, in the graph, before the plan.
 

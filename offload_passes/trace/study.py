@@ -16,7 +16,7 @@ longer than any model needs to fill a fully associative 16K pool; see ``docs/tra
   of at most one extra byte per slot, no id table, no host sync).
 * ``prefetch``  — rank_prefetch's host rows against MIN's misses (demand fetching is optimal for loads).
 
-``ensemble_hits`` is what ``offload-plan --what-if`` fits and predicts with.
+``ensemble_hits`` is what ``offload-capacity --what-if`` fits and predicts with.
 """
 from __future__ import annotations
 

@@ -11,3 +11,14 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ops"))  # _gen, test_properties
 
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def flow():
+    """The tiny recipe model's whole flow on fake CUDA tensors (``test_fake_cuda_flow.run_flow``), once per
+    session: test_fake_cuda_flow.py and test_cuda_graphs.py read the same compiled graph."""
+    from test_fake_cuda_flow import run_flow
+
+    yield from run_flow()

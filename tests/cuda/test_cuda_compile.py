@@ -192,13 +192,15 @@ def test_every_launched_kernel_is_recorded(launches):
     want = {(f"offload_passes.custom_ops.cuda.{m}", n) for m, ns in launched_kernels(mods).items() for n in ns}
     got = {(r["module"], r["kernel"]) for r in recs}
     assert want == got
-    assert len(want) == 11  # plan 1, serve 1, install 6 (second chance's reference pass), gather 1, host write 1, guard 1
+    # plan 1, serve 1, install 6 (second chance's reference pass), gather 3 (ledger, copies, the K <= 32 swap),
+    # host write 1, guard 1
+    assert len(want) == 13
     # both policies and both metadata modes reached the install's victim kernel
     assign = {(r["constexprs"]["SECOND_CHANCE"], r["constexprs"]["UPDATE"]) for r in recs
               if r["kernel"] == "_assign_kernel"}
     assert assign == {(False, True), (False, False), (True, True)}
-    gather = {(r["constexprs"]["SMALL"], r["constexprs"]["HAS_ROPE"]) for r in recs if r["kernel"] == "_gather_kernel"}
-    assert gather == {(s, h) for s in (False, True) for h in (False, True)}
+    assert {r["constexprs"]["SMALL"] for r in recs if r["kernel"] == "_ledger_kernel"} == {False, True}
+    assert {r["constexprs"]["HAS_ROPE"] for r in recs if r["kernel"] in ("_copy_kernel", "_swap_kernel")} == {False, True}
 
 
 def test_every_launch_compiles_to_an_sm90_cubin(compiled):
@@ -224,7 +226,8 @@ def test_no_tile_spills_at_the_glm5_geometry(compiled):
     assert not bad, bad
     glm5 = {r["kernel"] for r in recs if r["geometry"] == "glm5"}
     assert glm5 == {"_plan_kernel", "_serve_kernel", "_first_kernel", "_cand_kernel", "_assign_kernel",
-                    "_keys_kernel", "_apply_kernel", "_gather_kernel", "_write_kernel", "_guard_kernel"}
+                    "_keys_kernel", "_apply_kernel", "_ledger_kernel", "_copy_kernel", "_write_kernel",
+                    "_guard_kernel"}
 
 
 def test_shared_memory_fits_one_sm90_block(compiled):

@@ -13,7 +13,6 @@ choice of its own.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 import _fake_cuda as F
@@ -24,8 +23,8 @@ CUDA0, CPU = torch.device("cuda", 0), torch.device("cpu")
 B_ROWS = 2
 
 
-@pytest.fixture(scope="module")
-def flow():
+def run_flow():
+    """The flow (a generator: the session fixture ``flow`` of ``conftest.py`` yields its one value)."""
     F.install_fake_cuda_guard()
     torch._dynamo.reset()
     built = models.build("tiny", enable_offload=True, decode_steps=3, first_k_dense_replace=8)

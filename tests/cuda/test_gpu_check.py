@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py on a CPU machine: it exits 2 with one line; its pure parts (byte accounting,
-ratios, the table) give exact values."""
+ratios, the table, the section budget) give exact values; ``--dry-run`` runs every section's correctness
+part under Triton's interpreter and ``--merge`` keeps the sections it does not rerun."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,7 +25,7 @@ def gc():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit (this machine has CUDA)")
 def test_without_cuda_exits_2_with_one_line():
-    p = subprocess.run([sys.executable, str(SCRIPT), "--sections", "ops"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, str(SCRIPT), "--sections", "serve"], capture_output=True, text=True,
                        timeout=300, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin"})
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
@@ -33,9 +34,9 @@ def test_without_cuda_exits_2_with_one_line():
 
 
 def test_bad_arguments_exit_2(gc, capsys):
-    assert gc.main(["--sections", "ops,nope"]) == 2
+    assert gc.main(["--sections", "serve,nope"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "gpu_check: --sections: unknown ['nope']; known: ['correctness', 'ops', 'decode']")
+        "gpu_check: --sections: unknown ['nope']; known: ['equal', 'models', 'serve', 'kernels', 'decode', 'graphs']")
     assert gc.main(["--steps", "0"]) == 2
     assert "--steps and --reps must be >= 1, got 0 and 20" in capsys.readouterr().err
 
@@ -71,38 +72,86 @@ def test_ratios_and_table(gc):
     assert t.splitlines() == ["| a | b |", "|---|---|", "| 1 | 0.123 |", "| x | - |", "| - | 12346 |"]
 
 
-def test_summary_rows_carry_goals_and_errors(gc):
-    res = {"correctness": [{"model": "tiny", "max_abs_diff": 0.0, "steps": 4, "fallback_calls": 3},
-                           {"model": "small", "error": "RuntimeError: boom"}],
-           "ops": [{"what": "serve hits vs D2D copy", "ratio": 0.9, "goal": 0.8, "gbps": 2000.0, "ref_gbps": 2200.0}],
-           "decode": [{"variant": "offload pool 8192", "context": 65536, "ms_per_step": 12.5, "goal": 0.3,
-                       "device_kv_mib": 30.0, "host_mib_per_step": 1.5, "kv_fraction": 0.2}]}
+def test_sections_fit_eight_minutes(gc):
+    assert list(gc.SECTIONS) == ["equal", "models", "serve", "kernels", "decode", "graphs"]
+    assert sum(s.limit_s for s in gc.SECTIONS.values()) == 470 <= 8 * 60
+    assert sum(s.estimate_s for s in gc.SECTIONS.values()) == 315
+    assert all(0 < s.estimate_s <= s.limit_s and s.why for s in gc.SECTIONS.values())
+    assert set(gc.RUNNERS) == set(gc.SECTIONS) == set(gc.DRY_LIMITS)
+
+
+def test_device_kv_fraction_of_hf_glm5_attn(gc):
+    # 2 layers of 512 + 64, one indexer layer of 128, top-k 2048 (models/configs/hf-glm5-attn.yaml)
+    assert gc.glm5_attn_kv_fraction(65536, 8192) == pytest.approx(
+        (2 * (8192 + 2048) * 576 + 65536 * 128) / (2 * 65536 * 576 + 65536 * 128))
+    assert gc.glm5_attn_kv_fraction(65536, 8192) == pytest.approx(0.24063, abs=1e-5)
+    assert gc.glm5_attn_kv_fraction(16384, 16384) > 1  # a pool as large as the context: more than dense
+
+
+def test_rows_timings_and_failures(gc):
+    assert gc.timing_row("serve", "x", 0.5, 0.4, 0.8, nbytes=10 ** 9) == {
+        "section": "serve", "check": "x", "value": 0.8, "goal": 0.8, "note": "2 GB/s vs 2.5 GB/s", "ok": None}
+    assert gc.timing_row("kernels", "y", 0.002)["value"] == 2.0 and gc.timing_row("kernels", "y", 0.002)["note"] == "ms"
+    assert gc.timing_row("kernels", "y", 0.002, dry=True)["value"] == gc.NO_GPU
+    res = {"equal": [gc.row("equal", "chain", 1, 1, "3 steps", ok=True),
+                     gc.row("equal", "gather", 0, 1, "step 0", ok=False)],
+           "serve": {"error": "TimeoutError: section serve passed its limit of 40 s"},
+           "decode": [gc.row("decode", "fraction", 0.24, 0.3)], "unknown": [gc.row("x", "y")]}
     rows = gc.summary_rows(res)
-    assert [r["check"] for r in rows] == ["correctness tiny", "correctness small", "serve hits vs D2D copy",
-                                          "decode offload pool 8192 @ 65536"]
-    assert rows[0]["value"] == 0.0 and rows[0]["goal"] == 0 and rows[0]["note"] == "4 steps, fallback calls 3"
-    assert rows[1]["note"] == "RuntimeError: boom" and rows[1]["value"] is None
-    assert rows[2]["note"] == "2000 GB/s vs 2200 GB/s"
-    assert rows[3]["note"] == "device KV 30 MiB, host read/step 1.5 MiB, KV fraction 0.2"
+    assert [(r["section"], r["check"]) for r in rows] == [("equal", "chain"), ("equal", "gather"),
+                                                          ("serve", "section serve"), ("decode", "fraction")]
+    assert rows[2]["note"] == "TimeoutError: section serve passed its limit of 40 s" and rows[2]["ok"] is False
+    assert [r["check"] for r in gc.failed(rows)] == ["gather", "section serve"]
+
+
+def _run(args, tmp_path, timeout):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
 
 
 def test_dry_run_runs_every_correctness_part_and_marks_timings_no_gpu(tmp_path, triton_interpreted):
-    """``--dry-run`` on the CPU: the kernel chains (FIFO and second chance) and the host-KV write equal the CPU
-    twins under Triton's interpreter, the tiny model in the cuda mode equals the unmodified one; every
-    timing cell says "no GPU". A fresh process: TRITON_INTERPRET must be set before triton is imported."""
+    """``--dry-run`` on the CPU: the kernel chains (small and GLM-5 geometry, FIFO and second chance), the
+    gather, the host-KV write and the serve plans equal the CPU twins under Triton's interpreter; the tiny and
+    hf-tiny models in the cuda mode equal the unmodified ones; every timing cell says "no GPU". A fresh
+    process: TRITON_INTERPRET must be set before triton is imported."""
     import json
 
     out = tmp_path / "dry.json"
-    p = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--json", str(out)], capture_output=True,
-                       text=True, timeout=900, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin",
-                                                    "HOME": str(Path.home())})
+    p = _run(["--dry-run", "--json", str(out)], tmp_path, 1500)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    res = json.loads(out.read_text())
+    rows = [r for name in res["section_s"] for r in res[name]]
+    assert list(res["section_s"]) == ["equal", "models", "serve", "kernels", "decode", "graphs"]
     by = {r["check"]: r for r in rows}
-    for check in ("ops chain (FIFO) == CPU twins", "ops chain (second chance) == CPU twins",
-                  "host-KV write == CPU kernel"):
-        assert by[check]["value"] == 1, by[check]
-    assert by["correctness tiny (cuda mode, host tensors)"]["value"] == 0
-    timing = [r for r in rows if r["goal"] is None]
-    assert len(timing) == 6 and all(r["value"] == r["note"] == "no GPU" for r in timing)
-    assert "| serve hits B=128 vs D2D | no GPU | - | no GPU |" in p.stdout
+    verdicts = {r["check"]: r["value"] for r in rows if r["ok"] is not None}
+    assert verdicts == {
+        "chain small (FIFO) == CPU twins": 1, "chain small (second chance) == CPU twins": 1,
+        "chain GLM-5 (K 2048, pool 8192, 512 + 64) (FIFO) == CPU twins": 1,
+        "chain GLM-5 (K 2048, pool 8192, 512 + 64) (second chance) == CPU twins": 1,
+        "gather K=16 bsz=4 == CPU twin": 1, "gather K=64 bsz=1 == CPU twin": 1,
+        "host-KV write (pinned) == CPU kernel": 1,
+        "tiny (host tensors, interpreter) == unmodified": 0.0,
+        "tiny (side-stream delay, host tensors, interpreter) == unmodified": 0.0,
+        "hf-tiny (host tensors, interpreter) == unmodified": 0.0,
+        "hf-tiny (side-stream delay, host tensors, interpreter) == unmodified": 0.0,
+        "serve hits == CPU twin": 1, "serve misses sequential == CPU twin": 1, "serve misses random == CPU twin": 1,
+    }
+    assert all(r["ok"] for r in rows if r["ok"] is not None)
+    no_gpu = [r["check"] for r in rows if r["value"] == "no GPU"]
+    assert len(no_gpu) == 22 and "CUDA graph replay vs eager (ms/step ratio)" in no_gpu
+    assert "serve hits B=128 vs device copy" in no_gpu and "decode offload pool 16384 @ 65536 ms/step" in no_gpu
+    assert by["device KV fraction @ 65536 pool 8192 (arithmetic)"]["value"] == pytest.approx(0.24063, abs=1e-5)
+    assert "| serve | serve hits B=128 vs device copy | no GPU | 0.8 | no GPU |" in p.stdout
+
+
+def test_merge_keeps_the_sections_not_rerun(tmp_path):
+    import json
+
+    out = tmp_path / "g.json"
+    out.write_text(json.dumps({"equal": [{"section": "equal", "check": "kept", "value": 1, "goal": 1, "note": "",
+                                          "ok": True}], "section_s": {"equal": 1.0}}))
+    p = _run(["--dry-run", "--sections", "kernels", "--merge", "--json", str(out)], tmp_path, 300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["equal"][0]["check"] == "kept" and set(res["section_s"]) == {"equal", "kernels"}
+    assert "| equal | kept | 1 | 1 |  |" in p.stdout and "| kernels | dsa_plan B=32 ms | no GPU |" in p.stdout

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from offload_passes.passes import _fx
-from offload_passes.passes.rewrite_hf import dense_masks_left, hf_sparse_attention, hf_sparse_attention_rows
+from offload_passes.passes.frontends.hf import dense_masks_left, hf_sparse_attention, hf_sparse_attention_rows
 
 from hf_helpers import BF16_FACTOR, STEPS, rel_err, run_pair, teacher_forced_bf16_check
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from offload_passes.backend import OffloadRefused, make_offload_backend
-from offload_passes.passes.rewrite_hf import dense_masks_left, hf_sparse_attention
+from offload_passes.passes.frontends.hf import dense_masks_left, hf_sparse_attention
 
 B, H, S, T, C, R, N, V = 2, 3, 1, 40, 16, 8, 12, 10
 MIN = torch.finfo(torch.float32).min

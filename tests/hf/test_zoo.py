@@ -18,7 +18,7 @@ import yaml
 from offload_passes.backend import make_offload_backend
 from offload_passes.demo_hf import FP32_REL_TOL
 from offload_passes.models import hf
-from offload_passes.passes.rewrite_hf import hf_sparse_attention
+from offload_passes.passes.frontends.hf import hf_sparse_attention
 
 from hf_helpers import rel_err, teacher_forced_bf16_check
 

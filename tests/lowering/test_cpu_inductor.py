@@ -90,7 +90,7 @@ def test_custom_pass_uuid_covers_every_input(tmp_path, monkeypatch):
     from offload_passes.lowering import cpu as lowering_cpu
 
     names = {f.name for f in UUID_FILES}
-    for must in ("rewrite.py", "reinplace.py", "inductor_targets.py", "frontend_recipe.py", "rewrite_hf.py",
+    for must in ("rewrite.py", "reinplace.py", "inductor_targets.py", "recipe.py", "frontend.py",
                  "opspec.py", "dsa_plan.py", "_fx.py", "_compat.py", "options.py", "pipeline.py"):
         assert must in names, must
     base = pass_uuid(OffloadOptions())

@@ -49,7 +49,7 @@ def _pair(S: int):
 
 
 @pytest.mark.parametrize("S", [1, 4])
-def test_offload_matches_non_offload_every_layer(S):
+def test_offload_matches_the_model_without_offload_every_layer(S):
     (b0, _, ref, _), (b1, _, off, _) = _pair(S)
     L = b0.config.num_hidden_layers
     assert len(ref) == len(off) == STEPS
@@ -88,7 +88,7 @@ def _check_ledger(model, snap, topk_by_group, act_by_layer, L, S):
     cfg = model.config
     K, BS = cfg.index_topk, model.block_size
     C, Dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    group_of = {l: g for g, layers in enumerate(cfg.index_groups()) for l in layers}
+    group_of = {l: g for g, layers in enumerate(cfg.groups()) for l in layers}
     bt = model.block_table.long()
     for l, layer in enumerate(model.model.layers):
         attn = layer.self_attn
@@ -158,7 +158,7 @@ def test_shared_layers_receive_the_owner_topk_tensor(monkeypatch):
         monkeypatch.setattr(npu_ops, "sparse_flash_attention", rec_sfa)
         b.driver.step()
         monkeypatch.undo()
-        groups = b.config.index_groups()
+        groups = b.config.groups()
         assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
         assert len(produced) == 2 and len(consumed) == 8
         for g, layers in enumerate(groups):

@@ -30,7 +30,8 @@ def test_preset_quant_config_and_errors_naming_the_key():
     # same structure as tiny: only the indexer path differs
     assert c.model.indexer_types == models.load_config("tiny").model.indexer_types
     big = models.load_config("glm-5.2-78l-w8a8")
-    assert big.model.li_cache_int8 and len(big.model.index_groups()) == 21
+    assert big.model.li_cache_int8 and len(big.model.groups()) == 21
+    assert big.model.index_groups() == big.model.groups()  # the deprecated alias (docs/glossary.md)
     bad = [
         (dict(li_cache_quant_mode="float8"), r"quant_config.li_cache_quant_mode': 'float8' is not supported: "
                                              r"float8 indexer caches are Ascend 950 only"),
@@ -103,7 +104,7 @@ def test_caches_written_int8_with_scales_and_decode_uses_the_quant_indexer():
 
 
 @pytest.mark.parametrize("S", [1, 4])
-def test_offload_matches_non_offload_and_int8_indexer_matches_dequantised_reference(S):
+def test_offload_matches_the_model_without_offload_and_int8_indexer_matches_dequantised_reference(S):
     """Eager (no compile): offload and non-offload decode of tiny-w8a8 are bit-identical; the int8
     indexer's top-k equals the unquantised reference indexer on the dequantised cache."""
     runs = []

@@ -219,7 +219,7 @@ def test_limits_have_one_definition():
     assert (dsa_plan.MAX_TOPK, dsa_install.MAX_TOPK, npu_gather_selection_kv_cache.MAX_TOPK,
             preconditions.MAX_TOPK, dsa_serve.PROD_LIMITS["topk"]) == (2048,) * 5
     assert (_pool.MAX_POOL, options.MAX_POOL_SIZE, dsa_serve.PROD_LIMITS["pool_size"]) == (16384,) * 3
-    # the one pool rule (options, preconditions, rewrite_hf and the ops call it) takes the install's numbers
+    # the one pool rule (options, preconditions, the HF front-end and the ops call it) takes the install's numbers
     assert _pool.pool_size_problem(install.limit("MAX_POOL")) is None
     assert _pool.pool_size_problem(install.limit("MAX_POOL") + install.limit("WAYS"))[0] == "must be in (0, 16384]"
     assert _pool.pool_size_problem(install.limit("WAYS") * 3) == ("/ 16 (sets) must be a power of two", 3)

@@ -24,9 +24,9 @@ from torch import fx
 import offload_passes  # noqa: F401  (registers the ops)
 from offload_passes.options import OffloadOptions
 from offload_passes.passes import _fx
-from offload_passes.passes.detect import detect
+from offload_passes.passes.frontends.recipe import detect
 from offload_passes.passes.group import group
-from offload_passes.passes.preconditions import plan
+from offload_passes.passes.preconditions import check_preconditions
 from offload_passes.passes.producers import PRODUCER_NAMES, TOPK_PRODUCERS, producer_of_call, topk_source
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,7 +128,7 @@ def test_float8_indexer_cache_is_a_named_refusal():
         key = next(n for n in gm.graph.nodes if n.name == "key")
         key.meta["val"] = torch.zeros(8, 16, 1, 32, dtype=dtype)
         det = detect(gm)
-        pr = plan(gm, group(det), [], OffloadOptions())
+        pr = check_preconditions(gm, group(det), [], OffloadOptions())
         f8 = [r for r in pr.refusals if r.reason == "float8_indexer_cache"]
         if refused:
             assert len(f8) == 1 and f8[0].layer == 0
@@ -150,7 +150,7 @@ def test_npu_and_custom_namespaces_in_a_subprocess():
             lib.define(li.SPEC.schema)
             lib.define(qli.SPEC.schema)
         from test_detect_producers import build_graph
-        from offload_passes.passes.detect import detect
+        from offload_passes.passes.frontends.recipe import detect
         from offload_passes.passes.group import group
         out = {{}}
         for ns in ("npu", "custom"):

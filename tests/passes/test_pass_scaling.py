@@ -40,11 +40,12 @@ UNIT = "FFSS"
 SIZES = (2, 4)  # units: 8 and 16 layers
 PASSES = ("detect", "group", "plan_pass", "rewrite", "reinplace")
 import offload_passes.lowering.cpu as lowering_mod  # noqa: E402
-import offload_passes.passes.frontend_recipe as recipe_mod  # noqa: E402
+import offload_passes.passes.frontends.recipe as recipe_mod  # noqa: E402
 import offload_passes.pipeline as pipeline_mod  # noqa: E402
 
 #: pass -> (module whose global the pipeline calls it through, attribute)
-PASS_SITES = {"detect": (recipe_mod, "detect"), "group": (pipeline_mod, "group"), "plan_pass": (recipe_mod, "plan"),
+PASS_SITES = {"detect": (recipe_mod, "detect"), "group": (pipeline_mod, "group"),
+              "plan_pass": (recipe_mod, "check_preconditions"),
               "rewrite": (pipeline_mod, "rewrite"), "reinplace": (lowering_mod, "reinplace")}
 
 

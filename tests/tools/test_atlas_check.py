@@ -24,7 +24,7 @@ def test_defaults_cover_both_presets_and_modes():
     b = ac.parse_args(["--models", "tiny", "--modes", "npugraph_ex", "--steps", "3", "--set", "batch_size=4",
                        "next_n=1"])
     assert b.models == ["tiny"] and b.modes == ["npugraph_ex"] and b.overrides == {"batch_size": 4, "next_n": 1}
-    assert ac.case_names(b) == ["basic-offload", "rewrite-npugraph_ex"]
+    assert ac.case_names(b) == ["unmodified", "rewrite-npugraph_ex"]
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -53,8 +53,8 @@ def test_dry_run_prints_the_plan_of_cases_and_imports_no_npu_stack(capsys, tmp_p
     out = capsys.readouterr().out
     assert ("device npu:0, 2 warmup + 4 measured steps (median), tol 0.02, pool_size 16384, side stream True, "
             "recipe compiler config, full KV in host memory (swapped), bookkeeping off") in out
-    assert "  tiny: basic-offload, rewrite-ge_graph, rewrite-npugraph_ex, recipe" in out
-    assert "  glm-5.2-78l: basic-offload, rewrite-ge_graph, rewrite-npugraph_ex, recipe" in out
+    assert "  tiny: unmodified, rewrite-ge_graph, rewrite-npugraph_ex, recipe" in out
+    assert "  glm-5.2-78l: unmodified, rewrite-ge_graph, rewrite-npugraph_ex, recipe" in out
     assert "GE IR DsaPlan, DsaServe, DsaInstall, GatherSelectionKvCache, ScatterNdUpdate" in out
     assert f"  report: {report}" in out and "environment: python=" in out
     assert not report.exists()  # a dry run writes nothing
@@ -67,10 +67,10 @@ def test_without_torch_npu_every_case_is_reported_and_exit_code_is_2(monkeypatch
     assert ac.main(["--models", "tiny", "--modes", "ge_graph", "--report", str(report)]) == 2
     assert "torch_npu is not importable; this check needs an Atlas A3" in capsys.readouterr().err
     doc = json.loads(report.read_text())
-    assert doc["format"] == ac.REPORT_FORMAT and doc["summary"] == {"passed": 0, "failed": 0, "error": 0,
+    assert doc["format"] == ac.REPORT_FORMAT == "offload_passes.atlas_check/3" and doc["summary"] == {"passed": 0, "failed": 0, "error": 0,
                                                                     "skipped": 2}
     assert [(c["preset"], c["case"], c["status"]) for c in doc["cases"]] == [
-        ("tiny", "basic-offload", "skipped"), ("tiny", "rewrite-ge_graph", "skipped")]
+        ("tiny", "unmodified", "skipped"), ("tiny", "rewrite-ge_graph", "skipped")]
 
 
 def test_result_table():
@@ -158,7 +158,7 @@ def test_cann_library_first_then_preflight_and_report_with_the_cpp_standin(tmp_p
     doc = json.loads(report.read_text())
     assert doc["preflight"]["cann"]["path"] == str(Path(lib).resolve())
     assert doc["preflight"]["cann"]["missing_npu_kernels"] == []
-    assert [c["case"] for c in doc["cases"]] == ["basic-offload", "rewrite-npugraph_ex"]
+    assert [c["case"] for c in doc["cases"]] == ["unmodified", "rewrite-npugraph_ex"]
 
 
 def test_without_cann_every_op_is_named_missing():
@@ -167,7 +167,7 @@ def test_without_cann_every_op_is_named_missing():
     cann = ac.load_cann(args)
     assert cann["loaded"] is False and len(cann["missing_npu_kernels"]) == 7
     pre = ac.preflight(args, cann, None)
-    assert set(pre["missing"]) == {"basic-offload", "rewrite-npugraph_ex"}
+    assert set(pre["missing"]) == {"unmodified", "rewrite-npugraph_ex"}
     (msg,) = pre["missing"]["rewrite-npugraph_ex"]
     assert msg.startswith("no NPU kernel for custom::") and "custom::dsa_install" in msg
     assert "--cann-ops PATH or OFFLOAD_PASSES_CANN_OPS_LIB" in msg

@@ -53,7 +53,7 @@ def shared_indexer_standin(*, layer_idx, topk_indices, full_kv_actual_seq, full_
     return selection_kv_cache, selection_k_rope, act, pool_kv_cache, pool_k_rope
 
 
-def test_recipe_route_matches_the_basic_offload_model_and_our_rewrite():
+def test_recipe_route_matches_the_unmodified_model_and_our_rewrite():
     from offload_passes.backend import OffloadBackend
 
     base = models.build("tiny", enable_offload=True, shared_indexer_offload=True)

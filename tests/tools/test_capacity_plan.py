@@ -1,17 +1,21 @@
-"""offload-plan: the KV arithmetic against hand-computed numbers for the 78-layer GLM-5.2 layout at 64K,
+"""offload-capacity: the KV arithmetic against hand-computed numbers for the 78-layer GLM-5.2 layout at 64K,
 the reference deployment's 64 -> 128 global batch, IndexShare parsing and bad input."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
 
 from offload_passes.tools import capacity_plan as cp
 from offload_passes.tools.capacity_plan_model import derive_indexer_types, groups_of, load_model_shape
+
+ROOT = Path(__file__).resolve().parents[2]
 
 GiB = 1 << 30
 
@@ -247,9 +251,25 @@ def test_cli_json_and_errors(capsys):
     assert modes["shared-indexer offload, pool 16384"]["max_global"] == 128
     assert j["per_token"]["total"] == PER_TOKEN
     assert cp.main(["--config", "nope"]) == 2
-    assert "offload-plan: error: --config 'nope'" in capsys.readouterr().err
+    assert "offload-capacity: error: --config 'nope'" in capsys.readouterr().err
     assert cp.main(["--next-n", "5"]) == 2
     assert "next_n must be in [0, 3]" in capsys.readouterr().err
+
+
+def test_offload_plan_is_an_alias_of_offload_capacity(capsys):
+    """Both console scripts are installed (setup.py); the alias prints the same JSON and one stderr note."""
+    scripts = re.findall(r'"(offload-[\w-]+) = ([\w.]+:\w+)"', (ROOT / "setup.py").read_text())
+    assert ("offload-capacity", "offload_passes.tools.capacity_plan:main") in scripts
+    assert ("offload-plan", "offload_passes.tools.capacity_plan:main_alias") in scripts
+    argv = ["--config", "tiny", "--weights-gib", "1", "--context", "512", "--json"]
+    assert cp.main(argv) == 0
+    want = capsys.readouterr()
+    assert cp.main_alias(argv) == 0
+    got = capsys.readouterr()
+    assert got.out == want.out and json.loads(got.out)["per_request"]["context_tokens"] == 512
+    assert want.err == ""
+    assert got.err.splitlines() == ["offload-plan: note: this command is offload-capacity; the name offload-plan "
+                                    "is deprecated and will be removed in the next release"]
 
 
 def test_console_entry_point():

@@ -1,4 +1,4 @@
-"""offload-plan --what-if: a physically constrained latency model, validated out of sample, fitted and
+"""offload-capacity --what-if: a physically constrained latency model, validated out of sample, fitted and
 predicting with one set of hit rates per trace-ensemble member; the 8K-vs-16K answer anchored on the
 reference's measured difference; a recorded trace turned into a latency prediction."""
 from __future__ import annotations

@@ -125,7 +125,16 @@ PLAN_BAD = [
 @pytest.mark.parametrize("argv,msg", PLAN_BAD, ids=[" ".join(a) for a, _ in PLAN_BAD])
 def test_plan_bad_input_exits_2_with_one_line(argv, msg, capsys):
     assert capacity_plan.main(argv) == 2
-    _one_line_error(capsys, "offload-plan", msg)
+    _one_line_error(capsys, "offload-capacity", msg)
+
+
+def test_plan_alias_adds_one_note_before_the_same_error(capsys):
+    """``offload-plan`` (the deprecated alias): a note naming offload-capacity, then the same one-line error."""
+    assert capacity_plan.main_alias(["--devices", "0"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines == ["offload-plan: note: this command is offload-capacity; the name offload-plan is deprecated "
+                     "and will be removed in the next release",
+                     "offload-capacity: error: --devices must be >= 1, got 0"]
 
 
 def test_inspect_unwritable_picture_path_exits_2(tmp_path, capsys):

@@ -1,127 +1,33 @@
-"""The Hugging Face front-end: dense DSA attention → sparse attention, then (optionally) the offload.
-
-For every site found by ``detect_hf`` the dense attention over all T cached positions is replaced by
-one call that attends over the K selected positions only:
-
-* **sparse** (always): gather the K selected latent rows ``[B, S, K, C]`` and rope rows ``[B, S, K, r]``
-  from the caches, expand only those through ``kv_b_proj``, attend. The mask is the model's own base
-  mask (causal limit, padding) gathered at the selected ids, and an id outside ``[0, T)`` (``-1``
-  padding) is masked: the same terms the dense softmax keeps, so the result is the same attention
-  (only the summation order differs). K is the graph's top-k width, i.e. already ``min(index_topk, T)``.
-  A model with attention sinks gets its sink logit in the softmax as the dense one does; a count-mask
-  site (no base mask, ids not proven distinct) masks a repeated id after its first column.
-* **offload** (``enable_offload`` and ``shared_indexer_offload``, f16/bf16 caches, the op limits of
-  docs/ops.md): the shared core (``passes/rewrite.py``) emits plan / serve / install exactly as for the
-  recipe graph (guards, new-request invalidation, ``replacement_policy``, ``install_hook``); this
-  front-end only gives it the HF cache viewed ``[B, T, D]``, per-layer selection buffers (graph
-  scratch) and the sparse attention reading them. An offload precondition that fails leaves the
-  sparse rewrite in place (it is exact) and is reported / logged; ``strict`` raises.
-
-The dense nodes (scatter-mask, full expansion, dense attention) are then removed by a local dead-code
-walk from each replaced attention: only pure nodes and writes into dead fresh allocations
-(``key_states = new_empty(...)``) are erased; cache writes and other in-place ops always stay.
+"""The Hugging Face front-end's preconditions and emission: dense DSA attention → sparse attention,
+then (with its preconditions) the offload. The form is described in ``frontends/hf/__init__.py``;
+detection is ``frontends/hf/detect.py``, the sparse attention op ``frontends/hf/attention.py``.
 """
 from __future__ import annotations
 
-import logging
 import operator
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
-from ..options import OffloadOptions
-from .. import _compat
-from . import _fx
-from .detect import Refusal
-from .detect_hf import HfDetectReport, HfSite, detect_hf
-from .group import GroupReport
-from ..custom_ops._pool import id_range_for, pool_size_problem
-from .preconditions import GroupPlan, SiteGeometry
-from .preconditions import MAX_DKV, MAX_DR, MAX_RAW_SEQ, MAX_TOPK, TOPK_ALIGN  # the ops' specs
+from .... import _compat
+from ....options import OffloadOptions
+from ... import _fx
+from ...group import GroupReport
+from ...preconditions import (MAX_DKV, MAX_DR, Checker, GroupGeometry, PreconditionReport, SiteGeometry,
+                              check_pool_size, check_raw_seq, check_topk_width, group_geometry)
+from ...refusal import Refusal
+from ...rewrite import Builder, GroupNodes, RewriteCtx, SiteRewrite, emit_serve
+from .. import PartialRefusal, PassFiles
+from .attention import hf_sparse_attention, hf_sparse_attention_rows
+from .detect import HfDetectReport, HfSite, detect_hf
 
-log = logging.getLogger("offload_passes.passes.rewrite_hf")
+__all__ = ["HfFrontEnd", "HF", "check_hf_preconditions", "dense_masks_left", "allocated_caches"]
+
 aten = torch.ops.aten
-custom = torch.ops.custom
 
-__all__ = ["hf_sparse_attention", "hf_sparse_attention_rows", "HfFrontEnd", "HF", "dense_masks_left"]
-
+#: the latent cache dtypes the offload ops take (the sparse attention alone takes any)
 OFFLOAD_DTYPES = (torch.float16, torch.bfloat16)
-
-
-# -- the sparse attention (traced into the graph by AOT / run directly in eager) ----------------------
-def _attend(query: torch.Tensor, rows: torch.Tensor, rope_rows: torch.Tensor, weight: torch.Tensor,
-            idx: torch.Tensor, base_mask: Optional[torch.Tensor], T: int, scaling: float, nope: int, vdim: int,
-            kind: str, fill: float, sinks: Optional[torch.Tensor] = None,
-            softmax_dtype: Optional[torch.dtype] = torch.float32, dedup: bool = False) -> torch.Tensor:
-    B, H, S, D = query.shape
-    K = idx.shape[-1]
-    R = rope_rows.shape[-1]
-    idx = idx.long()
-    valid = (idx >= 0) & (idx < T)
-    safe = idx.clamp(0, T - 1)
-    if dedup:  # a position the ids name twice is one key of the dense mask: keep its first column only
-        order, perm = torch.sort(torch.where(valid, safe, -1), dim=-1, stable=True)
-        again = torch.cat([torch.zeros_like(order[..., :1], dtype=torch.bool), order[..., 1:] == order[..., :-1]], -1)
-        valid = valid & ~torch.zeros_like(again).scatter(-1, perm, again)
-    if base_mask is not None:  # the model's mask at the selected ids
-        msel = torch.gather(base_mask.expand(B, 1, S, T)[:, 0], 2, safe)
-    elif kind == "sdpa":  # the selection is the whole mask (the indexer already applied causality / padding)
-        msel = torch.ones_like(safe, dtype=torch.bool)
-    else:
-        msel = torch.zeros_like(safe, dtype=query.dtype)
-    kv = F.linear(rows, weight).view(B, S, K, H, nope + vdim)
-    k_nope, v = kv.split([nope, vdim], dim=-1)
-    # one copy (the concatenated key, as the model builds it); heads-first are views, not copies
-    k = torch.cat([k_nope, rope_rows.view(B, S, K, 1, R).expand(B, S, K, H, R)], dim=-1)
-    k = k.view(B * S, K, H, D).transpose(1, 2)
-    v = v.reshape(B * S, K, H, vdim).transpose(1, 2)
-    q = query.transpose(1, 2).reshape(B * S, H, 1, D)
-    if kind == "sdpa":
-        allowed = (msel & valid).view(B * S, 1, 1, K)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=0.0, scale=scaling)
-    else:
-        add = torch.where(valid, msel, torch.full_like(msel, fill)).view(B * S, 1, 1, K)
-        w = torch.matmul(q, k.transpose(2, 3)) * scaling + add
-        if sinks is None:
-            w = F.softmax(w, dim=-1, dtype=softmax_dtype).to(query.dtype)
-        else:  # one sink logit per head joins the normalisation, then its column is dropped (as the model does)
-            w = torch.cat([w, sinks.reshape(1, H, 1, 1).expand(B * S, H, 1, 1).to(w.dtype)], dim=-1)
-            w = w - w.max(dim=-1, keepdim=True).values
-            w = F.softmax(w, dim=-1, dtype=softmax_dtype)[..., :-1].to(query.dtype)
-        out = torch.matmul(w, v)
-    return out.view(B, S, H, vdim).transpose(1, 2)
-
-
-def hf_sparse_attention(query: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, weight: torch.Tensor,
-                        topk: torch.Tensor, base_mask: Optional[torch.Tensor], scaling: float, nope: int, vdim: int,
-                        kind: str, fill: float, sinks: Optional[torch.Tensor] = None,
-                        softmax_dtype: Optional[torch.dtype] = torch.float32, dedup: bool = False) -> torch.Tensor:
-    """Attention of ``query [B,H,S,n+r]`` over the ``topk [B,S,K]`` rows of the latent / rope caches
-    ``[B,1,T,C]`` / ``[B,1,T,r]``, expanded through ``weight`` (kv_b_proj); returns ``[B,H,S,v]``."""
-    B, _, T, C = latent.shape
-    S, K = topk.shape[1], topk.shape[2]
-    safe = topk.long().clamp(0, T - 1).reshape(B, S * K)
-    bidx = torch.arange(B, device=topk.device).view(B, 1)
-    rows = latent[:, 0][bidx, safe].view(B, S, K, C)  # row gather (indexing kernel: ~8x torch.gather here)
-    rrows = rope[:, 0][bidx, safe].view(B, S, K, rope.shape[-1])
-    return _attend(query, rows, rrows, weight, topk, base_mask, T, scaling, nope, vdim, kind, fill, sinks,
-                   softmax_dtype, dedup)
-
-
-def hf_sparse_attention_rows(query: torch.Tensor, sel_kv: torch.Tensor, sel_rope: torch.Tensor,
-                             weight: torch.Tensor, topk: torch.Tensor, base_mask: Optional[torch.Tensor], T: int,
-                             scaling: float, nope: int, vdim: int, kind: str, fill: float,
-                             sinks: Optional[torch.Tensor] = None,
-                             softmax_dtype: Optional[torch.dtype] = torch.float32, dedup: bool = False) -> torch.Tensor:
-    """As :func:`hf_sparse_attention`, reading the rows ``dsa_serve`` placed in the selection buffers
-    (top-k column k of query row r at flat row ``r*K + k``)."""
-    B, S, K = topk.shape
-    rows = sel_kv.reshape(B, S, K, sel_kv.shape[-1])
-    rrows = sel_rope.reshape(B, S, K, sel_rope.shape[-1])
-    return _attend(query, rows, rrows, weight, topk, base_mask, T, scaling, nope, vdim, kind, fill, sinks,
-                   softmax_dtype, dedup)
 
 
 # -- dead code removal, local to the replaced attentions ------------------------------------------------
@@ -210,49 +116,60 @@ def _selection_block(K: int) -> int:
     return sbs
 
 
-def offload_plan(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOptions) -> tuple[list[GroupPlan], dict, list[Refusal]]:
-    """GroupPlans (as the recipe graph's plan step) plus per group the cache-position node; refusals."""
+def check_hf_preconditions(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOptions) -> PreconditionReport:
+    """Each group's geometry (as the recipe form's, ``passes/preconditions.py``) from the HF cache shapes;
+    refusals. The group-level rules (top-k width, raw_seq / next_n, pool geometry, id range) are the shared
+    ones; the per-site checks are this form's (latent cache dtype and widths, the cache-length write).
+    Once a group is refused, later groups are checked (their refusals reported) but not offloaded."""
     refusals: list[Refusal] = []
-    plans: list[GroupPlan] = []
-    positions: dict[int, fx.Node] = {}
+    plans: list[GroupGeometry] = []
     PS = opts.resolved_pool_size
     for g in grp.groups:
-        def chk(cond: bool, reason: str, detail: str, layer: Optional[int] = None) -> bool:
-            if not cond:
-                refusals.append(Refusal(reason, detail, g.owner.layer if layer is None else layer))
-            return cond
-
+        chk = Checker(g.owner.layer, refusals)
         d0 = g.owner.dims
         B, S, K = d0["B"], d0["S"], d0["K"]
         for s in g.sites:
             d = s.dims
             chk((d["B"], d["S"], d["K"]) == (B, S, K), "group_inconsistent",
                 f"group {g.group_id}: layer {s.layer} has (B, S, K) {(d['B'], d['S'], d['K'])} != {(B, S, K)}", s.layer)
-            chk(s.dtype in OFFLOAD_DTYPES, "kv_dtype",
-                f"latent cache dtype {s.dtype}: the offload ops take float16/bfloat16 KV (sparse attention kept)", s.layer)
+            chk(s.dtype in OFFLOAD_DTYPES, "kv_dtype", f"latent cache dtype {s.dtype}: the offload ops take "
+                "float16/bfloat16 KV (sparse attention kept)", s.layer)
             chk(0 < d["C"] <= MAX_DKV and 0 < d["R"] <= MAX_DR, "dims",
                 f"Dkv={d['C']} must be in (0, {MAX_DKV}], Dr={d['R']} in (0, {MAX_DR}]", s.layer)
             chk(_cache_length(s) is not None, "cache_layout",
                 f"{s.latent.name}: no index_copy_ write into the latent cache (cache length unknown)", s.layer)
-        chk(K % TOPK_ALIGN == 0 and 0 < K <= MAX_TOPK, "topk_alignment",
-            f"top-k width K={K} must be a multiple of {TOPK_ALIGN} and <= {MAX_TOPK}")
-        chk(1 <= S <= MAX_RAW_SEQ, "raw_seq", f"raw_seq S={S} must be in [1, {MAX_RAW_SEQ}]")
-        if opts.next_n is not None:
-            chk(S == opts.next_n + 1, "next_n", f"graph has raw_seq S={S}, config next_n={opts.next_n}")
+        check_topk_width(chk, K, bounded_by_producer=False)  # HF's topk() has no schema limit
+        check_raw_seq(chk, S, opts)
         SBS = _selection_block(K)
-        problem = pool_size_problem(PS, SBS)
-        chk(problem is None, "pool_size", f"pool_size={PS} {problem[0]}" if problem else "")
+        check_pool_size(chk, PS, SBS)
         if refusals:
             continue
         T = max(s.dims["T"] for s in g.sites)
-        IR = id_range_for(T, opts.id_range)
         geos = {s.layer: SiteGeometry(s.layer, s.latent, s.rope, None, None, None, None, s.dims["T"], s.dims["C"],
                                       s.dims["R"], s.dtype) for s in g.sites}
-        plans.append(GroupPlan(g.group_id, g.owner.layer, g.last.layer, g.layers, B, S, K, SBS, PS, PS // 16, IR,
-                               _cache_length(g.owner), g.owner.topk, g.producer.name, geos))
-        positions[g.group_id] = _cache_length(g.owner)
-    return plans, positions, refusals
+        plans.append(group_geometry(g, B, S, K, SBS, T, _cache_length(g.owner), geos, opts))
+    return PreconditionReport(plans if not refusals else [], refusals)
 
+
+_ALLOC = {"zeros", "empty", "full", "ones", "new_zeros", "new_empty", "new_full", "zeros_like", "empty_like"}
+
+
+def allocated_caches(gm: fx.GraphModule) -> list[str]:
+    """Tensors allocated inside the graph and written by ``index_copy_`` (a KV cache the graph creates:
+    HF's ``StaticCache`` initialises its layers lazily on their first update)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method") or not n.args:
+            continue
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if name not in ("index_copy_", "index_copy"):
+            continue
+        dst = _fx.strip_views(n.args[0]) if isinstance(n.args[0], fx.Node) else None
+        if dst is not None and dst.op in ("call_function", "call_method"):
+            dname = dst.target if dst.op == "call_method" else getattr(dst.target, "__name__", "")
+            if str(dname).split(".")[0] in _ALLOC:
+                out.append(dst.name)
+    return out
 
 
 # -- the front-end (the shared core, passes/rewrite.py, does plan / serve / install) -------------------
@@ -262,12 +179,20 @@ class HfFrontEnd:
     selection buffers ``dsa_serve`` filled (state of the graph), else it gathers from the caches."""
 
     name = "hf"
-    pass_files = {"detect": "passes/detect_hf.py", "plan": "passes/rewrite_hf.py", "emit": "passes/rewrite_hf.py"}
+    files = PassFiles(detect="passes/frontends/hf/detect.py", preconditions="passes/frontends/hf/frontend.py",
+                      emit="passes/frontends/hf/frontend.py")
     #: an offload refusal keeps the sparse rewrite (it is exact); the recipe form is left unmodified instead
-    partial_on_refusal = True
+    on_offload_refusal = PartialRefusal.SPARSE_WITHOUT_OFFLOAD
 
     def detect(self, gm: fx.GraphModule) -> HfDetectReport:
         return detect_hf(gm)
+
+    def detect_summary(self, det: HfDetectReport) -> dict:
+        return {"gathers": det.candidates, "sites": len(det.sites), "indexers": det.topk_nodes, "other_topk": []}
+
+    def report_extras(self, det: HfDetectReport) -> dict:
+        return {"form": "transformers", "sites": [s.to_dict() for s in det.sites], "offload": False,
+                "offload_refusals": []}
 
     def screen(self, det: HfDetectReport) -> tuple[list[Refusal], list[Refusal]]:
         """(refusals that leave the graph unmodified with a warning, notes that leave it so quietly)."""
@@ -281,27 +206,44 @@ class HfFrontEnd:
                                  "dense attention reads fewer rows; graph left as it is", dense[0].layer))
         return blocking, quiet
 
-    def plan(self, gm: fx.GraphModule, grp: GroupReport, example_inputs: Sequence[Any], opts: OffloadOptions):
-        from .preconditions import PlanReport
+    def dense_by_design(self, gm: fx.GraphModule, det: HfDetectReport, blocking: Sequence[Refusal]) -> Optional[str]:
+        # the first call on a new StaticCache allocates the cache inside the graph (HF's lazy
+        # initialisation, i.e. generate()'s prefill): there is no cache to keep a pool of yet, and the
+        # whole prompt attends densely anyway. Dense by design, not a refusal; strict does not apply.
+        alloc = allocated_caches(gm)
+        if not alloc:
+            return None
+        return (f"the graph allocates the KV caches it writes ({', '.join(alloc[:2])}"
+                f"{', ...' if len(alloc) > 2 else ''}): a prefill on a new cache runs dense by design; the decode "
+                "graphs that read the cache are rewritten")
 
-        plans, _, refusals = offload_plan(gm, grp, opts)
-        return PlanReport(plans if not refusals else [], refusals)
+    def sparse_by_design(self, det: HfDetectReport, offload_refusals: Sequence[Refusal]) -> Optional[str]:
+        # a prompt (chunk) of S > MAX_RAW_SEQ tokens on an existing cache: the offload serves decode
+        # graphs; sparse attention is exact here, so this is the prefill's design, not a refusal
+        if {r.reason for r in offload_refusals} != {"raw_seq"}:
+            return None
+        return (f"a prefill of S = {det.sites[0].dims['S']} query tokens: sparse attention without the offload "
+                "(it serves decode graphs)")
+
+    def check_preconditions(self, gm: fx.GraphModule, grp: GroupReport, example_inputs: Sequence[Any],
+                            opts: OffloadOptions) -> PreconditionReport:
+        return check_hf_preconditions(gm, grp, opts)
 
     def plan_anchor(self, grp: Any) -> fx.Node:
         return grp.owner.attn
 
-    def lengths(self, b: Any, p: GroupPlan) -> fx.Node:
+    def lengths(self, b: Builder, p: GroupGeometry) -> fx.Node:
         # this step's cache positions [S] (StaticCache: the same for every row); L = last position + 1
         L = b(aten.add.Tensor, b(aten.amax.default, p.lengths, [0]), 1)
         return b(aten.repeat.default, b(aten.view.default, b(aten._to_copy.default, L, dtype=torch.int32), [1]), [p.B])
 
-    def topk(self, b: Any, p: GroupPlan) -> fx.Node:
+    def topk(self, b: Builder, p: GroupGeometry) -> fx.Node:
         tk = p.topk
         if _fx.example(tk) is None or _fx.example(tk).dtype != torch.int32:
             tk = b(aten._to_copy.default, tk, dtype=torch.int32)
         return b(aten.view.default, tk, [p.B, p.S, 1, p.K])
 
-    def selection(self, ctx: Any, grp: Any, p: GroupPlan) -> dict:
+    def selection(self, ctx: RewriteCtx, grp: Any, p: GroupGeometry) -> dict:
         """Selection buffers and their identity block table: scratch of the graph (HF has none)."""
         B, S, K, SBS = p.B, p.S, p.K, p.BS
         dev = ctx.state.pools[grp.owner.layer][0].device
@@ -316,19 +258,17 @@ class HfFrontEnd:
                             table)
         return out
 
-    def ledger(self, p: GroupPlan, layer: int) -> None:
+    def ledger(self, p: GroupGeometry, layer: int) -> None:
         return None  # transformers keeps no gather ledger
 
     def layer_nodes_before(self, grp: GroupReport) -> dict[int, list[str]]:
         return {s.layer: [s.scatter.name, s.combine.name, s.attn.name] for g in grp.groups for s in g.sites}
 
-    def add_guards(self, ctx: Any, groups: GroupReport, plans: dict) -> None:
+    def add_guards(self, ctx: RewriteCtx, groups: GroupReport, plans: dict) -> None:
         return None  # no block tables: the shared lengths guard is all the assumptions there are
 
-    def emit_site(self, ctx: Any, grp: Any, gn: Any, s: HfSite) -> fx.Node:
+    def emit_site(self, ctx: RewriteCtx, grp: Any, gn: Optional[GroupNodes], s: HfSite) -> fx.Node:
         """The sparse attention (reading what ``dsa_serve`` placed when offloaded) replaces the dense one."""
-        from .rewrite import SiteRewrite, emit_serve
-
         b, d = ctx.b, s.dims
         fill = float(s.combine.args[2]) if s.kind == "eager" else 0.0
         serve = None
@@ -355,7 +295,7 @@ class HfFrontEnd:
             ([serve.name] if serve is not None else []) + [new_attn.name]
         return new_attn
 
-    def finish(self, ctx: Any) -> dict:
+    def finish(self, ctx: RewriteCtx) -> dict:
         erased = _dce(ctx.g, ctx.scratch.get("dead", []))
         return {"erased_nodes": erased, "dense_masks_left": dense_masks_left(ctx.g)}
 

@@ -1,4 +1,4 @@
-"""Pass 1 (Hugging Face form) — detect the dense DSA patterns of ``transformers``' DSA families.
+"""Pass 1 (Hugging Face form, ``frontends/hf/``) — detect the dense DSA patterns of ``transformers``' DSA families.
 
 ``GlmMoeDsaForCausalLM`` (transformers 5.23) writes DSA densely, per layer:
 
@@ -37,8 +37,8 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
-from ._fx import example, getitem_of, is_cast, is_graph_input_or_attr, is_view, op_name, strip_views, view_users
-from .detect import Refusal
+from ..._fx import example, getitem_of, is_cast, is_graph_input_or_attr, is_view, op_name, strip_views, view_users
+from ...refusal import Refusal
 
 __all__ = ["HfSite", "HfDetectReport", "detect_hf"]
 

@@ -1,0 +1,331 @@
+"""CUDA graphs for the lowered decode step of ``exe_mode="cuda"`` (option ``cuda_graphs=True``).
+
+The ``cuda`` lowering runs the offload graph op by op (``lowering/cuda.py``: Inductor would reorder its ops
+across the install side stream), so ``torch.compile(mode="reduce-overhead")`` (Inductor's cudagraph trees)
+cannot apply, and cudagraph trees refuse CPU inputs, which the host-resident KV caches are. This module is
+the lowering's own capture instead:
+
+* :func:`capture_problems` checks the lowered FX graph structurally before any capture: nothing that reads
+  a device value on the host (``.item()``, ``aten._local_scalar_dense``, ``aten.equal``, a copy to the
+  host), no device-side assert (``aten._assert_async``: the ``cuda`` lowering turns the rewrite's guards
+  into ``offload_cuda::guard``), no op whose output shape depends on data (``nonzero``, boolean-mask
+  indexing), no host tensor except the full caches at the operand positions of the ops whose Triton
+  kernels read or write them through their pinned address (:data:`HOST_OPERANDS`), and no op whose CUDA
+  kernel is the host fallback of ``custom_ops/cuda/fallback.py`` (it copies to the host and back).
+* :class:`GraphReplay` wraps the lowered step: a warm-up call runs it eagerly (Triton's first compile, the
+  caching allocator's first blocks, the once-per-allocation host checks), the next call captures it
+  (plan, serve, install, the cache-write stores through the pinned address, the side-stream scope and
+  joins, the guard kernels: everything the step launches) and every later call copies the inputs that
+  may change address into static buffers and replays.
+
+What replays do not repeat, and why that is safe: the op wrappers' Python validation
+(``custom_ops/cuda/*.py``: shapes, dtypes, layouts, the pinned check of a host cache per allocation) runs
+at capture time only. Before every replay :class:`GraphReplay` checks that every tensor input has the
+shape, stride, dtype and device it had at capture, and that every *fixed* input (parameters, buffers,
+host caches, the offload state) is the same allocation, so everything those checks read is what they
+checked. What depends on values (the rewrite's guards, the cache-write row bounds) is checked on the
+device and flagged in pinned error words (``custom_ops/cuda/_common.py``), raised on the host before the
+next call.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, List, Sequence
+
+import torch
+from torch import fx
+
+from ..custom_ops.cuda._common import raise_device_errors
+
+log = logging.getLogger("offload_passes.lowering.cuda_graphs")
+
+__all__ = ["capture_problems", "HOST_OPERANDS", "GraphReplay", "TorchCudaGraph", "CaptureRefused",
+           "InputSpec", "input_specs"]
+
+aten = torch.ops.aten
+
+#: Ops that synchronise with the host or assert on the device, with the reason a capture refuses them.
+SYNC_OPS = {
+    aten._local_scalar_dense.default: "reads a device value on the host (.item())",
+    aten.item.default: "reads a device value on the host (.item())",
+    aten.equal.default: "reads a device value on the host (aten.equal returns a Python bool)",
+    aten.is_nonzero.default: "reads a device value on the host",
+    aten._assert_async.default: "device-side assert (fatal to the CUDA context; use offload_cuda::guard)",
+    aten._assert_async.msg: "device-side assert (fatal to the CUDA context; use offload_cuda::guard)",
+    aten.nonzero.default: "output shape depends on the data (a host synchronisation)",
+    aten.masked_select.default: "output shape depends on the data (a host synchronisation)",
+    aten.unique_consecutive.default: "output shape depends on the data (a host synchronisation)",
+    aten._unique2.default: "output shape depends on the data (a host synchronisation)",
+    aten.bincount.default: "output shape depends on the data (a host synchronisation)",
+    aten.repeat_interleave.Tensor: "output shape depends on the data (a host synchronisation)",
+}
+
+
+def _host_operands() -> dict:
+    ops = {torch.ops.custom.dsa_serve.default: (1, 2), torch.ops.custom.dsa_serve_functional.default: (1, 2)}
+    try:
+        ops[torch.ops.offload_ref.npu_mla_prolog_cache_write_.default] = (0, 1)
+    except (AttributeError, RuntimeError):  # the reference ops are not loaded (a bare custom_ops import)
+        pass
+    return ops
+
+
+#: op -> positions of the arguments its CUDA kernel reads or writes through a pinned host address
+#: (``custom_ops/cuda/dsa_serve.py``: the full caches; ``custom_ops/cuda/cache_write.py``: the caches written)
+HOST_OPERANDS = _host_operands()
+
+
+def _fallback_ops() -> dict:
+    """The ops whose CUDA kernel is the host fallback of ``custom_ops/cuda/fallback.py`` (same rule)."""
+    from ..custom_ops import OP_SPECS
+    from ..custom_ops._attention_common import REF_NAMESPACE
+
+    out = {}
+    for spec in OP_SPECS:
+        if spec.namespace != REF_NAMESPACE or spec.role not in ("decode", "cache_write") or spec.cuda_kernel:
+            continue
+        for name in spec.op_names:
+            op = getattr(getattr(torch.ops, REF_NAMESPACE), name, None)
+            if op is not None:
+                out[op.default] = name
+    return out
+
+
+def _devices(v: Any) -> List[torch.device]:
+    if isinstance(v, torch.Tensor):
+        return [v.device]
+    if isinstance(v, (list, tuple)):
+        return [d for x in v for d in _devices(x)]
+    return []
+
+
+def _val(n: fx.Node) -> Any:
+    """A node's example value: ``val`` after AOT, ``example_value`` in a Dynamo graph."""
+    return n.meta.get("val", n.meta.get("example_value"))
+
+
+def _host_kv_nodes(graph: fx.Graph) -> set:
+    """Host tensors allowed in a capture: placeholders (and views of them) whose every non-view use is a
+    pinned-address operand of :data:`HOST_OPERANDS`."""
+    from ..passes import _fx
+
+    ok: set = set()
+    for p in graph.nodes:
+        if p.op != "placeholder" or torch.device("cpu") not in _devices(_val(p)):
+            continue
+        views, todo, good = {p}, [p], True
+        while todo and good:
+            n = todo.pop()
+            for u in n.users:
+                if _fx.is_view(u) and u.args and u.args[0] is n:
+                    if u not in views:
+                        views.add(u)
+                        todo.append(u)
+                    continue
+                pos = HOST_OPERANDS.get(u.target, ())
+                if not any(i < len(u.args) and u.args[i] is n for i in pos) or \
+                        any(a is n for i, a in enumerate(u.args) if i not in pos):
+                    good = False
+                    break
+        if good:
+            ok |= views
+    return ok
+
+
+def capture_problems(gm: "fx.GraphModule | fx.Graph") -> List[str]:
+    """What would keep ``gm`` (a lowered graph with ``meta["val"]`` on its nodes) out of one CUDA-graph
+    capture: one line per node, ``"<node>: <target>: <reason>"``; empty when it is capturable."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    fallbacks = _fallback_ops()
+    host_kv = _host_kv_nodes(graph)
+    out: List[str] = []
+    for n in graph.nodes:
+        if n.op not in ("call_function", "call_method", "call_module", "placeholder"):
+            continue
+        if n.op == "call_method":
+            if n.target in ("item", "tolist", "cpu", "numpy"):
+                out.append(f"{n.name}: .{n.target}(): reads a device value on the host")
+            continue
+        if n.op == "call_module":
+            out.append(f"{n.name}: module {n.target}: not a lowered graph (call_module)")
+            continue
+        t = n.target
+        if t in SYNC_OPS:
+            out.append(f"{n.name}: {t}: {SYNC_OPS[t]}")
+            continue
+        if t in fallbacks:
+            out.append(f"{n.name}: {t}: its CUDA kernel is the host fallback (custom_ops/cuda/fallback.py: a "
+                       "copy to the host and back, a synchronisation)")
+            continue
+        if t is aten.index.Tensor and any(isinstance(i, fx.Node) and isinstance(_val(i), torch.Tensor)
+                                          and _val(i).dtype == torch.bool for i in (n.args[1] or ())):
+            out.append(f"{n.name}: {t}: boolean-mask indexing (output shape depends on the data)")
+            continue
+        if isinstance(t, torch._ops.HigherOrderOperator):
+            out.append(f"{n.name}: {t}: a higher-order op (control flow) is not checked for capture")
+            continue
+        if n in host_kv:
+            continue
+        if torch.device("cpu") in _devices(_val(n)):
+            what = "a host input" if n.op == "placeholder" else "a host tensor"
+            out.append(f"{n.name}: {t}: {what} other than a full cache read or written through its pinned "
+                       "address (a host copy or a pageable host tensor inside the capture)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- replay
+
+
+class CaptureRefused(RuntimeError):
+    """A call :class:`GraphReplay` cannot replay (the message names the input and what changed)."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """How one input of the captured step is treated on replay.
+
+    ``kind``: ``"fixed"`` (same allocation every call: parameters, buffers, host caches, offload state),
+    ``"copy"`` (copied into a static buffer before each replay: the token ids, positions), ``"value"`` (a
+    non-tensor argument: equal every call)."""
+
+    name: str
+    kind: str
+
+
+class TorchCudaGraph:
+    """The capture API :class:`GraphReplay` uses, over ``torch.cuda.CUDAGraph``. Tests replace it with a
+    TEST DOUBLE of the same two methods (tests/cuda/test_cuda_graphs.py)."""
+
+    def __init__(self, pool: Any = None):
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        """Capture ``fn()`` (its launches on the capturing stream and the streams that join it)."""
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def _sig(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+class GraphReplay:
+    """The lowered step as one captured graph (see the module doc).
+
+    ``fn(*args)``: the lowered step. ``specs``: one :class:`InputSpec` per argument. ``mutated``: indices of
+    the inputs the step writes in place; a ``"copy"`` input among them is copied back from its static buffer
+    after each replay. ``graph_factory()``: a :class:`TorchCudaGraph` (or a test double). ``warmup``: eager
+    calls before the capture (at least 1: Triton compiles and the once-per-allocation checks run eagerly).
+
+    The outputs of a replay are the captured step's static outputs: the next call overwrites them (clone
+    what must outlive a step), as with ``torch.compile(mode="reduce-overhead")``.
+    """
+
+    def __init__(self, fn: Callable, specs: Sequence[InputSpec], *, mutated: Sequence[int] = (),
+                 graph_factory: Callable[[], Any] = TorchCudaGraph, warmup: int = 1):
+        if warmup < 1:
+            raise ValueError(f"GraphReplay: warmup must be >= 1 (the first call compiles the Triton kernels and "
+                             f"runs the host checks eagerly), got {warmup}")
+        self.fn = fn
+        self.specs = list(specs)
+        self.mutated = tuple(mutated)
+        self.graph_factory = graph_factory
+        self.warmup = warmup
+        self.calls = 0
+        self.replays = 0
+        self.graph: Any = None
+        self._static: List[Any] = []
+        self._sigs: List[Any] = []
+        self._out: Any = None
+
+    def _check(self, args: Sequence[Any]) -> None:
+        if len(args) != len(self.specs):
+            raise CaptureRefused(f"captured step: called with {len(args)} inputs, captured with {len(self.specs)}")
+        for a, spec, sig, st in zip(args, self.specs, self._sigs, self._static):
+            if spec.kind == "value":
+                if a != st:
+                    raise CaptureRefused(f"captured step: input {spec.name} is {a!r}, captured as {st!r} (a value "
+                                         "baked into the CUDA graph; recompile for a new value)")
+                continue
+            if not isinstance(a, torch.Tensor) or _sig(a) != sig:
+                got = _sig(a) if isinstance(a, torch.Tensor) else type(a).__name__
+                raise CaptureRefused(f"captured step: input {spec.name} has (shape, stride, dtype, device) {got}, "
+                                     f"captured with {sig}: a CUDA graph replays fixed shapes")
+            if spec.kind == "fixed" and a.data_ptr() != st.data_ptr():
+                raise CaptureRefused(f"captured step: input {spec.name} is a different allocation than at capture "
+                                     f"(address {a.data_ptr():#x}, captured {st.data_ptr():#x}); parameters, "
+                                     "buffers, host caches and the offload state must stay in place between "
+                                     "replays")
+
+    def _capture(self, args: Sequence[Any]) -> Any:
+        static = []
+        for a, spec in zip(args, self.specs):
+            if spec.kind == "copy":
+                buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                buf.copy_(a)
+                static.append(buf)
+            else:
+                static.append(a)
+        self._static = static
+        self._sigs = [_sig(a) if isinstance(a, torch.Tensor) else None for a in args]
+        self.graph = self.graph_factory()
+        self._out = self.graph.capture(lambda: self.fn(*static))
+        log.info("captured the step (%d inputs, %d copied per replay)", len(args),
+                 sum(s.kind == "copy" for s in self.specs))
+        # the capture recorded the launches without running them: run once for this call's results
+        self.graph.replay()
+        return self._out
+
+    def __call__(self, *args: Any) -> Any:
+        # a guard or kernel flagged on the device by the previous call raises here, on the host
+        raise_device_errors()
+        self.calls += 1
+        if self.calls <= self.warmup:
+            return self.fn(*args)
+        if self.graph is None:
+            out = self._capture(args)
+        else:
+            self._check(args)
+            for a, spec, st in zip(args, self.specs, self._static):
+                if spec.kind == "copy" and a.data_ptr() != st.data_ptr():
+                    st.copy_(a)
+            self.graph.replay()
+            self.replays += 1
+            out = self._out
+        for i in self.mutated:
+            if self.specs[i].kind == "copy" and args[i].data_ptr() != self._static[i].data_ptr():
+                args[i].copy_(self._static[i])
+        return out
+
+
+def input_specs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> List[InputSpec]:
+    """The :class:`InputSpec` of each input of ``gm`` (the graph the lowering receives, the offload state
+    appended by the backend as its last inputs, ``passes/state_inputs.py``).
+
+    Fixed: a host tensor (a full cache), a ``torch.nn.Parameter``, an input Dynamo marked static
+    (``_dynamo_static_input_type``), an input whose Dynamo source is a module's parameter or buffer, and an
+    input with no Dynamo source (the offload state: chosen by the caches, allocated once); copied: every
+    other tensor (the token ids, positions); non-tensors are values."""
+    nodes = [p for p in gm.graph.nodes if p.op == "placeholder"]
+    if len(nodes) != len(example_inputs):
+        raise ValueError(f"input_specs: the graph has {len(nodes)} inputs, example_inputs {len(example_inputs)}")
+    specs: List[InputSpec] = []
+    for node, x in zip(nodes, example_inputs):
+        if not isinstance(x, torch.Tensor):
+            specs.append(InputSpec(node.name, "value"))
+            continue
+        ga = node.meta.get("grapharg")
+        source = getattr(ga, "source", None) or getattr(node, "_dynamo_source", None)
+        example = getattr(ga, "example", None)
+        static = (source is None or x.device.type == "cpu" or isinstance(x, torch.nn.Parameter)
+                  or isinstance(example, torch.nn.Parameter)
+                  or getattr(x, "_dynamo_static_input_type", None) is not None
+                  or getattr(example, "_dynamo_static_input_type", None) is not None
+                  or "_buffers[" in str(source) or "_parameters[" in str(source))
+        specs.append(InputSpec(node.name, "fixed" if static else "copy"))
+    return specs

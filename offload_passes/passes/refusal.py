@@ -1,0 +1,21 @@
+"""A refusal: a named reason why a DSA site (or group) is not rewritten, with the node and limit in its detail.
+
+Detection (``passes/frontends/``), the precondition checks (``passes/preconditions.py``) and the pipeline
+(``pipeline.py``) all produce and read refusals; the report lists them (``GraphReport.refusals``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["Refusal"]
+
+
+@dataclass
+class Refusal:
+    reason: str  # a stable code (``raw_seq``, ``pool_size``, ``hf_site_not_verified``, ...)
+    detail: str  # what failed: the node or argument and the limit
+    layer: Optional[int] = None
+
+    def to_dict(self) -> dict:
+        return {"reason": self.reason, "detail": self.detail, "layer": self.layer}

@@ -1,0 +1,149 @@
+"""Every front-end implements the whole protocol; the pipeline and the rewrite core use nothing else.
+
+The front-ends are reached through the registry only (``FRONT_ENDS``), checked member by member against
+``FrontEnd``'s declaration, and the two modules that drive a front-end (``pipeline.py``,
+``passes/rewrite.py``) are read with ``ast``: every ``fe.<name>`` they use is declared, and they probe no
+hook with ``hasattr`` / ``getattr``. A second check walks every module of ``offload_passes/``: no module
+imports another module's private name (a ``_name`` that is not itself a module, such as ``_fx``).
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from torch import fx
+
+from offload_passes.passes.frontends import FRONT_ENDS, Detection, FrontEnd, PartialRefusal, PassFiles
+
+PKG = Path(__file__).resolve().parents[2] / "offload_passes"
+
+
+def protocol_members() -> set[str]:
+    """The names ``FrontEnd`` declares: its annotated attributes and its methods."""
+    names = set(FrontEnd.__annotations__)
+    names |= {n for n, v in vars(FrontEnd).items() if inspect.isfunction(v) and not n.startswith("_")}
+    return names
+
+
+def test_the_protocol_declares_every_stage():
+    assert protocol_members() == {
+        "name", "files", "on_offload_refusal",
+        "detect", "detect_summary", "report_extras", "screen", "dense_by_design", "sparse_by_design",
+        "check_preconditions",
+        "plan_anchor", "lengths", "topk", "selection", "ledger", "add_guards", "emit_site", "layer_nodes_before",
+        "finish"}
+
+
+@pytest.mark.parametrize("fe", FRONT_ENDS, ids=lambda fe: fe.name)
+def test_each_front_end_is_a_complete_front_end(fe):
+    missing = sorted(m for m in protocol_members() if not hasattr(fe, m))
+    assert missing == [], f"{fe.name} lacks {missing}"
+    assert isinstance(fe, FrontEnd)
+    for m in protocol_members():
+        declared = getattr(FrontEnd, m, None)
+        if inspect.isfunction(declared):  # callable with the declared arguments (the drivers pass them by position)
+            assert len(inspect.signature(getattr(fe, m)).parameters) == \
+                len(inspect.signature(declared).parameters) - 1, (fe.name, m)
+    assert isinstance(fe.on_offload_refusal, PartialRefusal)
+    assert isinstance(fe.files, PassFiles)
+    for f in fe.files:  # the report's pass files exist
+        assert (PKG / f).is_file(), f
+
+
+def test_registry_order_and_what_a_refusal_leaves():
+    assert [fe.name for fe in FRONT_ENDS] == ["recipe", "hf"]
+    assert {fe.name: fe.on_offload_refusal for fe in FRONT_ENDS} == {
+        "recipe": PartialRefusal.NOTHING, "hf": PartialRefusal.SPARSE_WITHOUT_OFFLOAD}
+
+
+def test_a_graph_without_dsa_belongs_to_no_front_end():
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.topk(x.relu(), 2, dim=-1)[1]
+
+    gm = fx.symbolic_trace(f)
+    for fe in FRONT_ENDS:
+        det = fe.detect(gm)
+        assert isinstance(det, Detection)
+        assert not det.has_dsa and list(det.sites) == [] and det.refusals == []
+        summary = fe.detect_summary(det)
+        assert set(summary) == {"gathers", "sites", "indexers", "other_topk"}
+        assert (summary["gathers"], summary["sites"]) == (0, 0)
+        assert fe.screen(det) == ([], [])
+
+
+def _uses_of(path: Path, var: str) -> tuple[set[str], list[str]]:
+    """Attributes read from the name ``var`` in ``path``, and ``hasattr`` / ``getattr`` probes of it."""
+    attrs, probes = set(), []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == var:
+            attrs.add(node.attr)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in (var, "det")):
+            probes.append(f"{path.name}:{node.lineno}")
+    return attrs, probes
+
+
+@pytest.mark.parametrize("module", ["pipeline.py", "passes/rewrite.py"])
+def test_drivers_use_only_declared_hooks(module):
+    attrs, probes = _uses_of(PKG / module, "fe")
+    assert attrs, f"{module} reads no front-end hook: the check reads the wrong name"
+    assert attrs <= protocol_members(), f"{module} uses undeclared hooks {sorted(attrs - protocol_members())}"
+    assert probes == [], f"hasattr / getattr probes of a front-end or its detection: {probes}"
+
+
+def _resolve(path: Path, root: Path, node: ast.ImportFrom) -> Path | None:
+    """The folder or module file (without ``.py``) an import names, when it is inside ``root``."""
+    if node.level:
+        base = path.parent
+        for _ in range(node.level - 1):
+            base = base.parent
+    elif node.module and node.module.split(".")[0] == root.name:
+        base = root.parent
+    else:
+        return None  # another distribution (torch, torchair ...)
+    for part in node.module.split(".") if node.module else []:
+        base = base / part
+    return base
+
+
+def private_imports(root: Path) -> list[str]:
+    """``from m import _name`` in any module under ``root`` where ``_name`` is not a module of ``m``."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = _resolve(path, root, node)
+            if target is None:
+                continue
+            for alias in node.names:
+                n = alias.name
+                if not n.startswith("_") or n.startswith("__"):
+                    continue
+                if (target / f"{n}.py").is_file() or (target / n / "__init__.py").is_file():
+                    continue  # a module (``from . import _fx``, ``from .. import _compat``)
+                bad.append(f"{path.relative_to(root.parent)}:{node.lineno}: {n} from {node.module or '.'}")
+    return bad
+
+
+def test_no_module_imports_a_private_name_of_another():
+    bad = private_imports(PKG)
+    assert bad == [], "private names imported across modules (make them public):\n" + "\n".join(bad)
+
+
+def test_the_private_import_check_catches_one(tmp_path):
+    pkg = tmp_path / "offload_passes"
+    (pkg / "passes").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_compat.py").write_text("")
+    (pkg / "passes" / "__init__.py").write_text("")
+    (pkg / "passes" / "_fx.py").write_text("")
+    (pkg / "passes" / "rewrite.py").write_text("class _Builder: ...\n")
+    (pkg / "passes" / "ok.py").write_text("from . import _fx\nfrom .. import _compat\nfrom torch import _C\n")
+    (pkg / "passes" / "bad.py").write_text("from .rewrite import _Builder\n")
+    (pkg / "passes" / "bad_abs.py").write_text("from offload_passes.passes.rewrite import _Builder\n")
+    assert private_imports(pkg) == ["offload_passes/passes/bad.py:1: _Builder from rewrite",
+                                    "offload_passes/passes/bad_abs.py:1: _Builder from offload_passes.passes.rewrite"]
