@@ -29,6 +29,10 @@ Torch-version differences found (and where they are handled):
   :func:`npugraph_ex_ops`, :func:`set_npugraph_ex_option`).
 * transformers' ``grouped_mm`` experts path does not trace on CPU with torch 2.8 or 2.10
   (:func:`hf_grouped_mm_traceable_on_cpu`, used by ``models/hf``).
+* torch 2.8's fake ``aten.view`` raises on a fake with SymInt sizes that are already specialised; the
+  passes' fake values fall back to :func:`static_fake` stand-ins (``passes/_fx.py`` ``set_fake_val``).
+* Dynamo 2.8 does not trace boolean-mask indexing in a full graph by default
+  (:func:`dynamo_traces_mask_indexing`; transformers' ``glm5_next``, tests/hf/test_zoo.py).
 * Tests only: on torch 2.10 nothing in torch keeps a finished decoder's caches alive (2.13 did), so
   the offload state they key is gone with them; ``tests/hf/hf_helpers.py`` keeps the decoder.
 """
@@ -182,6 +186,38 @@ def detect_fake_mode(inputs: Any) -> Any:
     from torch._guards import detect_fake_mode as f
 
     return f(inputs)
+
+
+def static_fake(t: Any) -> Any:
+    """A fake tensor with plain-int sizes and strides standing in for ``t`` when every symbol in them is
+    already specialised (``pipeline._specialise``), else None. torch 2.8's meta of ``aten.view`` calls
+    ``numel()`` on a fake whose sizes are SymInts even when they are constants by now, and raises
+    "Cannot call numel() on tensor with symbolic sizes/strides"; 2.10 and later do not. ``SymNode.expr``
+    applies the ShapeEnv's replacements; no public API reads a SymInt's specialised value without adding a
+    guard (2.8-2.14)."""
+    if not isinstance(t, torch.Tensor) or getattr(t, "fake_mode", None) is None:
+        return None
+
+    def plain(v: Any) -> Optional[int]:
+        if not isinstance(v, torch.SymInt):
+            return int(v)
+        expr = v.node.expr
+        return int(expr) if getattr(expr, "is_number", False) else None
+
+    sizes = [plain(v) for v in t.shape]
+    strides = [plain(v) for v in t.stride()]
+    if None in sizes or None in strides:
+        return None
+    with t.fake_mode:
+        return torch.empty_strided(sizes, strides, dtype=t.dtype, device=t.device)
+
+
+def dynamo_traces_mask_indexing() -> bool:
+    """Whether Dynamo traces boolean-mask indexing (``x[:, mask]``, an ``aten.nonzero``) into a full graph
+    with its default settings. torch 2.8 raises ``Unsupported: Dynamic shape operator`` unless
+    ``torch._dynamo.config.capture_dynamic_output_shape_ops`` is set; 2.10, 2.13 and 2.14 trace it.
+    transformers' ``glm5_next`` pools its indexer keys that way (docs/hf.md)."""
+    return TORCH_VERSION >= (2, 10)
 
 
 def functional_collectives() -> Any:

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 from torch import fx
 
+from .. import _compat
 from .._compat import OpOverload, OpOverloadPacket
 from ..custom_ops import OP_SPECS
 from ..custom_ops.opspec import counted_names
@@ -270,11 +271,23 @@ def set_fake_val(node: fx.Node, fake_mode: Any = None) -> Any:
         if missing or mode is None:
             return None
         with mode:
-            val = node.target(*args, **kwargs)
+            try:
+                val = node.target(*args, **kwargs)
+            except RuntimeError as e:
+                if "symbolic sizes/strides" not in str(e):
+                    raise
+                # torch 2.8 only (``_compat.static_fake``): rerun on plain-shaped stand-ins of the inputs
+                args, kwargs = fx.node.map_aggregate((args, kwargs), _static_or_same)
+                val = node.target(*args, **kwargs)
     else:
         return None
     node.meta["val"] = val
     return val
+
+
+def _static_or_same(v: Any) -> Any:
+    s = _compat.static_fake(v)
+    return v if s is None else s
 
 
 _INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}

@@ -11,7 +11,9 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import os
 
+import pytest
 import torch
 
 import dsa_synth as synth
@@ -29,9 +31,10 @@ def _cache_names(cfg: synth.SynthConfig) -> list[str]:
 
 
 def _buckets(cfg4: synth.SynthConfig, prefill: list[int]):
-    """A B=4 model and a B=2 model with the same weights over the same full caches (the B=2 bucket's block
-    table is rows 0..1 of the B=4 one; selection buffers and ledgers are each bucket's own), twice: the
-    unmodified pair and the pair to compile."""
+    """A B=4 model and a B=2 model with the same weights over the same full caches, twice (the unmodified
+    pair and the pair to compile). As an engine's buckets do, the B=2 bucket uses rows 0..1 of one set of
+    per-row buffers: its block table is rows 0..1 of the B=4 one, its selection buffers and ledgers are
+    views of the B=4 model's first rows."""
     cfg2 = copy.copy(cfg4)
     cfg2.B = 2
     m4 = synth.SynthDSA(cfg4).eval()
@@ -76,6 +79,7 @@ def test_batch_bucket_graphs_share_one_pool():
             rows.append(st.groups[0].pool_ids.size(0))
     assert max(diffs) == 0.0, diffs
     assert hits[0] == 0 and min(hits[1:]) > 0, hits
+    assert hits == ["PIN1"], " ".join(map(str, hits))
     assert rows == [4, 2] * 4
     assert len(be.reports) == 2 and [r["cold_resets"] for r in be.reports] == [0, 0]
     st = module_state(m4)  # one state over both graphs: every row of the shared pool
@@ -88,29 +92,37 @@ def test_batch_bucket_graphs_share_one_pool():
     assert check_pool_state(st, 4, rows_of) > 0
 
 
-def test_a_smaller_bucket_compiled_first_grows_in_place_of_resetting():
+# Inductor compiles two graphs (about a minute on 2 cores): with the long runs
+MODES = ["eager", "inductor"] if os.environ.get("OFFLOAD_PASSES_LONG") == "1" else ["eager"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_smaller_bucket_compiled_first_grows_in_place_of_resetting(mode):
     """The B=2 graph runs first, then the B=4 graph joins: the shared state grows to 4 rows, rows 0..1
-    keep what they hold (hits on the B=4 graph's first step), rows 2..3 start empty."""
+    keep what they hold (hits on the B=4 graph's first step), rows 2..3 start empty; the B=2 graph,
+    compiled on 2-row tensors, then gets rows 0..1 of the grown ones (views)."""
+    from new_request_cases import TOL
+
     cfg = synth.SynthConfig(pattern="FS", B=4, S=1, router=False, identity_table=False)
     (b4, b2), (m4, m2) = _buckets(cfg, [300, 280, 260, 240])
-    be = make_offload_backend(pool_size=PS)
+    be = make_offload_backend(pool_size=PS, exe_mode=mode)
     c4, c2 = torch.compile(m4, backend=be), torch.compile(m2, backend=be)
     L = torch.tensor([300, 280, 260, 240])
     with torch.no_grad():
         for s in range(2):
             L[:2] += 1
-            assert _step(b2, m2, c2, L[:2], s) == 0.0
+            assert _step(b2, m2, c2, L[:2], s) <= TOL[mode]
         small = be.state.groups[0].shared
         assert small.rows == 2
         L = L + 1
-        assert _step(b4, m4, c4, L, 2) == 0.0
+        assert _step(b4, m4, c4, L, 2) <= TOL[mode]
         st = be.state
         assert st.groups[0].shared is small and small.rows == 4 and small.gen == 1
         assert st.totals("step")["hits"] > 0 and be.reports[-1]["cold_resets"] == 0
-        # the B=2 graph again: its inputs are rows 0..1 of the grown tensors
-        L[:2] += 1
-        assert _step(b2, m2, c2, L[:2], 3) == 0.0
-        assert be.state.totals("step")["hits"] > 0
+        for s in range(3, 5):  # the B=2 graph again: its inputs are rows 0..1 of the grown tensors
+            L[:2] += 1
+            assert _step(b2, m2, c2, L[:2], s) <= TOL[mode]
+            assert be.state.totals("step")["hits"] > 0
 
 
 def test_fresh_view_objects_of_the_caches_keep_the_pool():
@@ -133,6 +145,7 @@ def test_fresh_view_objects_of_the_caches_keep_the_pool():
             sizes.append(len(REGISTRY.bindings([be.reports[-1]["graph_id"]])))
     assert max(diffs) == 0.0, diffs
     assert hits[0] == 0 and min(hits[1:]) > 0, hits
+    assert hits == ["PIN2"], hits
     assert len(be.reports) == 1 and be.reports[0]["cold_resets"] == 0  # no recompile, no reset
     assert sizes == [1] * 6, sizes
     assert module_state(m).groups[0].stats[1, 6].item() == 6
@@ -154,6 +167,7 @@ def test_two_backends_with_the_same_geometry_share_one_state():
             assert _step(base, m, c, L, s) == 0.0
             hits.append(be.state.totals("step")["hits"])
     assert hits[0] == 0 and min(hits[1:]) > 0, hits
+    assert hits == ["PIN3"], hits
     assert be1.state.groups[0].shared is be2.state.groups[0].shared
     assert be1.reports[-1]["cold_resets"] == be2.reports[-1]["cold_resets"] == 0
     assert be1.state.counters()[0]["total"]["steps"] == 6  # one counter for both graphs

@@ -6,6 +6,7 @@ Presets are shrunk for the test (2 or 3 layers, prompt 80, cache 96, 4 decode st
 glm5_next's tail pool) of 80+ cached positions, so the selection is really sparse."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from offload_passes import _compat
 from offload_passes.backend import make_offload_backend
 from offload_passes.demo_hf import FP32_REL_TOL
 from offload_passes.models import hf
@@ -38,6 +40,9 @@ class Family:
     offload_refusals: tuple = ("kv_dtype",)  # reasons the fp32 run reports for keeping the sparse rewrite only
     refusal: Optional[str] = None  # the graph's named refusal (the family is not rewritten)
     steps: int = STEPS
+    # the model indexes with a boolean mask (data-dependent shapes): Dynamo before torch 2.10 traces it in
+    # a full graph only with ``capture_dynamic_output_shape_ops`` (``_compat.dynamo_traces_mask_indexing``)
+    mask_indexing: bool = False
 
 
 FAMILIES = {
@@ -57,7 +62,7 @@ FAMILIES = {
                                          "layer_types": ["linear_attention", "indexed_attention", "indexed_attention"],
                                          "mlp_layer_types": ["dense", "sparse", "sparse"],
                                          "indexer_types": ["full", "full", "shared"]},
-                        "sdpa", 2, [[0, 1]], 1, False, ("kv_dtype", "dims", "topk_alignment")),
+                        "sdpa", 2, [[0, 1]], 1, False, ("kv_dtype", "dims", "topk_alignment"), mask_indexing=True),
     # compressed sparse attention over in-graph compressed entries: refused by name, the model runs as it is
     "deepseek_v4": Family("hf-deepseek-v4", {}, "eager", 0, [], 1, False, (), "hf_compressed_kv", steps=1),
 }
@@ -95,7 +100,10 @@ def run(family: str, dtype: str) -> Run:
     ref = base.run(steps=fam.steps)
     dec = comp.decoder()
     dec.prefill()
-    out = [dec.step(fn) for _ in range(fam.steps)]
+    dynamo = (torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+              if fam.mask_indexing and not _compat.dynamo_traces_mask_indexing() else contextlib.nullcontext())
+    with dynamo:
+        out = [dec.step(fn) for _ in range(fam.steps)]
     return Run(ref, out, backend, len(backend.reports), backend.reports[-1], dec)
 
 
