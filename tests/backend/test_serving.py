@@ -180,17 +180,18 @@ def test_serving_loop_matches_the_unmodified_model_every_step(mode):
 
 def test_serving_loop_under_inductor_is_within_the_demo_tolerance_every_step():
     """The serving loop with the offload lowered by Inductor, in CI: tiny cut to 4 layers (IndexShare
-    ``FSFS``: two groups, both paged), one Inductor compile (the unmodified model runs eager, so each step
-    is checked against the exact reference with the demo's Inductor tolerance), every step compared; rows
-    shift, requests come and go, and the pool is warm."""
+    ``FSFS``: two groups, both paged), 6 steps, each compared with the unmodified model under Inductor
+    (as the demo and the new-request matrix compare) within the demo's tolerance; rows shift, requests
+    come and go, and the pool is warm."""
     from offload_passes.demo_common import LOGITS_TOL
 
     be = make_offload_backend(pool_size=256, exe_mode="inductor")
-    srv, diffs, hits = _serve(8, be, num_hidden_layers=4, index_topk_pattern="FSFS")
+    srv, diffs, hits = _serve(6, be, reference=lambda m: torch.compile(m, backend="inductor"),
+                              num_hidden_layers=4, index_topk_pattern="FSFS")
     assert be.reports[-1]["rewritten"] and be.reports[-1]["mode"] == "inductor"
     assert srv.batch_changes >= 3 and srv.finished >= 2, (srv.batch_changes, srv.finished)
     assert max(diffs) <= LOGITS_TOL, diffs
-    assert len(hits) == 8 and hits[0] == 0 and sum(h > 0 for h in hits) >= 4, hits
+    assert len(hits) == 6 and hits[0] == 0 and sum(h > 0 for h in hits) >= 4, hits
     st = module_state(srv.lanes[1].model)
     assert [g.layers for g in st.groups] == [[0, 1], [2, 3]]
 

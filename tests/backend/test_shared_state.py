@@ -79,7 +79,7 @@ def test_batch_bucket_graphs_share_one_pool():
             rows.append(st.groups[0].pool_ids.size(0))
     assert max(diffs) == 0.0, diffs
     assert hits[0] == 0 and min(hits[1:]) > 0, hits
-    assert hits == ["PIN1"], " ".join(map(str, hits))
+    assert hits == [0, 71, 121, 51, 116, 73, 121, 68], hits  # deterministic (eager, one thread)
     assert rows == [4, 2] * 4
     assert len(be.reports) == 2 and [r["cold_resets"] for r in be.reports] == [0, 0]
     st = module_state(m4)  # one state over both graphs: every row of the shared pool
@@ -125,9 +125,7 @@ def test_a_smaller_bucket_compiled_first_grows_in_place_of_resetting(mode):
             assert be.state.totals("step")["hits"] > 0
 
 
-def test_fresh_view_objects_of_the_caches_keep_the_pool():
-    """An engine hands the model new view objects of its caches every step: the state is found by the
-    caches' storage, not by the view objects: warm, exact, and the registry does not grow per step."""
+def _run_views(fresh: bool):
     cfg = synth.SynthConfig(pattern="FSS", S=1, router=False, identity_table=False)
     base, m = synth.make_pair(cfg, [300, 280])
     owners = {name: m._buffers[name] for name in _cache_names(cfg)}
@@ -137,18 +135,28 @@ def test_fresh_view_objects_of_the_caches_keep_the_pool():
     diffs, hits, sizes = [], [], []
     with torch.no_grad():
         for s in range(6):
-            for name, t in owners.items():
-                m._buffers[name] = t.view(t.shape)  # a new view object of the same memory
+            if fresh:
+                for name, t in owners.items():
+                    m._buffers[name] = t.view(t.shape)  # a new view object of the same memory
             L = L + 1
             diffs.append(_step(base, m, c, L, s))
             hits.append(be.state.totals("step")["hits"])
             sizes.append(len(REGISTRY.bindings([be.reports[-1]["graph_id"]])))
-    assert max(diffs) == 0.0, diffs
-    assert hits[0] == 0 and min(hits[1:]) > 0, hits
-    assert hits == ["PIN2"], hits
-    assert len(be.reports) == 1 and be.reports[0]["cold_resets"] == 0  # no recompile, no reset
+    return m, be, diffs, hits, sizes
+
+
+def test_fresh_view_objects_of_the_caches_keep_the_pool():
+    """An engine hands the model new view objects of its caches every step: the state is found by the
+    caches' storage, not by the view objects: exact, the very hits of the same run on the module's own
+    buffers, no recompile, no reset, and the registry does not grow per step."""
+    m, be, diffs, hits, sizes = _run_views(fresh=True)
+    assert module_state(m).groups[0].stats[1, 6].item() == 6  # the module's view buffers find their owner
+    assert len(be.reports) == 1 and be.reports[0]["cold_resets"] == 0
     assert sizes == [1] * 6, sizes
-    assert module_state(m).groups[0].stats[1, 6].item() == 6
+    torch._dynamo.reset()
+    _, _, same_diffs, same_hits, _ = _run_views(fresh=False)
+    assert max(diffs) == 0.0 and max(same_diffs) == 0.0, (diffs, same_diffs)
+    assert hits == same_hits == [0, 28, 37, 22, 32, 39], (hits, same_hits)
 
 
 def test_two_backends_with_the_same_geometry_share_one_state():
@@ -167,7 +175,7 @@ def test_two_backends_with_the_same_geometry_share_one_state():
             assert _step(base, m, c, L, s) == 0.0
             hits.append(be.state.totals("step")["hits"])
     assert hits[0] == 0 and min(hits[1:]) > 0, hits
-    assert hits == ["PIN3"], hits
+    assert hits == [0, 22, 23, 17, 28, 39], hits  # deterministic: those of one backend alone
     assert be1.state.groups[0].shared is be2.state.groups[0].shared
     assert be1.reports[-1]["cold_resets"] == be2.reports[-1]["cold_resets"] == 0
     assert be1.state.counters()[0]["total"]["steps"] == 6  # one counter for both graphs
