@@ -209,7 +209,7 @@ class OffloadBackend:
             dumper.graph(graph_id, "dynamo", gm)
         opts, hook = self.lowering.prepare(self.options, graph_id, self.install_hook)
         gm, state, report = rewrite_for_offload(gm, example_inputs, opts, hook, graph_id,
-                                                shared_state=self.lowering.shared_state)
+                                                state_from_caches=self.lowering.state_from_caches)
         report.dynamo = _dynamo_frame()
         if report.dynamo is not None and report.dynamo["last_allowed"] and (report.rewritten or report.dense):
             # past this compile Dynamo runs the frame as it is (no graph, no offload) for any shape its guards

@@ -1,7 +1,7 @@
 """The exe_modes: the one list (options, the backend, the NPU modes and the model config read it).
 
 Each mode names its lowering (the only part of the backend that differs per mode), whether the state is
-passed per call as graph inputs chosen by the caches (``shared_state``) or kept as graph buffers, and
+passed per call as graph inputs chosen by the caches (``state_from_caches``) or kept as graph buffers, and
 whether the rewrite emits the in-graph run-time guards (``aten._assert_async``; GE has no converter for
 it). Lowerings are imported lazily: the NPU ones need TorchAir / npugraph_ex only when used.
 """

@@ -63,13 +63,13 @@ def new_graph_id() -> str:
 
 def rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], options: OffloadOptions | None = None,
                         install_hook: Optional[InstallHook] = None, graph_id: Optional[str] = None,
-                        shared_state: bool = False, in_graph_guards: Optional[bool] = None,
+                        state_from_caches: bool = False, in_graph_guards: Optional[bool] = None,
                         ) -> tuple[fx.GraphModule, Optional[OffloadState], GraphReport]:
     """Detect, group, check the preconditions of and rewrite ``gm`` in place.
 
     Returns ``(gm, state, report)``: ``state`` is None when nothing was offloaded. Raises
     ``OffloadRefused`` under ``options.strict`` when there are DSA sites but a precondition fails.
-    ``shared_state``: take the state from ``state.REGISTRY`` for the example inputs' full caches (the
+    ``state_from_caches``: take the state from ``state.REGISTRY`` for the example inputs' full caches (the
     caller passes it as graph inputs, ``passes/state_inputs.py``); else the graph gets a private state
     (buffers). ``in_graph_guards`` (default: the mode's ``guards`` flag in ``modes.MODES``) emits the
     run-time checks (``aten._assert_async``; GE has no converter for it).
@@ -80,7 +80,7 @@ def rewrite_for_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], optio
 
         in_graph_guards = MODES[opts.exe_mode].guards
     with _fx.paused_gc():
-        return _run(gm, example_inputs, opts, install_hook, graph_id or new_graph_id(), shared_state,
+        return _run(gm, example_inputs, opts, install_hook, graph_id or new_graph_id(), state_from_caches,
                     in_graph_guards)
 
 
@@ -97,7 +97,7 @@ def timed(report: GraphReport, name: str) -> Iterator[None]:
 
 
 def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions, install_hook: Optional[InstallHook],
-         graph_id: str, shared_state: bool, in_graph_guards: bool,
+         graph_id: str, state_from_caches: bool, in_graph_guards: bool,
          ) -> tuple[fx.GraphModule, Optional[OffloadState], GraphReport]:
     report = GraphReport(graph_id, opts.exe_mode, opts.to_dict())
     report.ops = {"before": _fx.count_ops(gm.graph), "after": None}
@@ -172,7 +172,7 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
     state = None
     if plans:
         with timed(report, "alloc"):
-            state = build_state(gm, plans, example_inputs, graph_id, shared_state)
+            state = build_state(gm, plans, example_inputs, graph_id, state_from_caches)
     with timed(report, "rewrite"):
         rr = rewrite(gm, fe, grp, plans, state, opts.update_ledger, install_hook, in_graph_guards, True,
                      opts.replacement_policy)

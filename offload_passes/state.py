@@ -17,11 +17,11 @@ extra inputs of the rewritten graph, chosen per call by :class:`StateBinder` fro
 keyed by the caches' storage (:func:`cache_key`: the tensor that owns the memory, the address, shape
 and strides; a fresh view object of the same cache finds the same state). Every graph whose group
 has the same pool geometry (pool size, id range, dims, paged or not) on the same caches shares one
-:class:`SharedGroup`, whatever its batch size: its tensors have one row per cache row (the largest
+:class:`GroupPools`, whatever its batch size: its tensors have one row per cache row (the largest
 batch bound so far) and a graph of batch ``B`` serves rows ``0 .. B-1`` (views). In the NPU modes the
 tensors are buffers of the graph (private) and the same stale-state rule applies. Every method here
 works in place: a graph that holds the tensors keeps holding them (only a per-call binding grows a
-shared group, see :meth:`SharedGroup.grow`).
+shared group, see :meth:`GroupPools.grow`).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ KIND_HIT, KIND_MISS, KIND_WINDOW = 1, 2, 3
 STATS_WIDTH = 7  # kinds 0..5 + step count
 
 
-class SharedGroup:
+class GroupPools:
     """The tensors of one IndexShare group on one set of full caches (shared by every graph serving them)."""
 
     __slots__ = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external_write", "pools", "ran",
@@ -106,9 +106,9 @@ class SharedGroup:
 
 class GroupState:
     """One group of one compiled graph (``group_id``/``layers`` numbered in that graph), over the
-    :class:`SharedGroup` tensors of the caches it runs on."""
+    :class:`GroupPools` tensors of the caches it runs on."""
 
-    def __init__(self, group_id: int, owner_layer: int, layers: Sequence[int], shared: SharedGroup,
+    def __init__(self, group_id: int, owner_layer: int, layers: Sequence[int], shared: GroupPools,
                  B: Optional[int] = None) -> None:
         self.group_id = group_id
         self.owner_layer = owner_layer
@@ -195,11 +195,11 @@ class OffloadState:
         layouts = [p if isinstance(p, GroupLayout) else GroupLayout.from_plan(p) for p in plans]
         dev = device or torch.device("cpu")
         return cls.from_shared(graph_id, layouts,
-                               [SharedGroup(g.B, g.pool_size, g.id_range, g.dims, dev, g.table_cols)
+                               [GroupPools(g.B, g.pool_size, g.id_range, g.dims, dev, g.table_cols)
                                 for g in layouts])
 
     @classmethod
-    def from_shared(cls, graph_id: str, layouts: Sequence[GroupLayout], shared: Sequence[SharedGroup]
+    def from_shared(cls, graph_id: str, layouts: Sequence[GroupLayout], shared: Sequence[GroupPools]
                     ) -> "OffloadState":
         p0 = layouts[0]
         st = cls(graph_id, p0.B, p0.pool_size, p0.id_range)
@@ -326,8 +326,8 @@ class OffloadState:
                 kv[i] = 0
                 rope[i] = 0
 
-    def _shared_groups(self) -> list[SharedGroup]:
-        out: list[SharedGroup] = []
+    def _shared_groups(self) -> list[GroupPools]:
+        out: list[GroupPools] = []
         for g in self.groups:
             if all(g.shared is not o for o in out):
                 out.append(g.shared)
@@ -434,7 +434,7 @@ class StateRegistry:
 
     * ``bind(graph_id, layouts, caches)``: the :class:`OffloadState` of one compiled graph on one set of
       full caches. Every graph whose group has the same pool geometry (``GroupLayout.signature``: pool
-      size, id range, dims, paged or not) on the same caches shares one :class:`SharedGroup`, whatever
+      size, id range, dims, paged or not) on the same caches shares one :class:`GroupPools`, whatever
       its batch size (the pools mirror cache rows, which do not depend on the graph that planned them):
       recompiles, batch-size buckets, other backends, fresh view objects of the caches.
     * ``activate(state, caches)``: the one stale-state rule of every mode: a group whose caches were
@@ -446,11 +446,11 @@ class StateRegistry:
 
     def __init__(self) -> None:
         self._bindings: dict[tuple, OffloadState] = {}  # (graph_id, cache keys) -> state
-        self._shared: dict[tuple, "weakref.ref[SharedGroup]"] = {}  # (cache keys, signature) -> group tensors
-        self._claims: dict[tuple, "weakref.ref[SharedGroup]"] = {}  # cache key -> group tensors that ran last
+        self._shared: dict[tuple, "weakref.ref[GroupPools]"] = {}  # (cache keys, signature) -> group tensors
+        self._claims: dict[tuple, "weakref.ref[GroupPools]"] = {}  # cache key -> group tensors that ran last
         self._watched: dict[int, "weakref.finalize"] = {}  # owner id -> its finalizer
         self._by_owner: dict[int, set] = {}  # owner id -> binding / shared / claim keys that name it
-        self._seen: "weakref.WeakKeyDictionary[SharedGroup, tuple]" = weakref.WeakKeyDictionary()  # -> cache keys
+        self._seen: "weakref.WeakKeyDictionary[GroupPools, tuple]" = weakref.WeakKeyDictionary()  # -> cache keys
 
     # -- lifetime -------------------------------------------------------------------------
     def _watch(self, owner: torch.Tensor, key: tuple) -> None:
@@ -494,7 +494,7 @@ class StateRegistry:
             ref = self._shared.get(skey)
             sg = ref() if ref is not None else None
             if sg is None:
-                sg = SharedGroup(lay.B, lay.pool_size, lay.id_range, lay.dims, dev, lay.table_cols)
+                sg = GroupPools(lay.B, lay.pool_size, lay.id_range, lay.dims, dev, lay.table_cols)
                 self._shared[skey] = weakref.ref(sg)
                 for t in cs:
                     self._watch(_owner(t), skey)
@@ -547,7 +547,7 @@ class StateRegistry:
                      "were reset (cold start)", state.graph_id)
         return reset
 
-    def current_groups(self, owner_ids: set) -> list[tuple[tuple, SharedGroup]]:
+    def current_groups(self, owner_ids: set) -> list[tuple[tuple, GroupPools]]:
         """Group tensors that ran on caches owned by tensors all in ``owner_ids`` (ids) and still hold
         them (not superseded); with their cache keys."""
         out = []
@@ -605,7 +605,7 @@ _warned_inference: set = set()
 
 
 @torch.no_grad()
-def _check_outside_writes(sg: SharedGroup, caches: Sequence[torch.Tensor], graph_id: str) -> None:
+def _check_outside_writes(sg: GroupPools, caches: Sequence[torch.Tensor], graph_id: str) -> None:
     """Set ``external_write`` for the coming step when the full caches were written since this group's
     last step by anything but its own graph (docs/new-requests.md): their version counters moved (an
     eager prefill or step, ``StaticCache.reset()``, a graph compiled by any AOT-based backend). Caches without version counters (inference tensors) are treated
@@ -613,7 +613,7 @@ def _check_outside_writes(sg: SharedGroup, caches: Sequence[torch.Tensor], graph
     announcement (``reset(rows=...)``, the ledger) cannot prove the other rows untouched, so it does not
     suppress the flag (a soak with one announced and one unannounced re-fill in the same step was
     served stale when it did). ``begin_request`` / ``move_rows`` do: they are the engine's complete account
-    of the rows it wrote (``SharedGroup.announced``)."""
+    of the rows it wrote (``GroupPools.announced``)."""
     v = cache_versions(caches)
     moved = v is None or (sg.versions is not None and v != sg.versions)
     if moved and v is not None and sg.announced:
@@ -635,7 +635,7 @@ def _check_outside_writes(sg: SharedGroup, caches: Sequence[torch.Tensor], graph
 
 
 @torch.no_grad()
-def after_step(sg: SharedGroup, caches: Sequence[torch.Tensor]) -> None:
+def after_step(sg: GroupPools, caches: Sequence[torch.Tensor]) -> None:
     """After the group's graph ran: remember the caches' versions (its own cache writes included) and
     clear the flag the step consumed."""
     sg.versions = cache_versions(caches)
@@ -646,7 +646,7 @@ def after_step(sg: SharedGroup, caches: Sequence[torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def _reset_shared(sg: SharedGroup) -> None:
+def _reset_shared(sg: GroupPools) -> None:
     sg.versions = None  # nothing cached any more
     sg.pool_ids.fill_(-1)
     sg.id_to_slot.fill_(-1)

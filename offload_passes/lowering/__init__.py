@@ -49,7 +49,7 @@ class Lowering(Protocol):
     ``lowering.cuda.CudaLowering`` (duck-typed)."""
 
     #: the state as per-call graph inputs chosen by the caches (CPU) or as private graph buffers (NPU)
-    shared_state: bool
+    state_from_caches: bool
 
     def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
                 ) -> tuple[OffloadOptions, Optional[InstallHook]]: ...

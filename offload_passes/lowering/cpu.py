@@ -88,7 +88,7 @@ class CpuLowering:
     """``eager`` (AOT + our reinplace, run op by op) and ``inductor`` (our reinplace as Inductor's
     ``post_grad_custom_pre_pass``, in-place custom ops retargeted to their ``offload_inductor::`` aliases)."""
 
-    shared_state = True
+    state_from_caches = True
 
     def __init__(self, mode: str, **npu_kw: Any):
         check_exe_mode(mode, CPU_EXE_MODES, where=" for the CPU lowering")

@@ -5,7 +5,7 @@ What the mode is (the decisions; docs/cuda.md has the reasons at length):
 * **Lowering** = the CPU ``eager`` lowering (AOT functionalisation, our reinplace, the graph run op by op;
   ``lowering/cpu.py``) on CUDA tensors, with the Triton kernels of ``custom_ops/cuda/`` as the CUDA
   implementation of the same ops. The state is per-call graph inputs chosen by the caches
-  (``shared_state = True``), the in-graph run-time guards stay.
+  (``state_from_caches = True``), the in-graph run-time guards stay.
 * **Schedule** = the NPU modes' (``lowering/npu.py``, ``lowering/side_stream.py``): each layer's installs (its md=0 install; on the
   group's last layer also the owner's md=1 install) move right after that layer's ``dsa_serve`` and run
   on a side stream: ``scope_enter`` (record a *ready* event on the main stream, the side stream waits on
@@ -249,7 +249,7 @@ class CudaLowering:
     Refuses the NPU-only settings and Inductor's ``torch.compile(mode=...)`` by name.
     """
 
-    shared_state = True
+    state_from_caches = True
 
     def __init__(self, mode: str = CUDA_MODE, compiler_config: Any = None, npu_options: Any = None,
                  side_stream: bool = True):

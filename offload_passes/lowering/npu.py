@@ -330,10 +330,10 @@ class NpuLowering:
 
     ``compiler_config``: a ``torchair.CompilerConfig`` (ge_graph) or ``npugraph_ex.CompilerConfig``;
     ``npu_options``: npugraph_ex options; ``side_stream``: move installs to a side stream (default).
-    The state stays buffers of the graph (``shared_state = False``): one private state per graph.
+    The state stays buffers of the graph (``state_from_caches = False``): one private state per graph.
     """
 
-    shared_state = False
+    state_from_caches = False
 
     def __init__(self, mode: str, compiler_config: Any = None, npu_options: Optional[Mapping[str, Any]] = None,
                  side_stream: bool = True):

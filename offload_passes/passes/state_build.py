@@ -52,13 +52,13 @@ def _pool_device(plan: Any) -> Optional[str]:
 
 
 def build_state(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any], graph_id: str,
-                shared_state: bool) -> OffloadState:
+                state_from_caches: bool) -> OffloadState:
     """The state of one rewritten graph: taken from ``state.REGISTRY`` for the example inputs' full caches
-    when ``shared_state`` and the caches are graph inputs / attributes (graphs on the same caches share
+    when ``state_from_caches`` and the caches are graph inputs / attributes (graphs on the same caches share
     it), else private tensors. ``layouts`` / ``cache_refs`` / ``shared`` say how to bind it per call."""
     layouts = [GroupLayout.from_plan(p, _pool_device(p)) for p in plans]
     found = cache_refs(gm, plans, example_inputs)
-    if shared_state and found is not None:
+    if state_from_caches and found is not None:
         state = REGISTRY.bind(graph_id, layouts, found[1])
     else:
         dev = _pool_device(plans[0])
@@ -68,5 +68,5 @@ def build_state(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any], gr
         state = OffloadState.allocate(graph_id, layouts, device=torch.device(dev) if dev else None)
     state.layouts = layouts
     state.cache_refs = found[0] if found is not None else None
-    state.shared = bool(shared_state and found is not None)
+    state.shared = bool(state_from_caches and found is not None)
     return state

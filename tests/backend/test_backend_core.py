@@ -46,7 +46,7 @@ def test_npu_modes_run_in_the_one_core(mode):
 
     be = make_offload_backend(exe_mode=mode, pool_size=PS, side_stream=False)
     assert isinstance(be, OffloadBackend) and type(be) is NpuOffloadBackend
-    assert type(be.lowering).__name__ == "NpuLowering" and not be.lowering.shared_state
+    assert type(be.lowering).__name__ == "NpuLowering" and not be.lowering.state_from_caches
     assert be.lowering.side_stream is False and MODES[mode].lowering == "offload_passes.lowering.npu:NpuLowering"
     with pytest.raises(ValueError, match=r"\['npu_options'\] only apply to the NPU exe_modes"):
         make_offload_backend(exe_mode="eager", npu_options={"x": 1})

@@ -1,5 +1,5 @@
 """One offload state per set of caches, shared by every graph that serves them (docs/new-requests.md,
-"Graphs that share caches"; offload_passes/state.py: ``cache_key``, ``StateRegistry``, ``SharedGroup``).
+"Graphs that share caches"; offload_passes/state.py: ``cache_key``, ``StateRegistry``, ``GroupPools``).
 
 Batch-size buckets (a B=4 and a B=2 graph over one set of caches, alternating), fresh view objects of
 the caches on every call, two graphs and a second backend on one state: each stays warm after the

@@ -172,7 +172,7 @@ def test_side_stream_off_keeps_the_cpu_schedule():
     lo2 = CudaLowering(CUDA_MODE)
     _, hook = lo2.prepare(opts, "g2", None)
     assert isinstance(hook, CudaInstallHook) and hook.graph_id == "g2"
-    assert lo2.shared_state is True
+    assert lo2.state_from_caches is True
 
 
 # ------------------------------------------------------------------------------ device-safe guards
