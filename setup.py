@@ -163,7 +163,7 @@ setup(
         "numpy",  # safetensors.torch and TorchAir need it; the torch CPU wheel does not pull it in
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "protobuf>=3.13", "packaging", "scipy"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "protobuf>=3.13", "packaging", "scipy"],
         "plan": ["numpy", "scipy"],  # offload-capacity --what-if: the bounded least-squares fit (tools/capacity_plan_whatif.py)
         "viz": ["graphviz", "matplotlib"],  # matplotlib: offload-sim --plot
         "hf": ["transformers==5.23.0"],  # the HF front-end (models/hf, passes/frontends/hf/), verified on 5.23.0
