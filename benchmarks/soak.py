@@ -205,7 +205,17 @@ def summary(o: dict) -> str:
 def serve_main(a: argparse.Namespace) -> int:
     """``--serve``: ``offload_passes.demo.run_serve`` with a lane told nothing beside the announcing one,
     memory sampled as the static soak does."""
-    from offload_passes.demo import run_serve
+    from offload_passes._cli import UsageError
+    from offload_passes.demo import parse_buckets, run_serve
+
+    try:
+        buckets = parse_buckets(a.buckets, 4)
+    except UsageError as e:
+        print(f"soak: error: {e}", file=sys.stderr)
+        return 2
+    if not 0.0 < a.arrival <= 1.0:
+        print(f"soak: error: --arrival must be in (0, 1], got {a.arrival}", file=sys.stderr)
+        return 2
 
     torch.set_num_threads(a.threads)
     rss = {"start": _rss_kib(), "after_warmup": 0}
@@ -219,7 +229,8 @@ def serve_main(a: argparse.Namespace) -> int:
                   flush=True)
 
     out = run_serve("tiny", a.steps, "eager", 256 if a.pool_size == 128 else a.pool_size, next_n=3, batch=4,
-                    seed=a.seed, threads=a.threads, unannounced=True, on_step=on_step, max_seconds=a.max_seconds)
+                    seed=a.seed, threads=a.threads, unannounced=True, on_step=on_step, max_seconds=a.max_seconds,
+                    buckets=buckets, arrival=a.arrival)
     end = _rss_kib()
     out["rss_mib"] = {"start": rss["start"] / 1024, "after_warmup": rss["after_warmup"] / 1024, "end": end / 1024,
                       "growth_after_warmup": (end - rss["after_warmup"]) / 1024}
@@ -238,6 +249,7 @@ def serve_main(a: argparse.Namespace) -> int:
             f"same requests in a static batch {st.get('hit_rate', float('nan')):.2%}",
             f"  served / static hits {out.get('hit_ratio_vs_static', float('nan')):.4f} "
             f"({out.get('hit_rate_points_vs_static', float('nan')):+.2f} points)",
+            *([f"  steps per batch bucket: {out['buckets']} (arrival {a.arrival})"] if out.get("buckets") else []),
             f"  RSS: {out['rss_mib']['start']:.1f} MiB at the start, {out['rss_mib']['after_warmup']:.1f} MiB after "
             f"warm-up -> {out['rss_mib']['end']:.1f} MiB at the end (growth {out['rss_mib']['growth_after_warmup']:+.1f} "
             f"MiB); {out['run_s']:.0f} s, {out['steps'] / max(out['run_s'], 1e-9):.2f} steps/s",
@@ -261,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the serving loop instead (models/glm/serve.py: continuous batching on paged KV, "
                         "B=4 rows per rank, MTP next_n=3 with varying acceptance, a C++ KV transfer); compares "
                         "with the same requests in a static batch, in one run")
+    p.add_argument("--buckets", default="", metavar="B1,B2",
+                   help="--serve: batch buckets, e.g. 2,4 (one graph per batch size over the same caches)")
+    p.add_argument("--arrival", type=float, default=1.0,
+                   help="--serve: probability that a request waits when a row frees (1: the batch stays full)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.steps < 1:

@@ -136,7 +136,8 @@ def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: O
 
 def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: Optional[int] = None,
               next_n: int = 3, batch: int = 4, seed: int = 0, threads: int = 1, unannounced: bool = False,
-              on_step: Optional[Any] = None, max_seconds: float = 0.0) -> dict:
+              on_step: Optional[Any] = None, max_seconds: float = 0.0, buckets: Sequence[int] = (),
+              arrival: float = 1.0) -> dict:
     """The serving loop (``models/glm/serve.py``: continuous batching on the cache manager's block tables,
     a C++ KV transfer that moves no version counter, varying MTP acceptance) with the unmodified model and
     the compiled one (``OffloadState.move_rows`` on every batch change) side by side; ``unannounced`` adds
@@ -146,10 +147,12 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     lane's ``dsa_plan`` received) replayed through the same plan / install kernels in a row of its own
     for its whole life (``trace.kernel_replay``): what a static batch, whose rows keep their request,
     would hit on exactly these requests. ``on_step(i, server)`` runs after each step (the soak samples
-    memory there); ``max_seconds`` > 0 stops after that wall time (``steps`` then says how many ran)."""
+    memory there); ``max_seconds`` > 0 stops after that wall time (``steps`` then says how many ran).
+    ``buckets``: batch sizes below ``batch`` compiled as batch buckets over the same caches
+    (``serve.bucket_model``); ``arrival`` < 1 lets the running count vary so they are used."""
     from . import models
     from .backend import make_offload_backend
-    from .models.glm.serve import Lane, Server, ServeConfig
+    from .models.glm.serve import Lane, Server, ServeConfig, bucket_model
     from .state import module_state
     from .trace.format import Trace
     from .trace.kernel_replay import replay_kernels
@@ -167,16 +170,27 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
         opts["pool_size"] = pool_size
     backend = make_offload_backend(**opts)
     ref_fn = torch.compile(ref.model, backend="inductor") if mode == "inductor" else None
-    lanes = [Lane(ref.model, ref_fn),
+    small = sorted(b for b in set(buckets) if b != batch)
+
+    def bucket_lanes(m: Any, be: Any) -> dict:  # every smaller bucket, compiled like its lane
+        out = {}
+        for b in small:
+            bm = bucket_model(m, b)
+            out[b] = (bm, torch.compile(bm, backend=be) if be is not None else None)
+        return out
+
+    ref_buckets = bucket_lanes(ref.model, "inductor" if mode == "inductor" else None)
+    lanes = [Lane(ref.model, ref_fn, None, ref_buckets),
              Lane(comp.model, torch.compile(comp.model, backend=backend),
-                  lambda src: module_state(comp.model).move_rows(src))]
+                  lambda src: module_state(comp.model).move_rows(src), bucket_lanes(comp.model, backend))]
     backend2 = None
     if unannounced:
         comp2 = models.build(config, **over)
         backend2 = make_offload_backend(**opts)
-        lanes.append(Lane(comp2.model, torch.compile(comp2.model, backend=backend2)))
+        lanes.append(Lane(comp2.model, torch.compile(comp2.model, backend=backend2), None,
+                          bucket_lanes(comp2.model, backend2)))
     K, cap = ref.config.index_topk, r.pa_max_length
-    cfg = ServeConfig(seed=seed, prompt_len=(K, max(K, cap // 2)), output_len=(4, 64))
+    cfg = ServeConfig(seed=seed, prompt_len=(K, max(K, cap // 2)), output_len=(4, 64), arrival=arrival)
     srv = Server(lanes, pm, cfg)
     diffs = [0.0] * (len(lanes) - 1)
     IR = None
@@ -203,7 +217,7 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
             outs = srv.step()
             for j, o in enumerate(outs[1:]):
                 diffs[j] = max(diffs[j], (outs[0].float() - o.float()).abs().max().item())
-            if st is None:
+            if st is None or small:  # a bucket's first call may grow the shared state (new tensors)
                 st = module_state(comp.model)
                 ptrs = {g.pool_ids.data_ptr(): n for n, g in enumerate(st.groups)}
                 IR = int(st.groups[0].id_to_slot.size(1)) if st.groups else None
@@ -214,6 +228,8 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
             else:
                 calls.sort(key=lambda c: ptrs[c[0]])
                 for b, rid in enumerate(srv.rows):
+                    if rid is None:  # a padding row
+                        continue
                     live.setdefault(rid, []).append((np.stack([c[1][b].numpy() for c in calls]), int(calls[0][2][b])))
                 for rid in [r for r in live if r not in srv.rows]:
                     replay(live.pop(rid))
@@ -239,6 +255,8 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
            "hits": tot["hits"], "misses": tot["misses"], "window": tot["window"],
            "hit_rate": rate(tot["hits"], tot["misses"]), "max_abs_diff": diffs[0],
            "tolerance": LOGITS_TOL if mode == "inductor" else 0.0, "run_s": run_s}
+    if small:
+        out["buckets"] = {str(b): n for b, n in srv.bucket_steps.items()}  # steps per batch bucket
     if replayed[0] and steps:
         out["static"] = {"hits": int(kinds[1]), "misses": int(kinds[2]), "window": int(kinds[3]),
                          "hit_rate": rate(int(kinds[1]), int(kinds[2]))}
@@ -334,6 +352,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--serve", action="store_true",
                    help="the serving loop (models/glm/serve.py): continuous batching on paged KV, B=4 rows, "
                         "next_n 3 unless given; --model glm")
+    p.add_argument("--buckets", default="", metavar="B1,B2",
+                   help="--serve: batch buckets, e.g. 2,4: one graph per batch size over the same caches, the "
+                        "smallest that holds the running requests runs (sizes in [1, 4])")
+    p.add_argument("--arrival", type=float, default=1.0,
+                   help="--serve: probability that a request waits when a row frees (1: the batch stays full)")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, stream=sys.stderr)
@@ -358,6 +381,8 @@ def _main(a: argparse.Namespace) -> int:
     _check_config_fits_model(a.model, a.config)
     if a.serve and (a.world != 1 or a.model != "glm"):
         raise UsageError("--serve applies to --model glm on one process (no --world)")
+    if (a.buckets or a.arrival != 1.0) and not a.serve:
+        raise UsageError("--buckets / --arrival apply to --serve only")
     if a.world != 1:  # the multi-rank demo (demo_world.py)
         from .demo_world import MAX_WORLD, main_world
 
@@ -380,14 +405,31 @@ def _main(a: argparse.Namespace) -> int:
     if a.serve:
         if a.record_trace or a.replacement_policy != "fifo" or a.dump_dir:
             raise UsageError("--serve does not take --record-trace / --replacement-policy / --dump-dir")
+        buckets = parse_buckets(a.buckets, 4)
+        if not 0.0 < a.arrival <= 1.0:
+            raise UsageError(f"--arrival must be in (0, 1], got {a.arrival}")
         out = run_serve(a.config or "tiny", a.steps, a.mode, a.pool_size, 3 if a.next_n is None else a.next_n,
-                        threads=a.threads)
+                        threads=a.threads, buckets=buckets, arrival=a.arrival)
         print(json.dumps(out, indent=1) if a.json else _summary_serve(out))
         return EXIT_OK if out["within_tolerance"] else EXIT_CHECK_FAILED
     out = run(a.config or "tiny", a.steps, a.mode, a.pool_size, a.next_n, a.dump_dir, a.threads, a.record_trace,
               a.replacement_policy)
     print(json.dumps(out, indent=1) if a.json else _summary(out))
     return EXIT_OK if out["within_tolerance"] else EXIT_CHECK_FAILED
+
+
+def parse_buckets(text: str, batch: int) -> list[int]:
+    """``--buckets "2,4"`` -> ``[2, 4]``; every size in ``[1, batch]`` (``batch``: the serving loop's rows)."""
+    if not text:
+        return []
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--buckets must be comma-separated batch sizes, got {text!r}") from None
+    bad = [b for b in sizes if not 1 <= b <= batch]
+    if bad:
+        raise UsageError(f"--buckets sizes must be in [1, {batch}] (the serving loop's batch), got {bad}")
+    return sorted(set(sizes))
 
 
 def _check_config_fits_model(model: str, config: Optional[str]) -> None:

@@ -4,8 +4,10 @@
 What it mirrors (cann-recipes-infer, ``executor/online`` and ``executor/core``: its scheduler, its
 ``KVCacheManager.allocate_slots`` and its ``BlockPool``):
 
-* requests arrive with random prompt and output lengths and wait in a queue; the loop models a loaded
-  server (a request is waiting whenever a row frees, so the decode batch stays full);
+* requests arrive with random prompt and output lengths and wait in a queue; by default the loop models a
+  loaded server (a request is waiting whenever a row frees, so the decode batch stays full);
+  ``ServeConfig.arrival`` < 1 makes a request wait at a free row only with that probability, so the number
+  of running requests varies;
 * KV blocks come from a FIFO free list (block 0 is the null block, never handed out); a request gets the
   blocks for its prompt at admission and more as it grows (``allocate_slots`` with the step's S
   look-ahead); a finished request's blocks go back to the list and are re-used by later requests;
@@ -16,19 +18,26 @@ What it mirrors (cann-recipes-infer, ``executor/online`` and ``executor/core``: 
   ``Tensor(a!)`` that copies raw memory (``csrc/kv_transfer.cpp``): like an engine's reshape-and-cache
   kernel or KV transfer it moves no PyTorch version counter;
 * every step feeds S = 1 + next_n tokens per row; MTP acceptance varies: a row advances by a random 1..S
-  tokens, so rejected drafts are rewritten at the same positions next step.
+  tokens, so rejected drafts are rewritten at the same positions next step;
+* batch buckets (optional, ``Lane.buckets``): as engines capture one graph per batch size, a lane may
+  carry smaller-batch decode models built by :func:`bucket_model` over the same weights, the same KV /
+  indexer caches and rows ``0..b-1`` of the same selection buffers and ledgers; each step runs the
+  smallest bucket that holds the running requests, and the rows past them are padding rows (an all-null
+  block table, block 0; announced as new; their outputs dropped).
 
 Several *lanes* run the same schedule side by side: each lane is a decode model with its own caches
 (the unmodified model, a compiled one, ...) and the tokens come from a seeded generator, not from the
 logits, so the lanes' outputs are comparable step by step. When the batch changes, the loop keeps each
 lane's gather ledger and selection rows with their request (the ledger row of a new request is reset,
 as the reference's ``reset_rows`` does) and calls the lane's ``on_batch_change(src)`` with, per row,
-the row its request held at the previous step (-1: a new request) — the hook an offload state uses to
+the row its request held at the previous step, whatever bucket ran it (-1: a new request or a padding
+row; ``src`` is as long as the step's bucket) — the hook an offload state uses to
 follow its requests (``OffloadState.move_rows``). Models never import the passes: the caller supplies
 the hook.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import deque
@@ -77,6 +86,9 @@ class ServeConfig:
     prompt_len: tuple[int, int] = (16, 160)
     output_len: tuple[int, int] = (4, 64)  # decode steps of a request
     mtp_accept: str = "random"  # "random": a row advances by 1..S tokens per step; "all": by S
+    # probability that a request is waiting when a row is free (drawn per free row and step); 1: a loaded
+    # server, the batch always full (no draw). An empty server always admits one.
+    arrival: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "output_len"):
@@ -85,6 +97,8 @@ class ServeConfig:
                 raise ValueError(f"ServeConfig.{name} must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
         if self.mtp_accept not in ("random", "all"):
             raise ValueError(f"ServeConfig.mtp_accept must be 'random' or 'all', got {self.mtp_accept!r}")
+        if not 0.0 < self.arrival <= 1.0:
+            raise ValueError(f"ServeConfig.arrival must be in (0, 1], got {self.arrival!r}")
 
 
 @dataclass
@@ -96,14 +110,64 @@ class Request:
     blocks: list = field(default_factory=list)
 
 
+#: the per-row buffers of a decode model that a batch bucket takes as rows 0..b-1 of the largest model's
+_ROW_BUFFERS = ("sel_kv", "sel_rope", "sel_block_table", "sel_status")
+
+
+def bucket_model(model: GlmMoeDsaForCausalLM, batch_size: int) -> GlmMoeDsaForCausalLM:
+    """A decode model of ``batch_size`` rows for a batch bucket of ``model`` (the largest bucket): the same
+    parameters and the same KV / indexer caches (the paged caches do not depend on the batch: any block
+    table row may address any block), its own block table ``[batch_size, cache_len]`` (initially rows
+    ``0..batch_size-1`` of ``model``'s), and selection buffers / ledgers that are views of ``model``'s rows
+    ``0..batch_size-1`` (``sel_kv`` / ``sel_rope`` are row-major ``[B*S*K/BS, ...]``), so a request keeps
+    its ledger when the bucket changes. Only the decode step is meant to run on it: prefill and
+    ``reset_rows`` belong to ``model`` (the caches are sized by its batch)."""
+    if model.parallel is not None:
+        raise ValueError("bucket_model: model must be a single-process model (parallel layout given)")
+    if not model.runner.enable_offload:
+        raise ValueError("bucket_model: model must be built with enable_offload=True (selection ledger)")
+    if not 1 <= batch_size < model.batch_size:
+        raise ValueError(f"bucket_model: batch_size must be in [1, {model.batch_size}) (the model's batch), "
+                         f"got {batch_size}")
+    # built on the meta device (no memory, no weight init), then every tensor re-pointed at model's
+    small = GlmMoeDsaForCausalLM(model.config, dataclasses.replace(model.runner, batch_size=batch_size),
+                                 device="meta", seed=None)
+    big = dict(model.named_modules())
+    for name, mod in small.named_modules():
+        src = big[name]
+        for pname in list(mod._parameters):
+            mod._parameters[pname] = src._parameters[pname]
+        for bname, t in list(mod._buffers.items()):
+            full = src._buffers[bname]
+            if bname in _ROW_BUFFERS:
+                mod._buffers[bname] = full[: t.size(0)]
+            elif name == "" and bname == "block_table":
+                mod._buffers[bname] = full[:batch_size].clone()
+            else:
+                mod._buffers[bname] = full
+    small.return_internals = model.return_internals
+    return small.train(model.training)
+
+
 @dataclass
 class Lane:
     """One decode model served by the loop: ``step_fn(ids, pos)`` runs its step (default: the model),
-    ``on_batch_change(src)`` is told how the batch changed before the step that sees it."""
+    ``on_batch_change(src)`` is told how the batch changed before the step that sees it. ``buckets``:
+    smaller batch sizes -> ``(model, step_fn)``, the model from :func:`bucket_model` of ``model`` (the
+    largest bucket), ``step_fn`` as above (``None``: the model)."""
 
     model: GlmMoeDsaForCausalLM
     step_fn: Optional[Callable] = None
     on_batch_change: Optional[Callable[[list], None]] = None
+    buckets: dict = field(default_factory=dict)
+
+    def decoder(self, batch_size: int) -> tuple[GlmMoeDsaForCausalLM, Callable]:
+        """The model and step function of bucket ``batch_size``."""
+        if batch_size == self.model.batch_size:
+            m, fn = self.model, self.step_fn
+        else:
+            m, fn = self.buckets[batch_size]
+        return m, (fn if fn is not None else m)
 
 
 class BlockPool:
@@ -128,7 +192,8 @@ class BlockPool:
 class Server:
     """The loop. ``lanes``: decode models with one configuration (batch size, S, block size, caches);
     ``prefill_model``: a batch-1 model with the same weights; ``transfer``: ``"cpp"`` (the C++ op that
-    moves no version counter, the engine's way) or ``"torch"`` (``index_copy_``, moves it)."""
+    moves no version counter, the engine's way) or ``"torch"`` (``index_copy_``, moves it). Every lane
+    has the same bucket sizes (``Lane.buckets``); ``bucket_steps`` counts the steps each bucket ran."""
 
     def __init__(self, lanes: Sequence[Lane], prefill_model: GlmMoeDsaForCausalLM,
                  cfg: Optional[ServeConfig] = None, transfer: str = "cpp") -> None:
@@ -142,6 +207,17 @@ class Server:
                 raise ValueError("Server: every lane must have the same batch size, S, block size and cache")
             if not m.runner.enable_offload:
                 raise ValueError("Server: lanes must be built with enable_offload=True (selection ledger)")
+            if sorted(ln.buckets) != sorted(lanes[0].buckets):
+                raise ValueError(f"Server: every lane must have the same bucket sizes, got {sorted(ln.buckets)} "
+                                 f"and {sorted(lanes[0].buckets)}")
+            for b, (bm, _) in ln.buckets.items():
+                a, ab = m.model.layers[0].self_attn, bm.model.layers[0].self_attn
+                if not (isinstance(b, int) and 1 <= b < m.batch_size and bm.batch_size == b):
+                    raise ValueError(f"Server: bucket sizes must be in [1, {m.batch_size}) (the lane's batch) and "
+                                     f"match their model's batch size, got {b} -> {bm.batch_size}")
+                if ab.kv_cache is not a.kv_cache or ab.sel_status.data_ptr() != a.sel_status.data_ptr():
+                    raise ValueError(f"Server: the bucket {b} model must share the lane model's caches and "
+                                     "selection rows (build it with serve.bucket_model)")
         if prefill_model.batch_size != 1 or prefill_model.block_size != m0.block_size:
             raise ValueError("Server: prefill_model must have batch_size 1 and the lanes' block size")
         if transfer not in ("cpp", "torch"):
@@ -157,6 +233,9 @@ class Server:
         self.gen = torch.Generator().manual_seed(self.cfg.seed)
         self.vocab = m0.config.vocab_size
         self.running: list[Request] = []
+        self.sizes = sorted(set(lanes[0].buckets) | {self.B})  # the batch buckets, the lanes' batch last
+        self.bucket_steps = {b: 0 for b in self.sizes}
+        self.bucket = self.B  # the bucket of the last step
         self.rows: list[Optional[int]] = [None] * self.B  # request id per row at the previous step
         self.next_rid = 0
         self.step_idx = 0
@@ -205,36 +284,48 @@ class Server:
             req.blocks += self.pool.take(need)
 
     # ------------------------------------------------------------------ batch
-    def _schedule(self) -> list:
-        """Retire finished requests, admit new ones, grow blocks; returns ``src`` per row."""
+    def _schedule(self) -> tuple[list, list]:
+        """Retire finished requests, admit new ones, grow blocks, pick the bucket; returns ``src`` per row
+        and the batch (``None``: a padding row)."""
         done = [r for r in self.running if r.steps_left <= 0]
         for r in done:
             self.pool.give_back(r.blocks)
             self.finished += 1
         self.running = [r for r in self.running if r.steps_left > 0]
-        while len(self.running) < self.B:  # a loaded server: someone is always waiting
-            req = self._arrive()
-            self._prefill(req)
-            self.running.append(req)
-        batch = self.running[: self.B]
+        for _ in range(self.B - len(self.running)):
+            # 1: a loaded server, someone is always waiting (no draw); an empty server admits one
+            if (self.cfg.arrival >= 1.0 or not self.running
+                    or float(torch.rand((), generator=self.gen)) < self.cfg.arrival):
+                req = self._arrive()
+                self._prefill(req)
+                self.running.append(req)
+        bucket = min(b for b in self.sizes if b >= len(self.running))
+        batch: list = self.running[:bucket]
         for r in batch:
             self._grow(r)
+        batch += [None] * (bucket - len(batch))
         prev = {rid: b for b, rid in enumerate(self.rows) if rid is not None}
-        src = [prev.get(r.rid, -1) for r in batch]
-        self.rows = [r.rid for r in batch]
-        return src
+        src = [prev.get(r.rid, -1) if r is not None else -1 for r in batch]
+        self.rows = [r.rid if r is not None else None for r in batch]
+        return src, batch
 
     @torch.no_grad()
     def _apply(self, src: list, batch: list) -> None:
-        table = torch.zeros(self.B, self.max_blocks, dtype=torch.int32)
+        n = len(batch)
+        table = torch.zeros(n, self.max_blocks, dtype=torch.int32)  # padding rows: all null (block 0)
         for b, r in enumerate(batch):
-            table[b, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
-        changed = src != list(range(self.B))
-        idx = torch.tensor([max(x, 0) for x in src], dtype=torch.long)
-        new = [b for b, x in enumerate(src) if x < 0]
+            if r is not None:
+                table[b, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+        changed = src != list(range(n)) or n != self.bucket
+        # the ledger rows move on the largest model's buffers (a bucket's are views of its first rows);
+        # rows past the bucket hold no request
+        full = src + [-1] * (self.B - n)
+        idx = torch.tensor([max(x, 0) for x in full], dtype=torch.long)
+        new = [b for b, x in enumerate(full) if x < 0]
         for ln in self.lanes:
+            bm = ln.decoder(n)[0]
+            bm.block_table.copy_(table.to(bm.block_table.device))
             m = ln.model
-            m.block_table.copy_(table.to(m.block_table.device))
             if changed:
                 for layer in m.model.layers:
                     a = layer.self_attn
@@ -249,28 +340,36 @@ class Server:
                     ln.on_batch_change(list(src))
         if changed:
             self.batch_changes += 1
+        self.bucket = n
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self) -> list:
-        """One decode step of every lane; returns each lane's logits ``[B, S, V]``."""
-        src = self._schedule()
-        batch = self.running[: self.B]
+        """One decode step of every lane; returns each lane's logits ``[n, S, V]`` of the rows that hold a
+        request (``n`` = the running requests; ``B`` with the default ``arrival``): padding rows dropped."""
+        src, batch = self._schedule()
+        n = len(batch)
         self._apply(src, batch)
-        ids = torch.randint(0, self.vocab, (self.B, self.S), generator=self.gen)
-        pos = torch.tensor([r.cur for r in batch], dtype=torch.int64).unsqueeze(1) + torch.arange(self.S)
+        ids = torch.randint(0, self.vocab, (n, self.S), generator=self.gen)
+        # a padding row decodes positions 0..S-1 into the null block
+        pos = torch.tensor([r.cur if r is not None else 0 for r in batch],
+                           dtype=torch.int64).unsqueeze(1) + torch.arange(self.S)
+        real = [b for b, r in enumerate(batch) if r is not None]
         outs = []
         for ln in self.lanes:
-            dev = ln.model.block_table.device
-            fn = ln.step_fn if ln.step_fn is not None else ln.model
+            m, fn = ln.decoder(n)
+            dev = m.block_table.device
             out = fn(ids.to(dev), pos.to(dev))
-            outs.append(out[0] if isinstance(out, tuple) else out)
+            out = out[0] if isinstance(out, tuple) else out
+            outs.append(out if len(real) == n else out[real])
         if self.cfg.mtp_accept == "random":
-            acc = torch.randint(1, self.S + 1, (self.B,), generator=self.gen).tolist()
+            acc = torch.randint(1, self.S + 1, (n,), generator=self.gen).tolist()
         else:
-            acc = [self.S] * self.B
+            acc = [self.S] * n
         for r, a in zip(batch, acc):
-            r.cur += a
-            r.steps_left -= 1
+            if r is not None:
+                r.cur += a
+                r.steps_left -= 1
+        self.bucket_steps[n] += 1
         self.step_idx += 1
         return outs

@@ -12,7 +12,7 @@ import torch
 import dsa_synth as synth
 from backend_helpers import ops_of
 from offload_passes import make_offload_backend, models
-from offload_passes.models.glm.serve import Lane, Server, ServeConfig
+from offload_passes.models.glm.serve import Lane, Server, ServeConfig, bucket_model
 from offload_passes.state import module_state
 
 PS = 64
@@ -176,6 +176,57 @@ def test_serving_loop_matches_the_unmodified_model_every_step(mode):
     assert srv.batch_changes >= 3 and srv.finished >= 2  # rows shifted, requests came and went
     assert max(diffs) <= TOL[mode], diffs
     assert sum(hits) > 0, hits
+
+
+def test_serving_loop_with_batch_buckets_is_exact_and_warm():
+    """Batch buckets (2, 4) as engines capture them: a B=2 graph beside the B=4 one over the same caches,
+    its ledgers rows 0..1 of the B=4 ones (``bucket_model``); requests arrive at half the free rows
+    (``arrival``), so the running count varies and the loop picks the smallest bucket that holds it,
+    padding the rest. Every step of the compiled lane equals the unmodified lane exactly on the rows that
+    hold a request; both bucket graphs run, each warm after its first step (the shared offload state,
+    offload_passes/state.py), and no graph ever resets the other's pool."""
+    torch._dynamo.reset()
+    over = dict(KW, batch_size=4)
+    ref = models.build("tiny", **over).model
+    cm = models.build("tiny", **over).model
+    pm = models.build("tiny", **dict(over, batch_size=1)).model
+    be = make_offload_backend(pool_size=256)
+    ref2, cm2 = bucket_model(ref, 2), bucket_model(cm, 2)
+    assert cm2.model.layers[1].self_attn.kv_cache is cm.model.layers[1].self_attn.kv_cache
+    assert cm2.lm_head.weight is cm.lm_head.weight and cm2.block_table.shape == (2, cm.block_table.size(1))
+    lanes = [Lane(ref, None, None, {2: (ref2, None)}),
+             Lane(cm, torch.compile(cm, backend=be), lambda src: module_state(cm).move_rows(src),
+                  {2: (cm2, torch.compile(cm2, backend=be))})]
+    srv = Server(lanes, pm, ServeConfig(seed=3, prompt_len=(24, 120), output_len=(1, 3), arrival=0.5))
+    seen: set = set()
+    warm = []  # (bucket, hits) of the steps after each bucket's first on which some request continues
+    for s in range(12):
+        before = set(srv.rows) - {None}
+        a, b = srv.step()
+        assert a.shape[0] == b.shape[0] == len(set(srv.rows) - {None}), (a.shape, srv.rows)
+        assert torch.equal(a, b), (s, (a.float() - b.float()).abs().max().item())
+        hits = module_state(cm).totals("step")["hits"]
+        if srv.bucket in seen and before & set(srv.rows):
+            warm.append((srv.bucket, hits))
+        seen.add(srv.bucket)
+    assert srv.bucket_steps[2] > 0 and srv.bucket_steps[4] > 0, srv.bucket_steps
+    assert srv.finished >= 2 and srv.batch_changes >= 3, (srv.finished, srv.batch_changes)
+    assert {k for k, _ in warm} == {2, 4} and min(h for _, h in warm) > 0, warm
+    assert be.reports and all(r["rewritten"] and r["cold_resets"] == 0 for r in be.reports), be.reports
+    assert [g.pool_ids.size(0) for g in module_state(cm).groups] == [4] * len(module_state(cm).groups)
+
+
+def test_serve_config_and_bucket_model_name_bad_input():
+    with pytest.raises(ValueError, match=r"ServeConfig.arrival must be in \(0, 1\], got 0.0"):
+        ServeConfig(arrival=0.0)
+    m = models.build("tiny", **KW).model
+    with pytest.raises(ValueError, match=r"bucket_model: batch_size must be in \[1, 2\) \(the model's batch\), got 2"):
+        bucket_model(m, 2)
+    other = models.build("tiny", **dict(KW, batch_size=1)).model  # its own caches: not a bucket of m
+    with pytest.raises(ValueError, match="the bucket 1 model must share the lane model's caches"):
+        Server([Lane(m, buckets={1: (other, None)})], other)
+    with pytest.raises(ValueError, match=r"every lane must have the same bucket sizes, got \[\] and \[1\]"):
+        Server([Lane(m, buckets={1: (bucket_model(m, 1), None)}), Lane(m)], other)
 
 
 def test_serving_loop_under_inductor_is_within_the_demo_tolerance_every_step():
