@@ -48,7 +48,7 @@ TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("
 
 # ---------------------------------------------------------------------------------------- torch
 # FX call targets of ATen / custom ops; torch exposes the classes only in torch._ops (2.8-2.14).
-from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket  # noqa: E402
 
 
 def dispatcher_has_schema(qualname: str) -> bool:
@@ -254,6 +254,38 @@ def torchair_ge_apis() -> Any:
     from torchair._ge_concrete_graph import ge_apis
 
     return ge_apis
+
+
+#: The python kernels TorchAir's ``_utils.register_matmul_backward_decomp`` adds (npu 2.8-2.14); npugraph_ex's
+#: copy of that function adds the same three.
+_TORCHAIR_MATMUL_PATCH_KERNELS = (("to", "other", "AutogradPrivateUse1"), ("type_as", "default", "AutogradPrivateUse1"),
+                                  ("matmul_backward", "default", "CompositeImplicitAutograd"))
+
+
+def torchair_ready_after_npugraph_ex() -> None:
+    """Lets TorchAir's GE backend compile in a process where npugraph_ex compiled first.
+
+    Both packages patch ATen once per process (``_utils.add_npu_patch``). npugraph_ex's copy skips its
+    ``to.other`` / ``type_as`` / ``matmul_backward`` python kernels when they are present; TorchAir's
+    registers them unconditionally, and its first compile after npugraph_ex's raises "Trying to override
+    a python impl" (npu 2.8.0.post5-2.14). Before TorchAir's patch has run, drop those three kernels if
+    npugraph_ex's patch registered them; TorchAir then registers its own, identical, decompositions.
+    """
+    try:
+        from torchair import _utils as ta_utils
+    except ImportError:
+        return
+    patch = getattr(ta_utils, "add_npu_patch", None)
+    if patch is None or getattr(patch, "has_run", True):
+        return
+    try:
+        from npugraph_ex import _utils as ex_utils
+    except ImportError:
+        return
+    if not getattr(getattr(ex_utils, "add_npu_patch", None), "has_run", False):
+        return
+    for op, overload, key in _TORCHAIR_MATMUL_PATCH_KERNELS:
+        getattr(getattr(torch.ops.aten, op), overload).py_kernels.pop(getattr(torch._C.DispatchKey, key), None)
 
 
 def torchair_core_extension() -> Any:

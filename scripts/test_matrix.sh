@@ -11,7 +11,8 @@
 # versions, ~0.9 GB plus ~3 GB of nvidia libraries, which runs on CPU), this project editable with its
 # test extras (the global environment is never touched; pip builds the C++ kernels for that torch), the
 # TorchAir / npugraph_ex sources of the matching torch-npu wheel (tools/torchair_env.py:
-# TORCH_NPU_FOR_TORCH), its own JIT folder, then `python -m pytest -q $MATRIX_TESTS` (default: tests)
+# TORCH_NPU_FOR_TORCH), its own JIT folder, then `python -m pytest -q $MATRIX_PYTEST_ARGS $MATRIX_TESTS`
+# (defaults: `-n 2` as in the README, and tests)
 # with OFFLOAD_PASSES_NO_SKIP=1 (skips are failures).
 # Prints one summary line per version; exits 1 if any version failed.
 set -uo pipefail
@@ -20,6 +21,7 @@ ROOT=$(pwd)
 MATRIX_DIR=${MATRIX_DIR:-$HOME/.cache/offload_passes/matrix}
 TORCH_VERSIONS=${TORCH_VERSIONS:-"2.8.0 2.10.0 2.13.0 2.14.1"}
 MATRIX_TESTS=${MATRIX_TESTS:-tests}
+MATRIX_PYTEST_ARGS=${MATRIX_PYTEST_ARGS:--n 2}
 MATRIX_SETUP_ONLY=${MATRIX_SETUP_ONLY:-0}
 PYTHON=${PYTHON:-python}
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -63,8 +65,8 @@ for v in $TORCH_VERSIONS; do
     SUMMARY+=("torch $torch_full (torch-npu $npu TorchAir): prepared, nothing run"); continue
   fi
   start=$(date +%s)
-  # shellcheck disable=SC2086  # MATRIX_TESTS is a list of paths
-  (cd "$ROOT" && OFFLOAD_PASSES_NO_SKIP=1 "$py" -m pytest -q $MATRIX_TESTS -p no:cacheprovider) >"$log" 2>&1
+  # shellcheck disable=SC2086  # MATRIX_TESTS / MATRIX_PYTEST_ARGS are lists of words
+  (cd "$ROOT" && OFFLOAD_PASSES_NO_SKIP=1 "$py" -m pytest -q $MATRIX_PYTEST_ARGS $MATRIX_TESTS -p no:cacheprovider) >"$log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))
   result=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)" "$log" | tail -1 | sed -e 's/^=* *//' -e 's/ *=*$//')
@@ -73,6 +75,6 @@ for v in $TORCH_VERSIONS; do
   echo "   log: $log"
 done
 echo
-echo "test matrix (python -m pytest -q $MATRIX_TESTS, OFFLOAD_PASSES_NO_SKIP=1):"
+echo "test matrix (python -m pytest -q $MATRIX_PYTEST_ARGS $MATRIX_TESTS, OFFLOAD_PASSES_NO_SKIP=1):"
 for line in "${SUMMARY[@]}"; do echo "  $line"; done
 exit $status

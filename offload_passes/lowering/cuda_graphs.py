@@ -36,6 +36,7 @@ from typing import Any, Callable, List, Sequence
 import torch
 from torch import fx
 
+from .._compat import HigherOrderOperator
 from ..custom_ops.cuda._common import raise_device_errors
 
 log = logging.getLogger("offload_passes.lowering.cuda_graphs")
@@ -162,7 +163,7 @@ def capture_problems(gm: "fx.GraphModule | fx.Graph") -> List[str]:
                                           and _val(i).dtype == torch.bool for i in (n.args[1] or ())):
             out.append(f"{n.name}: {t}: boolean-mask indexing (output shape depends on the data)")
             continue
-        if isinstance(t, torch._ops.HigherOrderOperator):
+        if isinstance(t, HigherOrderOperator):
             out.append(f"{n.name}: {t}: a higher-order op (control flow) is not checked for capture")
             continue
         if n in host_kv:

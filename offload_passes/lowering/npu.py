@@ -236,6 +236,7 @@ def lower_ge_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler_c
     from .. import converters
 
     converters.register_ge()
+    _compat.torchair_ready_after_npugraph_ex()
     cfg = ge_config(compiler_config)
     return torchair.get_npu_backend(compiler_config=cfg, custom_decompositions=dict(custom_decompositions or {}))(
         gm, example_inputs, **kwargs)

@@ -178,6 +178,43 @@ def test_ge_installs_run_on_the_side_stream_after_their_serve(ge_tiny):
                 assert meta == [f"{prev.name}:{i}" for i in (2, 3, 4)]
 
 
+def test_ge_graph_compiles_after_npugraph_ex_patched_aten_first(torchair, npugraph_ex_pkg, monkeypatch):
+    """A process that compiled in npugraph_ex mode, then compiles in ge_graph mode. Both packages add the
+    same python kernels to ``aten.to.other`` / ``type_as`` / ``matmul_backward`` in their once-per-process
+    ``_utils.add_npu_patch``; npugraph_ex's checks first, TorchAir's does not and raises on the second
+    registration (``_compat.torchair_ready_after_npugraph_ex`` clears the way). The three kernel tables and
+    both run-once flags are restored afterwards."""
+    import npugraph_ex._utils as ex_utils
+    import torchair._utils as ta_utils
+    from torch._subclasses import fake_tensor
+
+    ops = (torch.ops.aten.to.other, torch.ops.aten.type_as.default, torch.ops.aten.matmul_backward.default)
+    for op in ops:  # work on copies of the kernel tables, so the process is left as it was
+        monkeypatch.setattr(op, "py_kernels", {k: v for k, v in op.py_kernels.items()
+                                               if k not in (torch._C.DispatchKey.AutogradPrivateUse1,
+                                                            torch._C.DispatchKey.CompositeImplicitAutograd)})
+        op._dispatch_cache.clear()
+    monkeypatch.setattr(fake_tensor, "get_fast_op_impls", fake_tensor.get_fast_op_impls)  # TorchAir wraps it
+    # the state npugraph_ex's first compile leaves: its patch ran, TorchAir's has not
+    ex_utils.register_matmul_backward_decomp()
+    monkeypatch.setattr(ex_utils.add_npu_patch, "has_run", True)
+    monkeypatch.setattr(ta_utils.add_npu_patch, "has_run", False)
+    with pytest.raises(RuntimeError, match="override a python impl"):  # TorchAir's own patch, unaided
+        ta_utils.register_matmul_backward_decomp()
+
+    torch._dynamo.reset()
+    b = _tiny()
+    be = NpuOffloadBackend(exe_mode="ge_graph", pool_size=PS)
+    with pytest.raises(RuntimeError, match="GE graphs cannot be compiled without CANN"):
+        b.driver.step(torch.compile(b.model, backend=be))
+    assert be.reports[-1]["rewritten"], be.reports[-1]["refusals"]
+    assert ta_utils.add_npu_patch.has_run
+    assert torch._C.DispatchKey.AutogradPrivateUse1 in torch.ops.aten.to.other.py_kernels
+    for op in ops:
+        op._dispatch_cache.clear()
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------ npugraph_ex
 
 
