@@ -22,9 +22,22 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Iterator
 
+import pytest
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from offload_passes import _compat
+
+#: The flow compiles inside its own fake mode (the offload state's pools are made there). torch 2.10+ lets
+#: Dynamo's tracing context decide which fake mode a compile uses; torch 2.8's AOT asserts instead that
+#: every fake mode in sight is Dynamo's (``torch._guards.detect_fake_mode``: "fake mode ... from tracing
+#: context 0 doesn't match mode ... from active fake mode 0"). A user's CUDA run has no outer fake mode;
+#: only this harness has. Strict: the mark fails the suite once 2.8 runs the flow.
+needs_tracing_context_fake_mode = pytest.mark.xfail(
+    _compat.TORCH_VERSION < (2, 10), strict=True, raises=BackendCompilerFailed,
+    reason="torch 2.8's AOT refuses a compile inside the harness's own fake mode")
 
 _GUARD_SRC = r"""
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -46,10 +59,33 @@ def install_fake_cuda_guard() -> None:
     _loaded = True
 
 
+class _FakeModeWithoutDevice(FakeTensorMode):
+    """torch 2.8's ``FakeTensorMode`` constant-folds a copy of a real host tensor to ``cuda`` by running
+    the copy, which needs a driver; torch 2.10+ skips that fold when no device is available (its
+    ``avoid_device_init``). Here the real tensor becomes a fake first, as 2.10+ does."""
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if (func is torch.ops.aten._to_copy.default and args and type(args[0]) is torch.Tensor
+                and dev is not None and torch.device(dev).type != "cpu"):
+            args = (self.from_tensor(args[0], static_shapes=True),) + tuple(args[1:])
+        return super().dispatch(func, types, args, kwargs)
+
+
+def sdpa_without_device() -> contextlib.AbstractContextManager:
+    """SDPA's math kernel only. Choosing a fused kernel for a CUDA tensor reads the device's properties;
+    torch 2.8's CUDA build asks the driver for them even for fake tensors. The placement does not depend
+    on the kernel chosen."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def new_mode() -> FakeTensorMode:
     """A fake mode for a whole flow: real host tensors (the driver's token stream) may enter it; a shape
     environment so that data-dependent sizes stay symbolic."""
-    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    return _FakeModeWithoutDevice(allow_non_fake_inputs=True, shape_env=ShapeEnv())
 
 
 def fake_cuda_model(model: torch.nn.Module, mode: FakeTensorMode, host: set) -> Dict[int, torch.Tensor]:

@@ -113,6 +113,7 @@ def test_the_cache_itself_read_by_an_aten_op_is_reported():
     assert [p.split(":")[0] for p in problems] == ["kv_cache", "host_sum"]
 
 
+@F.needs_tracing_context_fake_mode
 def test_tiny_decode_graph_offload_part_is_capturable(flow):
     """The lowered decode step of the tiny recipe model on fake CUDA: plan, serve, install, the host cache
     writes, the side-stream scope and the guards raise no capture problem. What remains are exactly the

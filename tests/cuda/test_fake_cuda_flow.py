@@ -18,6 +18,8 @@ import torch
 import _fake_cuda as F
 from offload_passes import cuda, make_offload_backend, models
 
+pytestmark = F.needs_tracing_context_fake_mode
+
 aten = torch.ops.aten
 CUDA0, CPU = torch.device("cuda", 0), torch.device("cpu")
 B_ROWS = 2
@@ -40,7 +42,7 @@ def run_flow():
             return be(gm, example_inputs)
 
     out = {}
-    with mode, F.values_from_twins(twins):
+    with mode, F.values_from_twins(twins), F.sdpa_without_device():
         out["prefill"] = built.driver.prefill()
         step = torch.compile(m, backend=backend)
         out["steps"] = [built.driver.step(step), built.driver.step(step)]
