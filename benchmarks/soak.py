@@ -206,15 +206,13 @@ def serve_main(a: argparse.Namespace) -> int:
     """``--serve``: ``offload_passes.demo.run_serve`` with a lane told nothing beside the announcing one,
     memory sampled as the static soak does."""
     from offload_passes._cli import UsageError
-    from offload_passes.demo import parse_buckets, run_serve
+    from offload_passes.demo import check_arrival, parse_buckets, run_serve
 
     try:
         buckets = parse_buckets(a.buckets, 4)
+        check_arrival(a.arrival)
     except UsageError as e:
         print(f"soak: error: {e}", file=sys.stderr)
-        return 2
-    if not 0.0 < a.arrival <= 1.0:
-        print(f"soak: error: --arrival must be in (0, 1], got {a.arrival}", file=sys.stderr)
         return 2
 
     torch.set_num_threads(a.threads)

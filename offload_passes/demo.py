@@ -406,8 +406,7 @@ def _main(a: argparse.Namespace) -> int:
         if a.record_trace or a.replacement_policy != "fifo" or a.dump_dir:
             raise UsageError("--serve does not take --record-trace / --replacement-policy / --dump-dir")
         buckets = parse_buckets(a.buckets, 4)
-        if not 0.0 < a.arrival <= 1.0:
-            raise UsageError(f"--arrival must be in (0, 1], got {a.arrival}")
+        check_arrival(a.arrival)
         out = run_serve(a.config or "tiny", a.steps, a.mode, a.pool_size, 3 if a.next_n is None else a.next_n,
                         threads=a.threads, buckets=buckets, arrival=a.arrival)
         print(json.dumps(out, indent=1) if a.json else _summary_serve(out))
@@ -430,6 +429,13 @@ def parse_buckets(text: str, batch: int) -> list[int]:
     if bad:
         raise UsageError(f"--buckets sizes must be in [1, {batch}] (the serving loop's batch), got {bad}")
     return sorted(set(sizes))
+
+
+def check_arrival(arrival: float) -> None:
+    """``--arrival``: the probability that a request waits at a free row, in ``(0, 1]``
+    (``serve.ServeConfig.arrival``)."""
+    if not 0.0 < arrival <= 1.0:
+        raise UsageError(f"--arrival must be in (0, 1], got {arrival}")
 
 
 def _check_config_fits_model(model: str, config: Optional[str]) -> None:
