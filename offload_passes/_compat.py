@@ -1,14 +1,16 @@
 """The one place where offload_passes uses private torch / TorchAir / npugraph_ex symbols and handles
 differences between torch versions.
 
-Supported: torch 2.8 through 2.14 (``setup.py``: ``>=2.8,<2.15``), with TorchAir / npugraph_ex from the
-matching torch-npu wheel (``tools/torchair_env.py``: 2.8.0.post5, 2.10.0.post4, 2.13.0, 2.14.0);
-``scripts/test_matrix.sh`` runs torch 2.8.0, 2.10.0, 2.13.0 and 2.14.1 (results: docs/versions.md).
+Supported: torch 2.8 through 2.15 (``setup.py``: ``>=2.8,<2.16``), with TorchAir / npugraph_ex from the
+matching torch-npu wheel (``tools/torchair_env.py``: 2.8.0.post5, 2.10.0.post4, 2.11.0.post3, 2.13.0, 2.14.0;
+none exists for torch 2.15, so the NPU modes do not run there); ``scripts/test_matrix.sh`` runs torch 2.8.0,
+2.10.0, 2.11.0, 2.13.0, 2.14.1 and 2.15.0 (results: docs/versions.md).
 Every symbol below says why no public API does the job, and the versions it was checked against:
-"2.8-2.14" means torch 2.8.0, 2.10.0, 2.13.0 and 2.14.1; "npu 2.8-2.14" means torch-npu 2.8.0.post5,
-2.10.0.post4, 2.13.0 and 2.14.0 (the TorchAir / npugraph_ex Python of 2.13.0 and 2.14.0 is identical).
+"2.8-2.15" means torch 2.8.0, 2.10.0, 2.13.0, 2.14.1 and 2.15.0 (the whole suite on each) and 2.11.0
+(tests/backend, tests/cuda, tests/hf); "npu 2.8-2.14" means torch-npu 2.8.0.post5, 2.10.0.post4, 2.13.0 and
+2.14.0 (the TorchAir / npugraph_ex Python of 2.13.0 and 2.14.0 is identical).
 TorchAir and npugraph_ex are optional (NPU modes, converter tests): their symbols are imported by
-functions, on first use. torch 2.9, 2.11 and 2.12 lie inside the range but were not run.
+functions, on first use. torch 2.9 and 2.12 lie inside the range but were not run.
 
 Torch-version differences found (and where they are handled):
 
@@ -17,7 +19,7 @@ Torch-version differences found (and where they are handled):
 * Inductor 2.8 decomposes ``aten._assert_async.msg`` to nothing; 2.10 and later lower it to a run-time
   check (:func:`inductor_lowers_assert_async`).
 * ``torch._dynamo.config.inline_inbuilt_nn_modules = False`` is honoured by 2.8 and 2.10 (module
-  buffers reach the graph as ``get_attr``) and ignored by 2.13 and 2.14 (deprecated, always inlined:
+  buffers reach the graph as ``get_attr``) and ignored by 2.13 to 2.15 (deprecated, always inlined:
   placeholders). The passes accept both (``passes/_fx.py``: :func:`is_graph_input_or_attr`,
   :func:`input_values`).
 * torch 2.14's C++ headers require C++20 (``#error`` under ``-std=c++17``); torch's extension builder
@@ -47,13 +49,13 @@ import torch
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 # ---------------------------------------------------------------------------------------- torch
-# FX call targets of ATen / custom ops; torch exposes the classes only in torch._ops (2.8-2.14).
+# FX call targets of ATen / custom ops; torch exposes the classes only in torch._ops (2.8-2.15).
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket  # noqa: E402
 
 
 def dispatcher_has_schema(qualname: str) -> bool:
     """``ns::name[.overload]`` is known to the dispatcher (ours, CANN's or torch_npu's). torch.library
-    has no query; ``hasattr(torch.ops.ns, name)`` would also accept Python-only packets (2.8-2.14)."""
+    has no query; ``hasattr(torch.ops.ns, name)`` would also accept Python-only packets (2.8-2.15)."""
     try:
         torch._C._dispatch_find_schema_or_throw(qualname, "")
         return True
@@ -63,7 +65,7 @@ def dispatcher_has_schema(qualname: str) -> bool:
 
 def dispatcher_schema(qualname: str) -> str | None:
     """The schema string the dispatcher holds for ``qualname`` (CANN's, when its library defined it
-    first), or None (2.8-2.14)."""
+    first), or None (2.8-2.15)."""
     try:
         return str(torch._C._dispatch_find_schema_or_throw(qualname, "").schema())
     except RuntimeError:
@@ -72,37 +74,37 @@ def dispatcher_schema(qualname: str) -> str | None:
 
 def dispatcher_op_names(namespace: str) -> list[str]:
     """Sorted ``ns::name`` of every operator the dispatcher knows in ``namespace`` (overload names
-    dropped); torch.library has no way to enumerate a namespace (2.8-2.14)."""
+    dropped); torch.library has no way to enumerate a namespace (2.8-2.15)."""
     prefix = f"{namespace}::"
     return sorted({n.split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)})
 
 
 # Schema strings parsed without registering anything (custom_ops/opspec.py); torch.library parses
-# with the same private parser and exposes none (2.8-2.14).
+# with the same private parser and exposes none (2.8-2.15).
 FunctionSchema = torch._C.FunctionSchema
 SchemaArgument = torch._C.Argument
 parse_schema = torch._C.parse_schema
 
 
 def resolve_library_path(path: str) -> str:
-    """The path ``torch.ops.load_library`` will actually load (same resolution rules) (2.8-2.14)."""
+    """The path ``torch.ops.load_library`` will actually load (same resolution rules) (2.8-2.15)."""
     return torch._utils_internal.resolve_library_path(path)
 
 
 def has_storage(t: Any) -> bool:
-    """A tensor with real storage (not a fake / meta / functional wrapper); no public query (2.8-2.14)."""
+    """A tensor with real storage (not a fake / meta / functional wrapper); no public query (2.8-2.15)."""
     return torch._C._has_storage(t)
 
 
 def dispatcher_has_kernel(qualname: str, dispatch_key: str) -> bool:
     """A kernel for ``dispatch_key`` is registered (so we never replace CANN's / torch_npu's); no
-    public query exists (2.8-2.14)."""
+    public query exists (2.8-2.15)."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, dispatch_key)
 
 
 def has_python_fake_kernel(qualname: str) -> bool:
     """A fake kernel registered with ``torch.library.register_fake`` exists (registering a second one
-    raises); only torch._library's registry knows (2.8-2.14)."""
+    raises); only torch._library's registry knows (2.8-2.15)."""
     try:
         from torch._library.simple_registry import singleton
 
@@ -113,7 +115,7 @@ def has_python_fake_kernel(qualname: str) -> bool:
 
 # Functionalize kernels for ops with CANN's fixed in-place schemas (torch.library.custom_op would
 # auto-functionalize instead, but AOT must emit our *_functional twins): the C++ functionalization
-# API as torch's own Python Functionalize kernels use it (2.8-2.14).
+# API as torch's own Python Functionalize kernels use it (2.8-2.15).
 is_functional_tensor = torch._is_functional_tensor
 from_functional_tensor = torch._from_functional_tensor
 to_functional_tensor = torch._to_functional_tensor
@@ -124,35 +126,35 @@ functionalize_commit_update = torch._functionalize_commit_update
 
 @contextlib.contextmanager
 def functionalize_excluded() -> Iterator[None]:
-    """Run the functional twin below the Functionalize key (2.8-2.14)."""
+    """Run the functional twin below the Functionalize key (2.8-2.15)."""
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)):
         yield
 
 
 def aot_module_simplified() -> Any:
     """AOTAutograd entry point for a Dynamo backend (functionalization + our compiler on the
-    functional graph); the public ``torch.compile`` offers no hook there (2.8-2.14)."""
+    functional graph); the public ``torch.compile`` offers no hook there (2.8-2.15)."""
     from torch._functorch.aot_autograd import aot_module_simplified as f
 
     return f
 
 
 def make_boxed_func() -> Any:
-    """Boxed-calling wrapper AOT expects from a compiler (2.8-2.14)."""
+    """Boxed-calling wrapper AOT expects from a compiler (2.8-2.15)."""
     from torch._functorch.aot_autograd import make_boxed_func as f
 
     return f
 
 
 def inductor_compile_fx() -> Any:
-    """Inductor's backend function, called with our post-grad pass in ``config_patches`` (2.8-2.14)."""
+    """Inductor's backend function, called with our post-grad pass in ``config_patches`` (2.8-2.15)."""
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx
 
 
 def inductor_lowers_assert_async() -> bool:
-    """Whether Inductor turns ``aten._assert_async.msg`` into a run-time check (2.10-2.14). Torch 2.8 decomposes
+    """Whether Inductor turns ``aten._assert_async.msg`` into a run-time check (2.10-2.15). Torch 2.8 decomposes
     it to nothing, so our in-graph guards would vanish in ``inductor`` mode."""
     from torch._inductor.lowering import lowerings
 
@@ -167,7 +169,7 @@ def inductor_decompositions_keeping_asserts() -> dict:
 
 
 def custom_graph_pass_base() -> type:
-    """Base class that makes a ``post_grad_custom_pre_pass`` cacheable (``uuid``) (2.8-2.14)."""
+    """Base class that makes a ``post_grad_custom_pre_pass`` cacheable (``uuid``) (2.8-2.15)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     return CustomGraphPass
@@ -175,14 +177,14 @@ def custom_graph_pass_base() -> type:
 
 def constant_source(name: str) -> Any:
     """Dynamo source for a buffer the rewrite adds to the graph module (AOT maps every lifted
-    parameter/buffer to a source via ``_param_name_to_source``) (2.8-2.14)."""
+    parameter/buffer to a source via ``_param_name_to_source``) (2.8-2.15)."""
     from torch._dynamo.source import ConstantSource
 
     return ConstantSource(name)
 
 
 def detect_fake_mode(inputs: Any) -> Any:
-    """The FakeTensorMode of a compile's example inputs (None outside one); no public twin (2.8-2.14)."""
+    """The FakeTensorMode of a compile's example inputs (None outside one); no public twin (2.8-2.15)."""
     from torch._guards import detect_fake_mode as f
 
     return f(inputs)
@@ -194,7 +196,7 @@ def static_fake(t: Any) -> Any:
     ``numel()`` on a fake whose sizes are SymInts even when they are constants by now, and raises
     "Cannot call numel() on tensor with symbolic sizes/strides"; 2.10 and later do not. ``SymNode.expr``
     applies the ShapeEnv's replacements; no public API reads a SymInt's specialised value without adding a
-    guard (2.8-2.14)."""
+    guard (2.8-2.15)."""
     if not isinstance(t, torch.Tensor) or getattr(t, "fake_mode", None) is None:
         return None
 
@@ -239,7 +241,7 @@ def hf_grouped_mm_traceable_on_cpu() -> bool:
 
 def torch_logs_registry() -> Any:
     """``torch._logging._internal``: registers ``TORCH_LOGS="offload_passes"``; torch has no public
-    API to add a log alias (2.8-2.14). None when absent."""
+    API to add a log alias (2.8-2.15). None when absent."""
     try:
         from torch._logging import _internal
     except ImportError:

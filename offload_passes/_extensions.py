@@ -65,7 +65,7 @@ def cpu_kernel_sources(csrc: Path) -> list[Path]:
 #: The torch versions an editable install or an sdist accepts: its kernels are compiled at install, or
 #: JIT-built at run time (``custom_ops/_library.py``), against whichever torch the environment holds.
 #: Tested versions: ``scripts/test_matrix.sh``, docs/versions.md.
-TORCH_RANGE = ">=2.8,<2.15"
+TORCH_RANGE = ">=2.8,<2.16"
 
 
 def torch_requirement(torch_version: str, *, binary_wheel: bool) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the README's test command on every supported torch version, one venv per version.
 #
-#   bash scripts/test_matrix.sh                               # torch 2.8.0 2.10.0 2.13.0 2.14.1 (docs/versions.md)
+#   bash scripts/test_matrix.sh                               # torch 2.8.0 2.10.0 2.11.0 2.13.0 2.14.1 2.15.0 (docs/versions.md)
 #   TORCH_VERSIONS="2.14.1" bash scripts/test_matrix.sh
 #   MATRIX_SETUP_ONLY=1 bash scripts/test_matrix.sh           # build the venvs only, run nothing
 #   MATRIX_TESTS="tests/backend/test_compat.py tests/converters" bash scripts/test_matrix.sh   # a subset
@@ -11,15 +11,18 @@
 # versions, ~0.9 GB plus ~3 GB of nvidia libraries, which runs on CPU), this project editable with its
 # test extras (the global environment is never touched; pip builds the C++ kernels for that torch), the
 # TorchAir / npugraph_ex sources of the matching torch-npu wheel (tools/torchair_env.py:
-# TORCH_NPU_FOR_TORCH), its own JIT folder, then `python -m pytest -q $MATRIX_PYTEST_ARGS $MATRIX_TESTS`
+# TORCH_NPU_FOR_TORCH; a torch that no torch-npu release exists for, 2.15, runs without them and its NPU
+# tests skip, naming why, the one skip OFFLOAD_PASSES_NO_SKIP lets through), its own JIT folder, then `python -m pytest -q $MATRIX_PYTEST_ARGS $MATRIX_TESTS`
 # (defaults: `-n 2` as in the README, and tests)
 # with OFFLOAD_PASSES_NO_SKIP=1 (skips are failures).
 # Prints one summary line per version; exits 1 if any version failed.
+# A pip configuration that caps torch below a version (a machine whose pip constraints name only the torch
+# releases on its disk) makes `pip install torch==<version>` fail: run with PIP_CONFIG_FILE=/dev/null there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 MATRIX_DIR=${MATRIX_DIR:-$HOME/.cache/offload_passes/matrix}
-TORCH_VERSIONS=${TORCH_VERSIONS:-"2.8.0 2.10.0 2.13.0 2.14.1"}
+TORCH_VERSIONS=${TORCH_VERSIONS:-"2.8.0 2.10.0 2.11.0 2.13.0 2.14.1 2.15.0"}
 MATRIX_TESTS=${MATRIX_TESTS:-tests}
 MATRIX_PYTEST_ARGS=${MATRIX_PYTEST_ARGS:--n 2}
 MATRIX_SETUP_ONLY=${MATRIX_SETUP_ONLY:-0}
@@ -57,21 +60,26 @@ for v in $TORCH_VERSIONS; do
   "$py" -c "import offload_passes.custom_ops._library as L, sys; sys.exit(L.prebuilt_library() is None)" \
     || { SUMMARY+=("torch $v: FAILED (no prebuilt C++ kernels after pip install)"); status=1; continue; }
   export TORCH_EXTENSIONS_DIR="$MATRIX_DIR/torch_extensions-$v"  # JIT builds (CANN test double) per torch ABI
-  "$py" -m offload_passes.tools.torchair_env --ensure \
-    || { SUMMARY+=("torch $v: FAILED (TorchAir sources)"); status=1; continue; }
+  npu=$("$py" -c "from offload_passes.tools.torchair_env import default_torch_npu_version as f; print(f() or '')")
+  if [ -n "$npu" ]; then
+    "$py" -m offload_passes.tools.torchair_env --ensure \
+      || { SUMMARY+=("torch $v: FAILED (TorchAir sources)"); status=1; continue; }
+    npu_label="torch-npu $npu TorchAir"
+  else
+    npu_label="no torch-npu release: the NPU tests skip"
+  fi
   torch_full=$("$py" -c "import torch; print(torch.__version__)")
-  npu=$("$py" -c "from offload_passes.tools.torchair_env import default_torch_npu_version as f; print(f())")
   if [ "$MATRIX_SETUP_ONLY" = 1 ]; then
-    SUMMARY+=("torch $torch_full (torch-npu $npu TorchAir): prepared, nothing run"); continue
+    SUMMARY+=("torch $torch_full ($npu_label): prepared, nothing run"); continue
   fi
   start=$(date +%s)
   # shellcheck disable=SC2086  # MATRIX_TESTS / MATRIX_PYTEST_ARGS are lists of words
   (cd "$ROOT" && OFFLOAD_PASSES_NO_SKIP=1 "$py" -m pytest -q $MATRIX_PYTEST_ARGS $MATRIX_TESTS -p no:cacheprovider) >"$log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))
-  result=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)" "$log" | tail -1 | sed -e 's/^=* *//' -e 's/ *=*$//')
+  result=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error|skipped)" "$log" | tail -1 | sed -e 's/^=* *//' -e 's/ *=*$//')
   [ $rc -eq 0 ] || status=1
-  SUMMARY+=("torch $torch_full (torch-npu $npu TorchAir): ${result:-no pytest summary, see $log} [exit $rc, ${secs}s]")
+  SUMMARY+=("torch $torch_full ($npu_label): ${result:-no pytest summary, see $log} [exit $rc, ${secs}s]")
   echo "   log: $log"
 done
 echo

@@ -4,7 +4,8 @@ They run against the real Python code of TorchAir and npugraph_ex from the ``tor
 matches our torch, prepared (without installing torch_npu) by
 ``python -m offload_passes.tools.torchair_env``. Only the CANN-linked compiled modules are replaced, by
 the labelled test doubles in ``testdoubles/``. The tests skip, naming the command, when that copy is not
-prepared; everything else is a failure.
+prepared, or, naming the version, when no torch-npu release exists for the installed torch
+(``torchair_env.no_torch_npu_reason``); everything else is a failure.
 """
 from __future__ import annotations
 
@@ -70,11 +71,20 @@ def _install_torchair_standins() -> types.ModuleType:
     return core
 
 
-@pytest.fixture(scope="session")
-def torchair_site() -> Path:
+def torchair_site_or_skip() -> Path:
+    """The prepared TorchAir / npugraph_ex copy, or a skip naming why there is none."""
+    if torchair_env.default_torch_npu_version() is None:
+        # a fact of this torch version (torch 2.15), not a missing set-up step
+        pytest.skip(torchair_env.no_torch_npu_reason())
     site = torchair_env.site_dir()
     if site is None:
         pytest.skip(SKIP_REASON)
+    return site
+
+
+@pytest.fixture(scope="session")
+def torchair_site() -> Path:
+    site = torchair_site_or_skip()
     missing = torchair_env.missing_requirements()
     assert not missing, f"TorchAir needs: pip install {' '.join(missing)}"
     torchair_env.activate(site)

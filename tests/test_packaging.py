@@ -35,16 +35,16 @@ def test_binary_wheel_pins_the_exact_build(version):
 def test_source_install_keeps_the_range():
     req = Requirement(_extensions.torch_requirement("2.13.0+cpu", binary_wheel=False))
     assert req.name == "torch"
-    for ok in ("2.8.0", "2.10.0", "2.13.0", "2.14.1"):
+    for ok in ("2.8.0", "2.10.0", "2.11.0", "2.13.0", "2.14.1", "2.15.0"):
         assert req.specifier.contains(ok), ok
-    for bad in ("2.7.1", "2.15.0"):
+    for bad in ("2.7.1", "2.16.0"):
         assert not req.specifier.contains(bad), bad
 
 
 METADATA = """Metadata-Version: 2.4
 Name: offload_passes
 Version: 0.1.0
-Requires-Dist: torch<2.15,>=2.8
+Requires-Dist: torch<2.16,>=2.8
 Requires-Dist: sympy
 Provides-Extra: test
 Requires-Dist: pytest; extra == "test"
@@ -54,7 +54,7 @@ Requires-Dist: torchvision; extra == "viz"
 
 def test_metadata_pin_replaces_only_the_torch_requirement():
     out = _extensions.pin_torch_in_metadata(METADATA, "2.13.0+cpu")
-    assert out == METADATA.replace("Requires-Dist: torch<2.15,>=2.8", "Requires-Dist: torch==2.13.0+cpu")
+    assert out == METADATA.replace("Requires-Dist: torch<2.16,>=2.8", "Requires-Dist: torch==2.13.0+cpu")
     with pytest.raises(ValueError, match="expected one 'Requires-Dist: torch' line, found 0"):
         _extensions.pin_torch_in_metadata("Name: x\nRequires-Dist: torchvision\n", "2.13.0")
 
@@ -90,5 +90,5 @@ def test_setup_py_wheel_command_pins_its_metadata(monkeypatch, tmp_path, ran_as_
         cmd.write_wheelfile(str(tmp_path))
     torch_lines = [line for line in (tmp_path / "METADATA").read_text().splitlines()
                    if line.startswith("Requires-Dist: torch") and "extra" not in line]
-    want = "==" + torch.__version__ if ran_as_bdist_wheel else "<2.15,>=2.8"
+    want = "==" + torch.__version__ if ran_as_bdist_wheel else "<2.16,>=2.8"
     assert torch_lines == ["Requires-Dist: torch" + want]

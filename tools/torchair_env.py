@@ -57,11 +57,18 @@ _LAYOUT_VERSION = 2
 #: torch-npu release whose TorchAir / npugraph_ex the tests use, per torch ``major.minor`` (each one run
 #: by ``scripts/test_matrix.sh``, results in docs/versions.md). torch-npu ships post releases for one
 #: torch version; the plain ``2.8.0`` has no npugraph_ex yet, so 2.8 takes its newest post release; 2.10
-#: takes ``2.10.0.post4``, the one vllm-ascend pins; 2.14.0 is the newest torch-npu and serves torch
-#: 2.14.1 too (its wheel requires ``torch==2.14.0.*``, only ``major.minor`` must match). Checked here:
-#: each of the four wheels carries torchair + npugraph_ex. Other torch versions fall back to the plain
+#: takes ``2.10.0.post4``, the one vllm-ascend pins; 2.11 its newest post release; 2.14.0 is the newest
+#: torch-npu and serves torch 2.14.1 too (its wheel requires ``torch==2.14.0.*``, only ``major.minor`` must
+#: match). Checked here: each of these five wheels carries torchair + npugraph_ex. ``None``: no torch-npu
+#: release exists for that torch (2.15: the newest, 2.14.0, requires torch 2.14, and TorchAir 2.14's
+#: converter does not run on torch 2.15's graphs), so the NPU modes cannot run with it and their tests
+#: skip, naming this (:func:`no_torch_npu_reason`). Other torch versions fall back to the plain
 #: ``major.minor.patch`` release (untested; plain ``2.9.0`` has no npugraph_ex either).
-TORCH_NPU_FOR_TORCH = {"2.8": "2.8.0.post5", "2.10": "2.10.0.post4", "2.13": "2.13.0", "2.14": "2.14.0"}
+TORCH_NPU_FOR_TORCH: dict[str, Optional[str]] = {"2.8": "2.8.0.post5", "2.10": "2.10.0.post4", "2.11": "2.11.0.post3",
+                                                 "2.13": "2.13.0", "2.14": "2.14.0", "2.15": None}
+#: The start of :func:`no_torch_npu_reason`'s sentence (tests/conftest.py lets exactly these skips through
+#: ``OFFLOAD_PASSES_NO_SKIP``: they are a fact of the torch version, not a missing set-up step).
+NO_TORCH_NPU = "no torch-npu release exists for torch"
 
 
 class TorchAirEnvError(RuntimeError):
@@ -73,12 +80,12 @@ def _major_minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
-def matching_torch_npu_version(torch_version: Optional[str] = None) -> str:
-    """The torch-npu release for ``torch_version`` (default: the installed torch).
+def matching_torch_npu_version(torch_version: Optional[str] = None) -> Optional[str]:
+    """The torch-npu release for ``torch_version`` (default: the installed torch), or None when none exists.
 
-    ``2.8.x`` -> ``2.8.0.post5``, ``2.10.x`` -> ``2.10.0.post4``, ``2.13.x`` -> ``2.13.0``, ``2.14.x`` ->
-    ``2.14.0`` (:data:`TORCH_NPU_FOR_TORCH`); any other ``X.Y.Z`` -> ``X.Y.Z`` (the plain torch-npu
-    release of that torch).
+    ``2.8.x`` -> ``2.8.0.post5``, ``2.10.x`` -> ``2.10.0.post4``, ``2.11.x`` -> ``2.11.0.post3``, ``2.13.x``
+    -> ``2.13.0``, ``2.14.x`` -> ``2.14.0``, ``2.15.x`` -> None (:data:`TORCH_NPU_FOR_TORCH`); any other
+    ``X.Y.Z`` -> ``X.Y.Z`` (the plain torch-npu release of that torch).
     """
     if torch_version is None:
         import torch
@@ -91,12 +98,36 @@ def matching_torch_npu_version(torch_version: Optional[str] = None) -> str:
     return ".".join(p if p.isdigit() else "0" for p in parts)
 
 
-def default_torch_npu_version() -> str:
-    """torch_npu release matching the installed torch (:func:`matching_torch_npu_version`); env override."""
+def no_torch_npu_reason(torch_version: Optional[str] = None) -> Optional[str]:
+    """Why the installed torch (or ``torch_version``) has no TorchAir / npugraph_ex, or None when it has a
+    torch-npu release (:data:`TORCH_NPU_FOR_TORCH`)."""
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
+    if matching_torch_npu_version(torch_version) is not None:
+        return None
+    newest = max((v for v in TORCH_NPU_FOR_TORCH.values() if v is not None),
+                 key=lambda v: tuple(int(p) for p in v.split(".")[:3]))
+    return (f"{NO_TORCH_NPU} {_major_minor(torch_version)} (the newest, {newest}, requires torch "
+            f"{_major_minor(newest)}): TorchAir / npugraph_ex, hence the ge_graph and npugraph_ex modes, cannot run "
+            "with it (tools/torchair_env.py TORCH_NPU_FOR_TORCH)")
+
+
+def default_torch_npu_version() -> Optional[str]:
+    """torch_npu release matching the installed torch (:func:`matching_torch_npu_version`; None when none
+    exists); env override."""
     override = os.environ.get(ENV_VERSION, "").strip()
     if override:
         return override
     return matching_torch_npu_version()
+
+
+def _version_or_raise(version: Optional[str]) -> str:
+    version = version or default_torch_npu_version()
+    if version is None:
+        raise TorchAirEnvError(no_torch_npu_reason())
+    return version
 
 
 def wheel_torch_requirement(wheel: os.PathLike) -> Optional[str]:
@@ -151,8 +182,11 @@ def _version_dir(version: str, cache: Optional[os.PathLike]) -> Path:
 
 
 def site_dir(version: Optional[str] = None, cache: Optional[os.PathLike] = None) -> Optional[Path]:
-    """The folder to put on ``sys.path`` if the packages are extracted, else ``None`` (never downloads)."""
+    """The folder to put on ``sys.path`` if the packages are extracted, else ``None`` (never downloads;
+    None also where the torch has no torch-npu release, :func:`no_torch_npu_reason`)."""
     version = version or default_torch_npu_version()
+    if version is None:
+        return None
     site = _version_dir(version, cache) / "site"
     marker = site / _MARKER
     if not marker.is_file():
@@ -253,7 +287,7 @@ def ensure(
     Downloads the wheel only when the extracted packages are missing. Raises
     :class:`TorchAirEnvError` with instructions when that is impossible.
     """
-    version = version or default_torch_npu_version()
+    version = _version_or_raise(version)
     ready = site_dir(version, cache)
     if ready is not None:
         return ready
@@ -266,9 +300,11 @@ def ensure(
     import torch
 
     if built_for is not None and _major_minor(built_for) != _major_minor(torch.__version__):
-        raise TorchAirEnvError(
-            f"{whl.name} is built for torch {built_for}, the installed torch is {torch.__version__}; use "
-            f"torch-npu {matching_torch_npu_version()} (the default for this torch) or another torch")
+        mine = matching_torch_npu_version()
+        instead = (f"use torch-npu {mine} (the default for this torch) or another torch" if mine is not None
+                   else no_torch_npu_reason())
+        raise TorchAirEnvError(f"{whl.name} is built for torch {built_for}, the installed torch is "
+                               f"{torch.__version__}; {instead}")
     tmp = Path(tempfile.mkdtemp(prefix="site-", dir=vdir))
     try:
         count = _extract(whl, tmp)
@@ -314,7 +350,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--ensure", action="store_true", help="prepare if needed (the default action; explicit form)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    version = args.version or default_torch_npu_version()
+    try:
+        version = _version_or_raise(args.version)
+    except TorchAirEnvError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.check:
         site = site_dir(version, args.dir)
         if site is None:

@@ -276,9 +276,7 @@ def _npu_toolchain():
     """TorchAir and npugraph_ex test copies with the CANN test doubles, our converters registered (the
     helpers of tests/npu_doubles.py)."""
     import npu_doubles as cf
-    site = cf.torchair_env.site_dir()
-    if site is None:
-        pytest.skip(cf.SKIP_REASON)
+    site = cf.torchair_site_or_skip()
     cf.torchair_env.activate(site)
     cf._install_torchair_standins()
     stub = cf._load_standin("torch_npu_stub")

@@ -46,11 +46,34 @@ def test_version_follows_torch_and_can_be_overridden(monkeypatch):
     ("2.13.0+cpu", "2.13.0"),
     ("2.14.0", "2.14.0"),
     ("2.14.1+cu128", "2.14.0"),  # newest torch-npu; its wheel requires torch==2.14.0.*, major.minor matches
-    ("2.11.1", "2.11.1"),  # unchecked versions: the plain release of that torch
-    ("2.15.0a0+git1234", "2.15.0"),
+    ("2.11.0+cu130", "2.11.0.post3"),  # the lent GPU machine's torch: its newest post release
+    ("2.12.1", "2.12.1"),  # unchecked versions: the plain release of that torch
+    ("2.16.0a0+git1234", "2.16.0"),
+    ("2.15.0", None),  # no torch-npu release exists
+    ("2.15.0+cu132", None),
 ])
 def test_matching_torch_npu_release(torch_version, npu):
     assert te.matching_torch_npu_version(torch_version) == npu
+
+
+def test_a_torch_without_torch_npu_is_named_and_nothing_is_prepared(tmp_path, monkeypatch, capsys):
+    assert te.no_torch_npu_reason("2.14.1") is None
+    why = te.no_torch_npu_reason("2.15.0+cu132")
+    assert why == ("no torch-npu release exists for torch 2.15 (the newest, 2.14.0, requires torch 2.14): "
+                   "TorchAir / npugraph_ex, hence the ge_graph and npugraph_ex modes, cannot run with it "
+                   "(tools/torchair_env.py TORCH_NPU_FOR_TORCH)")
+    monkeypatch.delenv(te.ENV_VERSION, raising=False)
+    monkeypatch.setattr(te, "matching_torch_npu_version", lambda torch_version=None: None)
+    assert te.default_torch_npu_version() is None
+    assert te.site_dir(cache=tmp_path) is None
+    with pytest.raises(te.TorchAirEnvError, match="^no torch-npu release exists for torch "):
+        te.ensure(cache=tmp_path)
+    assert te.main(["--ensure", "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no torch-npu release exists for torch ") and err.count("\n") == 1
+    assert not any(tmp_path.iterdir())  # nothing downloaded or created
+    monkeypatch.setenv(te.ENV_VERSION, "2.14.0")  # an explicit choice still wins
+    assert te.default_torch_npu_version() == "2.14.0"
 
 
 def test_each_torch_version_has_its_own_cache_folder(tmp_path, monkeypatch):
