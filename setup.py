@@ -166,7 +166,8 @@ setup(
         "test": ["pytest", "pytest-xdist", "hypothesis", "protobuf>=3.13", "packaging", "scipy"],
         "plan": ["numpy", "scipy"],  # offload-capacity --what-if: the bounded least-squares fit (tools/capacity_plan_whatif.py)
         "viz": ["graphviz", "matplotlib"],  # matplotlib: offload-sim --plot
-        "hf": ["transformers==5.23.0"],  # the HF front-end (models/hf, passes/frontends/hf/), verified on 5.23.0
+        # the HF front-end (models/hf, passes/frontends/hf/), verified on 5.23.0 and 5.25.0 (models/hf TRANSFORMERS_VERIFIED)
+        "hf": ["transformers>=5.23,<5.26"],
         "cuda": ["triton>=3.2"],  # the Triton kernels (custom_ops/cuda/); tests/cuda run them in its interpreter on CPU
     },
     ext_modules=EXT_MODULES,

@@ -17,7 +17,7 @@ compiled step (it compiles) are left out.
 prefill (which at 16K needs the unmodified indexer's T x T x 32 fp32 scores, 34 GB). Each model gets its own
 ``StaticCache`` (B = 1, ``max_cache_len`` = T + steps + 1, what HF would allocate) whose first T - 1 rows are
 filled by ``HfDecoder.synthetic_context`` with the same seed, so both models start from identical caches; then
-``generate(input_ids=<T tokens>, past_key_values=cache, ...)``: HF sees T - 1 cached tokens and runs only the
+``generate(input_ids=<T tokens>, cache=cache, ...)`` (``past_key_values=`` up to transformers 5.23): HF sees T - 1 cached tokens and runs only the
 last prompt token (eagerly) before decoding. Prefill is not timed; the decode steps are timed as above.
 
 The dense model expands the whole latent cache through kv_b_proj and attends over all T positions at
@@ -41,6 +41,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch  # noqa: E402
 
+from offload_passes import _compat  # noqa: E402
 from offload_passes.backend import make_offload_backend, offload_compile_config  # noqa: E402
 from offload_passes.models import hf  # noqa: E402
 
@@ -103,7 +104,8 @@ class _Stamps:
 
 def synthetic_cache(built, context: int, max_cache_len: int, seed: int = 0):
     """A B = 1 ``StaticCache`` that holds ``context`` synthetic tokens (seeded: the same rows for every model
-    built from one preset), for ``generate(past_key_values=...)`` to continue from without a dense prefill."""
+    built from one preset), for ``generate(cache=...)`` (``past_key_values=`` up to transformers 5.23) to continue
+    from without a dense prefill."""
     dec = built.decoder(batch_size=1, max_cache_len=max_cache_len)
     dec.synthetic_context(context, seed=seed)
     return dec.cache
@@ -134,7 +136,7 @@ def bench_generate(config: str, contexts: list[int], steps: int, attn: str, dtyp
                 # T - 1 cached rows: HF slices the prompt to its uncached last token (generation/utils.py,
                 # _prefill: input_ids.shape[1] - cache.get_seq_length()); max_cache_len as HF would size it
                 t0 = time.perf_counter()
-                kw["past_key_values"] = cache = synthetic_cache(built, ctx - 1, ctx + steps + 1)
+                kw[_compat.hf_cache_kwarg()] = cache = synthetic_cache(built, ctx - 1, ctx + steps + 1)
                 row[f"{name}_fill_s"] = time.perf_counter() - t0
             else:
                 kw["cache_implementation"] = "static"

@@ -33,6 +33,8 @@ Torch-version differences found (and where they are handled):
   (:func:`hf_grouped_mm_traceable_on_cpu`, used by ``models/hf``).
 * torch 2.8's fake ``aten.view`` raises on a fake with SymInt sizes that are already specialised; the
   passes' fake values fall back to :func:`static_fake` stand-ins (``passes/_fx.py`` ``set_fake_val``).
+* transformers 5.24 renames the cache argument of ``forward`` / ``generate`` and the output field
+  ``past_key_values`` to ``cache`` (:func:`hf_cache_kwarg`; ``models/hf``, ``decorator.static_cache_state``).
 * Dynamo 2.8 does not trace boolean-mask indexing in a full graph by default
   (:func:`dynamo_traces_mask_indexing`; transformers' ``glm5_next``, tests/hf/test_zoo.py).
 * Tests only: on torch 2.10 nothing in torch keeps a finished decoder's caches alive (2.13 did), so
@@ -237,6 +239,21 @@ def hf_grouped_mm_traceable_on_cpu() -> bool:
     builtin mod``), and torch 2.8 has no ``grouped_mm`` at all; checked on 2.8, 2.10 (False), 2.13, 2.14
     (True). ``models/hf`` picks ``batched_mm`` where it is False."""
     return TORCH_VERSION > (2, 10) and hasattr(torch.nn.functional, "grouped_mm")
+
+
+def transformers_version() -> tuple[int, int]:
+    """``(major, minor)`` of the installed transformers (ImportError without the ``hf`` extra)."""
+    import transformers
+
+    return tuple(int(p) for p in transformers.__version__.split(".")[:2])
+
+
+def hf_cache_kwarg() -> str:
+    """The name of the cache argument of a transformers model's ``forward`` / ``generate`` and of the field of
+    their outputs: ``past_key_values`` up to 5.23, ``cache`` from 5.24 (which still accepts the old name, with
+    a deprecation warning, until 5.40). Checked on transformers 5.23.0 and 5.25.0; ``models/hf`` passes its
+    ``StaticCache`` under this name, so the runner adds no deprecation noise on either."""
+    return "cache" if transformers_version() >= (5, 24) else "past_key_values"
 
 
 def torch_logs_registry() -> Any:

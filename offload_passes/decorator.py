@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _compat
 from .backend import OffloadBackend, make_offload_backend
 from .state import OffloadState, module_state
 
@@ -160,9 +161,17 @@ class _CacheTensors:
 
 
 def static_cache_state(cache: Any) -> OffloadState:
-    """The offload state bound to a Hugging Face ``StaticCache`` (``generate(..., return_dict_in_generate=True)
-    .past_key_values``): its pools and counters, every group whose caches are this cache's layers. Empty when
-    no rewritten graph ran on it."""
+    """The offload state bound to a Hugging Face ``StaticCache``: its pools and counters, every group whose
+    caches are this cache's layers. Empty when no rewritten graph ran on it. ``cache`` is the cache, or the
+    output of ``generate(..., return_dict_in_generate=True)`` / of the model holding it (its field
+    ``past_key_values``, ``cache`` from transformers 5.24: ``_compat.hf_cache_kwarg``)."""
+    if not hasattr(cache, "layers"):
+        field = _compat.hf_cache_kwarg()
+        held = getattr(cache, field, None)
+        if not hasattr(held, "layers"):
+            raise TypeError(f"static_cache_state: cache must be a transformers Cache (with .layers) or a generate() / "
+                            f"model output holding one in .{field}, got {type(cache).__name__}")
+        cache = held
     tensors = []
     for layer in getattr(cache, "layers", ()):
         for name in ("keys", "values", "indexer_keys"):

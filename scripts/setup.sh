@@ -13,6 +13,20 @@ python -m pip install -q "torch==${OFFLOAD_PASSES_TORCH:-2.13.0}"
 # downloading a second torch into an isolated build env (pyproject.toml lists no torch on purpose).
 python -m pip install -q "setuptools>=64" wheel ninja
 python -m pip install -q --no-build-isolation -e ".[test,viz,hf]"
+# transformers 5.25.0, the newest release the HF front-end is verified on (the [hf] extra allows 5.23 to 5.25;
+# docs/hf.md). It requires `kernels>=0.19.1,<0.20` (hub kernels for accelerators, imported only when installed),
+# which some package indexes do not carry: then 5.25.0 is installed with its other requirements, without that one.
+if ! python -m pip install -q "transformers==5.25.0" 2>/dev/null; then
+  echo "setup: transformers 5.25.0's requirement kernels>=0.19.1 is not on this index; installing it without kernels" >&2
+  python -m pip install -q --no-deps "transformers==5.25.0"
+  python - <<'PY'
+import subprocess, sys
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+reqs = [str(r) for r in map(Requirement, requires("transformers")) if r.marker is None and r.name != "kernels"]
+subprocess.run([sys.executable, "-m", "pip", "install", "-q", *reqs], check=True)
+PY
+fi
 python -m pip install -q "triton>=3.2"  # the [cuda] extra (no torch dependency): tests/cuda run the Triton kernels in its interpreter
 python - <<'PY'
 import offload_passes.custom_ops._library as L

@@ -33,7 +33,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 RUNNER_KEYS = ("batch_size", "prefill_len", "max_cache_len", "decode_steps", "dtype", "attn_implementation", "seed",
                "cache")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TRANSFORMERS_PIN = "5.23.0"  # the version this adapter and the HF pass are verified against
+#: the transformers releases this adapter and the HF pass are verified against (setup.py's ``hf`` extra allows
+#: 5.23 to 5.25; scripts/setup.sh installs 5.25.0; tests/hf run on both)
+TRANSFORMERS_VERIFIED = ("5.23.0", "5.25.0")
 
 
 def _transformers():
@@ -174,12 +176,17 @@ class HfDecoder:
         vocab = families.text_config(self.config).vocab_size
         self.tokens = torch.randint(0, vocab, (self.batch_size, self.max_cache_len), generator=g)
 
+    def cache_kwargs(self) -> dict:
+        """``{name: cache}`` with the cache argument's name of the installed transformers (``past_key_values``
+        up to 5.23, ``cache`` from 5.24: ``_compat.hf_cache_kwarg``)."""
+        return {_compat.hf_cache_kwarg(): self.cache}
+
     @torch.no_grad()
     def prefill(self, length: Optional[int] = None) -> torch.Tensor:
         n = self.runner.prefill_len if length is None else length
         if not 0 < n <= self.max_cache_len:
             raise ValueError(f"prefill length must be in [1, max_cache_len={self.max_cache_len}], got {n}")
-        out = self.model(self.tokens[:, :n], past_key_values=self.cache, use_cache=True)
+        out = self.model(self.tokens[:, :n], use_cache=True, **self.cache_kwargs())
         self.pos = n
         return out.logits
 
@@ -191,7 +198,7 @@ class HfDecoder:
         fn = self.model if step_fn is None else step_fn
         ids = self.tokens[:, self.pos:self.pos + 1]
         pos = torch.full((self.batch_size, 1), self.pos, dtype=torch.long)
-        out = fn(ids, past_key_values=self.cache, use_cache=True, position_ids=pos)
+        out = fn(ids, use_cache=True, position_ids=pos, **self.cache_kwargs())
         self.pos += 1
         return out.logits
 
@@ -220,4 +227,4 @@ class HfDecoder:
         self.pos = length
 
 
-__all__ = ["HfBuilt", "HfDecoder", "HfRunner", "build", "list_presets", "load_config", "TRANSFORMERS_PIN"]
+__all__ = ["HfBuilt", "HfDecoder", "HfRunner", "build", "list_presets", "load_config", "TRANSFORMERS_VERIFIED"]

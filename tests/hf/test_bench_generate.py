@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from offload_passes import _compat
 from offload_passes.models import hf
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hf.py"
@@ -44,7 +45,7 @@ def test_generate_continues_from_the_synthetic_cache(bench):
     def gen(seed: int):
         cache = bench.synthetic_cache(built, CTX - 1, CTX + NEW - 1, seed=seed)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **{_compat.hf_cache_kwarg(): cache},
                                  max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                                  return_dict_in_generate=True, output_logits=True)
         assert cache.get_seq_length() == CTX + NEW - 1  # HF ran only the uncached last prompt token, then decoded
@@ -57,7 +58,7 @@ def test_generate_continues_from_the_synthetic_cache(bench):
     tok, want = ids[:, -1:], []
     with torch.no_grad():
         for pos in range(CTX - 1, CTX - 1 + NEW):
-            logits = model(tok, past_key_values=cache, use_cache=True, position_ids=torch.tensor([[pos]])).logits
+            logits = model(tok, use_cache=True, position_ids=torch.tensor([[pos]]), **{_compat.hf_cache_kwarg(): cache}).logits
             tok = logits[:, -1:].argmax(-1)
             want.append(tok)
     assert torch.equal(out.sequences[:, CTX:], torch.cat(want, 1))

@@ -62,7 +62,7 @@ def _check_call(out, refs, ids, mask, dtype="bfloat16", offload_on=True):
         r16 = _generate(refs["bfloat16"], ids, mask)
         bf16_check(r32.sequences[:, ids.shape[1]:], r32.scores, r16.scores, out.sequences[:, ids.shape[1]:],
                    out.scores)
-    st = static_cache_state(out.past_key_values)
+    st = static_cache_state(out)
     if offload_on:
         assert st.groups and st.totals()["hits"] > 0, st.totals() if st.groups else "no offload state"
     return st
@@ -240,7 +240,7 @@ def test_the_docs_snippet_runs():
     torch._dynamo.reset()
     ns: dict = {}
     exec(compile(code, "docs/hf.md", "exec"), ns)
-    assert static_cache_state(ns["out"].past_key_values).totals()["hits"] > 0
+    assert static_cache_state(ns["out"]).totals()["hits"] > 0
     assert [r["dense"]["reason"] if "dense" in r else r["hf"]["offload"] for r in ns["backend"].reports] == \
         ["prefill", True]
 
@@ -281,7 +281,7 @@ def test_prefill_chunk_on_an_existing_cache_is_sparse_without_offload_under_stri
         dec.prefill(3)  # eager: allocates the cache
         with torch.no_grad():
             pos = torch.arange(3, 8).view(1, 5).expand(2, 5)
-            outs.append(step(dec.tokens[:, 3:8], past_key_values=dec.cache, use_cache=True, position_ids=pos).logits)
+            outs.append(step(dec.tokens[:, 3:8], use_cache=True, position_ids=pos, **dec.cache_kwargs()).logits)
     rep = be.reports[-1]
     assert rep["rewritten"] and not rep["hf"]["offload"] and rep["dense"]["reason"] == "prefill"
     assert {r["reason"] for r in rep["hf"]["offload_refusals"]} == {"raw_seq"}

@@ -94,3 +94,31 @@ def test_fp32_offload_request_keeps_sparse_and_says_why():
     assert reasons == {"kv_dtype"}
     assert "float16/bfloat16" in rep["hf"]["offload_refusals"][0]["detail"]
     assert rel_err(p.ref, p.out) <= FP32_TOL
+
+
+def test_the_runner_passes_the_cache_under_the_installed_releases_name():
+    """transformers 5.24 renamed forward's ``past_key_values`` to ``cache`` (the old name warns until 5.40): the
+    runner and ``static_cache_state`` use whichever name the installed release takes, with no deprecation noise."""
+    import inspect
+    import warnings
+
+    from offload_passes import _compat
+    from offload_passes.decorator import static_cache_state
+    from offload_passes.models import hf
+
+    b = hf.build("hf-tiny", num_hidden_layers=2, index_topk_pattern="FS")
+    name = _compat.hf_cache_kwarg()
+    assert name in inspect.signature(type(b.model).forward).parameters
+    dec = b.decoder()
+    assert list(dec.cache_kwargs()) == [name] and dec.cache_kwargs()[name] is dec.cache
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dec.prefill(4)
+        dec.step()
+    assert [str(w.message) for w in caught if "deprecated" in str(w.message)] == []
+    out = b.model(dec.tokens[:, 5:6], use_cache=True, **dec.cache_kwargs())
+    assert getattr(out, name) is dec.cache
+    assert static_cache_state(out).groups == static_cache_state(dec.cache).groups == []  # nothing compiled on it
+    with pytest.raises(TypeError, match=rf"static_cache_state: cache must be a transformers Cache \(with \.layers\) "
+                                        rf"or a generate\(\) / model output holding one in \.{name}, got dict"):
+        static_cache_state({"layers": []})
