@@ -1,13 +1,19 @@
-"""Which ``transformers`` classes a preset builds: its config class and its causal-LM class, both looked up
-from the yaml's ``model_type`` in transformers' own auto mappings (never a class hard-coded per family).
+"""Which ``transformers`` classes a preset builds, and what the backend does with each family that has an indexer.
 
-A model type with a causal-LM class (``glm_moe_dsa``, ``deepseek_v32``, ``hy_v4``, ``dots3_note_text``,
-``deepseek_v4``, ...) builds that class; a multimodal type whose text decoder is only reachable through its
-image-text-to-text class (``glm5_next``) builds that one, and a text-only prompt runs its text decoder.
+A preset's config class and causal-LM class are both looked up from the yaml's ``model_type`` in transformers'
+own auto mappings (never a class hard-coded per family). A model type with a causal-LM class (``glm_moe_dsa``,
+``deepseek_v32``, ``hy_v4``, ``dots3_note_text``, ``deepseek_v4``, ...) builds that class; a multimodal type
+whose text decoder is only reachable through its image-text-to-text class (``glm5_next``, ``mistral_large4``)
+builds that one, and a text-only prompt runs its text decoder.
+
+:data:`FAMILY_TABLE` accounts for every family ``survey.survey()`` finds in a verified transformers release
+(``tests/hf/test_zoo.py`` enumerates the installed one and checks each row's outcome on a tiny random model);
+docs/hf.md's family table is :func:`family_table_markdown` (checked equal by ``tests/hf/test_zoo.py``).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
 
 DEFAULT_MODEL_TYPE = "glm_moe_dsa"
 
@@ -60,5 +66,99 @@ def text_config(config: Any) -> Any:
     return get(decoder=True) if get is not None else config
 
 
-__all__ = ["DEFAULT_MODEL_TYPE", "make_config", "model_class", "model_types", "set_attn_implementation",
-           "text_config"]
+#: what the backend does with a family's decode graph today, on its tiny preset (``tests/hf/test_zoo.py``)
+OUTCOMES = {
+    "offload": "rewritten to sparse attention, offloaded (f16/bf16 caches)",
+    "sparse": "rewritten to sparse attention (exact); the offload is refused with the named reasons",
+    "refused": "compiled unmodified; the backend refuses it with the named reasons (one warning)",
+    "unnamed": "compiled unmodified and no reason is reported",
+}
+
+
+@dataclass(frozen=True)
+class FamilyEntry:
+    """One transformers model family (the folder ``transformers/models/<family>/``) whose code has an indexer."""
+
+    model_types: tuple[str, ...]  # its decoding model types (survey.decoding_model_types)
+    preset: str  # models/configs/<preset>.yaml: a tiny random model of the family
+    selection: str  # how it selects the keys each query attends to
+    outcome: str  # a key of OUTCOMES
+    reasons: tuple[str, ...] = ()  # the refusal codes the backend reports ("sparse": offload refusals)
+    since: Optional[str] = None  # the transformers release that added the family, when newer than 5.23
+    fullgraph: bool = True  # Dynamo traces its decode step into one graph (fullgraph=True compiles)
+    needs: str = ""  # what the offload of this family would take (outcomes other than "offload")
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {sorted(OUTCOMES)}, got {self.outcome!r}")
+        if (self.outcome in ("sparse", "refused")) != bool(self.reasons):
+            raise ValueError(f"outcome {self.outcome!r}: reasons {self.reasons} (named exactly for sparse / refused)")
+
+
+_MLA = "MLA latent + rope caches"
+FAMILY_TABLE: dict[str, FamilyEntry] = {
+    "glm_moe_dsa": FamilyEntry(("glm_moe_dsa",), "hf-tiny", f"lightning indexer top-k, IndexShare; {_MLA}", "offload"),
+    "deepseek_v32": FamilyEntry(("deepseek_v32",), "hf-deepseek-v32", f"lightning indexer top-k per layer; {_MLA}",
+                                "offload"),
+    "axk2": FamilyEntry(("axk2",), "hf-axk2", f"lightning indexer top-k per layer; {_MLA}", "offload"),
+    "hy_v4": FamilyEntry(("hy_v4",), "hf-hy-v4", f"lightning indexer top-k, IndexShare, attention sinks; {_MLA}",
+                         "offload"),
+    "hy_v4_vl": FamilyEntry(("hy_v4_vl",), "hf-hy-v4-vl", "hy_v4's, with multimodal rope (text decoder)", "offload",
+                            since="5.24"),
+    "dots3_note": FamilyEntry(("dots3_note", "dots3_note_text"), "hf-dots3-note",
+                              f"lightning indexer top-k on indexed layers, sliding-window layers dense; {_MLA}",
+                              "offload"),
+    "mistral_large4": FamilyEntry(
+        ("mistral_large4",), "hf-mistral-large4",
+        f"lightning indexer top-k, IndexShare, cross-layer KV sharing (kv_source_layers), NoPE every 4th layer; {_MLA}",
+        "sparse", ("dims",),
+        needs="a no-rope mode of serve / install (Dr = 0) for the NoPE layers, or the offload decided per group; "
+              "layers reading another layer's cache share its pool"),
+    "glm5_next": FamilyEntry(
+        ("glm5_next",), "hf-glm5-next",
+        "pooled indexer: top pools of index_kpool tokens expanded to token ids + the tail pool; NoPE MLA; "
+        "linear-attention layers", "sparse", ("dims", "topk_alignment"),
+        needs="a no-rope mode (Dr = 0) and ids padded with -1 to a multiple of 64 (K = index_topk + index_kpool - 1)"),
+    "deepseek_v4": FamilyEntry(
+        ("deepseek_v4",), "hf-deepseek-v4", "indexer top-k over compressed KV entries computed in the graph",
+        "refused", ("hf_compressed_kv",),
+        needs="a static, index-addressable cache of the compressed entries"),
+    "minimax_m3_vl": FamilyEntry(
+        ("minimax_m3_vl", "minimax_m3_vl_text"), "hf-minimax-m3",
+        "block top-k per indexer head (= per KV head), expanded to a [B, H, S, T] float mask; GQA, no MLA",
+        "refused", ("hf_site_not_verified",),
+        needs="serving at block granularity with one selection per KV head (GQA K / V caches, no latent)"),
+    "qwen4_exp": FamilyEntry(
+        ("qwen4_exp", "qwen4_exp_text"), "hf-qwen4-exp",
+        "QSA: per row and query, a Python loop pools visible keys in blocks and keeps the best blocks; GQA",
+        "unnamed", fullgraph=False,
+        needs="a traceable selection (transformers' loop branches on data: no full graph with any backend), "
+              "then GQA caches and block granularity"),
+    "kolibri1_1": FamilyEntry(
+        ("kolibri1_1",), "hf-kolibri1-1",
+        "indexer layers choose a candidate pool from block summaries, every indexed layer the top-k of its pool "
+        "+ sink and local tokens (bool masks); GQA, NoPE, cross-layer KV sharing", "unnamed", since="5.25",
+        fullgraph=False,
+        needs="a traceable selection (transformers' loops branch on data), then GQA caches, a no-rope mode and "
+              "shared pools"),
+    "doge": FamilyEntry(
+        ("doge",), "hf-doge", "no indexer: per-head top-k of a value-derived bias (dynamic mask attention); GQA",
+        "unnamed", needs="per-head selection over GQA caches (no shared selection per query row)"),
+}
+
+
+def family_table_markdown() -> str:
+    """docs/hf.md's family table, one row per :data:`FAMILY_TABLE` entry."""
+    rows = ["| family (model types) | since | preset | how it selects | outcome | named reason | what the offload "
+            "would need |", "|---|---|---|---|---|---|---|"]
+    for fam, e in FAMILY_TABLE.items():
+        types = ", ".join(f"`{t}`" for t in e.model_types)
+        reasons = ", ".join(f"`{r}`" for r in e.reasons) or ("—" if e.outcome == "offload" else "none reported")
+        outcome = e.outcome + ("" if e.fullgraph else "; no full graph")
+        rows.append(f"| `{fam}` ({types}) | {e.since or '5.23'} | `{e.preset}` | {e.selection} | {outcome} | "
+                    f"{reasons} | {e.needs or '—'} |")
+    return "\n".join(rows) + "\n"
+
+
+__all__ = ["DEFAULT_MODEL_TYPE", "FAMILY_TABLE", "FamilyEntry", "OUTCOMES", "family_table_markdown", "make_config",
+           "model_class", "model_types", "set_attn_implementation", "text_config"]
