@@ -47,7 +47,7 @@ def run_hf(config: str = "hf-tiny", steps: int = 64, mode: str = "eager", pool_s
         opts["dump_dir"] = dump_dir
     backend = make_offload_backend(**opts)
     # a DynamicCache (deepseek_v4's compressor state) graph-breaks in transformers' own cache code
-    fullgraph = comp.runner.cache == "static"
+    fullgraph = comp.runner.cache == "static" and comp.runner.fullgraph
     step_fn = torch.compile(comp.model, backend=backend, fullgraph=fullgraph)
     # inductor mode: the reference goes through Inductor too (its bf16 fusions round differently from
     # eager), so the difference measures the rewrite, not Inductor's numerics

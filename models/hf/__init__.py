@@ -31,7 +31,7 @@ log = logging.getLogger("offload_passes.models.hf")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 RUNNER_KEYS = ("batch_size", "prefill_len", "max_cache_len", "decode_steps", "dtype", "attn_implementation", "seed",
-               "cache")
+               "cache", "fullgraph")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: the transformers releases this adapter and the HF pass are verified against (setup.py's ``hf`` extra allows
 #: 5.23 to 5.25; scripts/setup.sh installs 5.25.0; tests/hf run on both)
@@ -62,6 +62,9 @@ class HfRunner:
     # "static": a StaticCache (one decode graph); "dynamic": transformers' DynamicCache, for a model whose
     # cache layers StaticCache cannot hold (deepseek_v4's compressor state); it recompiles as the cache grows
     cache: str = "static"
+    # False for a model whose decode step Dynamo cannot trace into one graph (transformers' own data-dependent
+    # branches: qwen4_exp, kolibri1_1); the demo then compiles it with graph breaks (fullgraph=False)
+    fullgraph: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -70,6 +73,8 @@ class HfRunner:
             raise ValueError(f"attn_implementation must be 'eager' or 'sdpa', got {self.attn_implementation!r}")
         if self.cache not in ("static", "dynamic"):
             raise ValueError(f"runner cache must be 'static' or 'dynamic', got {self.cache!r}")
+        if not isinstance(self.fullgraph, bool):
+            raise ValueError(f"runner fullgraph must be true or false, got {self.fullgraph!r}")
         for k in ("batch_size", "prefill_len", "max_cache_len"):
             if int(getattr(self, k)) < 1:
                 raise ValueError(f"runner {k} must be >= 1, got {getattr(self, k)}")

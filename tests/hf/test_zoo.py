@@ -80,6 +80,11 @@ FAMILIES = {
 }
 
 
+#: what the refusal's detail says, per named reason of a "refused" family (the node and the cause)
+REFUSAL_DETAIL = {"hf_compressed_kv": "not rows of a cache graph input: there is no host copy to serve them from",
+                  "hf_site_not_verified": "the block mask is consumed by eq"}
+
+
 def _release(version: str) -> tuple[int, int]:
     return tuple(int(p) for p in version.split(".")[:2])
 
@@ -121,7 +126,7 @@ def run(family: str, dtype: str) -> Run:
     base = hf.build(_config(family), attn=attn, dtype=dtype)
     comp = hf.build(_config(family), attn=attn, dtype=dtype)
     backend = make_offload_backend(enable_offload=True)
-    fn = torch.compile(comp.model, backend=backend, fullgraph=comp.runner.cache == "static" and families.FAMILY_TABLE[family].fullgraph)
+    fn = torch.compile(comp.model, backend=backend, fullgraph=comp.runner.cache == "static" and comp.runner.fullgraph)
     ref = base.run(steps=fam.steps)
     dec = comp.decoder()
     dec.prefill()
@@ -154,7 +159,8 @@ def test_every_family_with_an_indexer_in_the_installed_release_is_in_the_table()
         if installed(fam):
             assert fam in found, f"{fam}: in FAMILY_TABLE but the survey of the installed release does not find it"
             assert found[fam].model_types == entry.model_types, fam
-            assert hf.load_config(entry.preset)[0].model_type in entry.model_types, fam
+            cfg, runner = hf.load_config(entry.preset)
+            assert cfg.model_type in entry.model_types and runner.fullgraph == entry.fullgraph, fam
         else:  # a family of a newer release: this one does not ship it
             assert not (survey.transformers_models_dir() / fam).exists(), fam
     assert set(FAMILIES) == set(families.FAMILY_TABLE)  # every row is checked below on a tiny model
@@ -255,6 +261,7 @@ def test_outcome_in_fp32_the_sparse_rewrite_is_exact_or_the_model_runs_unmodifie
     if entry.outcome == "refused":
         assert not rep["rewritten"]
         assert rep["refusals"] and {f["reason"] for f in rep["refusals"]} == set(entry.reasons)
+        assert all(REFUSAL_DETAIL[f["reason"]] in f["detail"] for f in rep["refusals"]), rep["refusals"]
         return
     if entry.outcome == "unnamed":
         assert r.graphs >= 1
@@ -332,3 +339,5 @@ def test_preset_model_type_picks_the_class_and_bad_input_is_named():
         hf.load_config({"model_type": "no_such_type", "model_config": {}, "runner_config": {}})
     with pytest.raises(ValueError, match="runner cache must be 'static' or 'dynamic', got 'paged'"):
         hf.load_config("hf-tiny", cache="paged")
+    with pytest.raises(ValueError, match="runner fullgraph must be true or false, got 'no'"):
+        hf.load_config("hf-tiny", fullgraph="no")

@@ -35,8 +35,9 @@ DEMO_BAD = [
     (["--threads", "-1"], "got -1"),
     # a recipe-form preset given to the HF model was a TypeError traceback from HfRunner
     (["--model", "hf", "--config", "tiny"], "--config 'tiny' is a recipe-form preset (--model glm); --model hf "
-                                            "takes ['hf-axk2', 'hf-deepseek-v32', 'hf-deepseek-v4', 'hf-dots3-note', 'hf-glm5-attn', 'hf-glm5-next', "
-                                            "'hf-hy-v4', 'hf-tiny'] or an HF yaml"),
+                                            "takes ['hf-axk2', 'hf-deepseek-v32', 'hf-deepseek-v4', 'hf-doge', 'hf-dots3-note', "
+                                            "'hf-glm5-attn', 'hf-glm5-next', 'hf-hy-v4', 'hf-hy-v4-vl', 'hf-kolibri1-1', "
+                                            "'hf-minimax-m3', 'hf-mistral-large4', 'hf-qwen4-exp', 'hf-tiny'] or an HF yaml"),
     (["--model", "hf", "--config", "tiny-w8a8"], "--config 'tiny-w8a8' is a recipe-form preset"),
     (["--config", "hf-tiny"], "--config 'hf-tiny' is a Hugging Face preset: use it with --model hf"),
     # argparse's own errors are one line too (no usage block)

@@ -88,9 +88,11 @@ def test_each_torch_version_has_its_own_cache_folder(tmp_path, monkeypatch):
     # a wheel built for another torch is refused with what to do instead, and nothing is extracted
     with pytest.raises(te.TorchAirEnvError) as e:
         te.ensure("9.9.1", cache, wheel=_wheel(tmp_path, "9.9.1", requires_torch=f"{other}.0.*"))
+    mine = te.matching_torch_npu_version()
+    instead = (f"use torch-npu {mine} (the default for this torch) or another torch" if mine is not None
+               else te.no_torch_npu_reason())  # torch 2.15: no torch-npu release to point to
     assert str(e.value) == (f"torch_npu-9.9.1-cp311-cp311-manylinux_2_28_x86_64.whl is built for torch {other}.0.*, "
-                            f"the installed torch is {torch.__version__}; use torch-npu "
-                            f"{te.matching_torch_npu_version()} (the default for this torch) or another torch")
+                            f"the installed torch is {torch.__version__}; {instead}")
     assert not (cache / "torch_npu-9.9.1" / "site").exists()
 
 
