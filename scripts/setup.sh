@@ -5,8 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
-# torch 2.13.0 by default; OFFLOAD_PASSES_TORCH=2.8.0 / 2.10.0 / 2.14.1 picks another tested version (setup.py:
-# >=2.8,<2.15; scripts/test_matrix.sh runs them; docs/versions.md). The TorchAir sources below follow the installed torch.
+# torch 2.13.0 by default; OFFLOAD_PASSES_TORCH=2.8.0 / 2.10.0 / 2.11.0 / 2.14.1 / 2.15.0 picks another tested version
+# (setup.py: >=2.8,<2.16; scripts/test_matrix.sh runs them; docs/versions.md). The TorchAir sources below follow the
+# installed torch (none exist for torch 2.15: no torch-npu release).
 python -m pip install -q "torch==${OFFLOAD_PASSES_TORCH:-2.13.0}"
 # The C++ kernels are compiled here, at install (about 3 min on 2 cores), against the torch just installed:
 # --no-build-isolation so that pip builds with this environment's torch/setuptools/ninja instead of
@@ -42,4 +43,8 @@ if ! command -v dot >/dev/null 2>&1; then
     echo "setup: install Graphviz (dot) for offload-inspect --svg/--png" >&2
   fi
 fi
-python -m offload_passes.tools.torchair_env --ensure
+if python -c "from offload_passes.tools.torchair_env import default_torch_npu_version as f; raise SystemExit(f() is None)"; then
+  python -m offload_passes.tools.torchair_env --ensure
+else
+  python -c "from offload_passes.tools.torchair_env import no_torch_npu_reason as f; print('setup:', f())" >&2
+fi
