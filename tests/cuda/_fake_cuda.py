@@ -30,13 +30,14 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from offload_passes import _compat
 
-#: The flow compiles inside its own fake mode (the offload state's pools are made there). torch 2.13+ lets
-#: Dynamo's tracing context decide which fake mode a compile uses; torch 2.8 and 2.10 assert instead that
+#: The flow compiles inside its own fake mode (the offload state's pools are made there). torch 2.11+ (checked:
+#: 2.11, 2.13, 2.14, 2.15) lets Dynamo's tracing context decide which fake mode a compile uses; torch 2.8 and
+#: 2.10 assert instead that
 #: every fake mode in sight is Dynamo's (``torch._guards.detect_fake_mode``: "fake mode ... from tracing
 #: context 0 doesn't match mode ... from active fake mode 0"). A user's CUDA run has no outer fake mode;
 #: only this harness has. Strict: the mark fails the suite once such a torch runs the flow.
 needs_tracing_context_fake_mode = pytest.mark.xfail(
-    _compat.TORCH_VERSION < (2, 13), strict=True, raises=BackendCompilerFailed,
+    _compat.TORCH_VERSION < (2, 11), strict=True, raises=BackendCompilerFailed,
     reason="torch 2.8 / 2.10 refuse a compile inside the harness's own fake mode")
 
 _GUARD_SRC = r"""

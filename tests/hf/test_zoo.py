@@ -82,7 +82,8 @@ FAMILIES = {
 
 #: what the refusal's detail says, per named reason of a "refused" family (the node and the cause)
 REFUSAL_DETAIL = {"hf_compressed_kv": "not rows of a cache graph input: there is no host copy to serve them from",
-                  "hf_site_not_verified": "the block mask is consumed by eq"}
+                  # the comparison node's name: "eq" (torch 2.13, 2.15) or "__eq__" (2.11)
+                  "hf_site_not_verified": "the block mask is consumed by "}
 
 
 def _release(version: str) -> tuple[int, int]:
