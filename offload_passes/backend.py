@@ -26,7 +26,8 @@ from .lowering import LowerContext, Lowering
 from .modes import CPU_EXE_MODES, EXE_MODES, MODES, NPU_EXE_MODES, check_exe_mode, lowering_for
 from .options import OffloadOptions
 from .passes import _fx
-from .passes.rewrite import InstallHook, OffloadRefused
+from .passes.emit import InstallHook
+from .passes.refusal import OffloadRefused
 from .passes.state_inputs import state_as_inputs, static_fakes
 from .pipeline import OffloadWarning, new_graph_id, rewrite_for_offload, warn_once
 from .report import GraphReport

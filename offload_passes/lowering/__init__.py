@@ -15,7 +15,7 @@ from torch import fx
 
 from ..dump import Dumper
 from ..options import OffloadOptions
-from ..passes.rewrite import InstallHook
+from ..passes.emit import InstallHook
 from ..report import GraphReport
 from ..state import OffloadState
 

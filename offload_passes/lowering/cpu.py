@@ -19,7 +19,7 @@ from ..options import OffloadOptions
 from ..passes import _fx
 from ..passes.inductor_targets import define_aliases, retarget_for_inductor
 from ..passes.reinplace import ReinplaceReport, reinplace
-from ..passes.rewrite import InstallHook
+from ..passes.emit import InstallHook
 from ..state import OffloadState
 
 __all__ = ["CpuLowering", "pass_uuid"]

@@ -49,7 +49,7 @@ from .side_stream import join_points, move_after_serve, side_inputs
 from ..modes import CUDA_EXE_MODES, check_exe_mode
 from ..options import OffloadOptions
 from ..passes.host_cache_writes import HostCacheWritesReport, host_cache_writes
-from ..passes.rewrite import InstallHook
+from ..passes.emit import InstallHook
 from ..state import OffloadState
 
 log = logging.getLogger("offload_passes.lowering.cuda")
