@@ -30,6 +30,7 @@ import torch  # noqa: E402
 import offload_passes  # noqa: E402,F401  (registers the ops)
 from offload_passes.custom_ops import _library as Lib  # noqa: E402
 from offload_passes.custom_ops._pool import id_range_for  # noqa: E402
+from offload_passes.custom_ops.plan_kind import NUM_PLAN_KINDS, PlanKind  # noqa: E402
 from offload_passes.custom_ops import npu_gather_selection_kv_cache as gather_mod  # noqa: E402
 from offload_passes.custom_ops import dsa_serve as serve_mod  # noqa: E402
 
@@ -137,8 +138,8 @@ def bench_plan_serve_install(S: int, PS: int, F: int, full: tuple, repeat: int, 
     if reference_dsa_plan is not None:
         fns["ref"] = lambda: reference_dsa_plan(topk, L, pool_ids, id_to_slot, lru, raw_seq=S)
     t = timeit(fns, max(2, repeat // 2))
-    kinds = torch.bincount(plan[:, 0].long(), minlength=6)
-    hits, misses = int(kinds[1]), int(kinds[2])
+    kinds = torch.bincount(plan[:, 0].long(), minlength=NUM_PLAN_KINDS)
+    hits, misses = int(kinds[PlanKind.POOL_HIT]), int(kinds[PlanKind.FULL_OLD_MISS])
     out.append(dict(op="dsa_plan", cfg=cfg, ms=t["op"] * 1e3, gbs=None, isel=None, copy=None,
                     ref=t["ref"] / t["op"] if "ref" in t else None,
                     note=f"hit {hits / max(hits + misses, 1):.0%}"))
@@ -148,8 +149,8 @@ def bench_plan_serve_install(S: int, PS: int, F: int, full: tuple, repeat: int, 
     cpp_serve = Lib.cpu_op("dsa_serve")
     kind, val = plan[:, 0].long(), plan[:, 1].long()
     b_of = torch.arange(rows) // (S * K)
-    pm = kind == 1
-    fm = (kind == 2) | (kind == 3)
+    pm = kind == PlanKind.POOL_HIT
+    fm = (kind == PlanKind.FULL_OLD_MISS) | (kind == PlanKind.DECODE_WINDOW)
     pool_idx = (b_of * PS + val)[pm]
     full_idx = (b_of * F + val)[fm]
     n_p, n_f = pool_idx.numel(), full_idx.numel()
@@ -189,7 +190,7 @@ def bench_plan_serve_install(S: int, PS: int, F: int, full: tuple, repeat: int, 
         # rows installed: distinct FULL_OLD_MISS ids per batch row, first occurrence wins
         src_rows = []
         for b in range(B):
-            q = torch.nonzero(kind[b * S * K:(b + 1) * S * K] == 2).flatten()
+            q = torch.nonzero(kind[b * S * K:(b + 1) * S * K] == PlanKind.FULL_OLD_MISS).flatten()
             ids = val[b * S * K:(b + 1) * S * K][q]
             uniq, inv = torch.unique(ids, return_inverse=True)
             first = torch.full((uniq.numel(),), q.numel(), dtype=torch.long).scatter_reduce(

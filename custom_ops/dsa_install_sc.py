@@ -33,6 +33,7 @@ from ._records import decode_records
 from .dsa_install import SPEC as INSTALL_SPEC
 from .dsa_install import validate_dsa_install
 from .opspec import Limit, OpSpec
+from .plan_kind import PlanKind
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_install_sc")
 
@@ -93,7 +94,7 @@ def reference_dsa_install_sc(plan, install_records, selection_kv_cache, selectio
     for b in range(B):
         ctr = list(ctr_all[b])
         for kd, v in zip(kinds[b], vals[b]):
-            if kd == 1 and 0 <= v < PS:
+            if kd == PlanKind.POOL_HIT and 0 <= v < PS:
                 ctr[v // 16] |= 1 << (REF_SHIFT + v % 16)
         seen = set()
         for st, x, sq, pos in by_b[b]:

@@ -29,6 +29,7 @@ from . import _library as L
 from ._pool import MAX_POOL, WAYS, check_pool_metadata, check_pool_size  # noqa: F401
 from ._records import MICROTASKS, records_layout
 from .opspec import GeOp, Limit, OpSpec, shared_limits
+from .plan_kind import PlanKind
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_plan")
 
@@ -50,9 +51,6 @@ SPEC = OpSpec(
 )
 OP = SPEC.name
 L.define(SPEC.schema)
-
-# Source kinds (docs/ops.md §2.4).
-INVALID, POOL_HIT, FULL_OLD_MISS, DECODE_WINDOW, FUTURE_SKIP, NEGATIVE_STOP = range(6)
 
 MAX_TOPK, MAX_RAW_SEQ, TOPK_ALIGN = SPEC.limit_values("MAX_TOPK", "MAX_RAW_SEQ", "TOPK_ALIGN")
 
@@ -185,18 +183,18 @@ def reference_dsa_plan(
     looked = id_to_slot.to(torch.int64)[b_of.unsqueeze(1), rows.clamp(0, IR - 1)]
     slot = torch.where(in_range & (looked >= 0) & (looked < PS), looked, torch.full_like(looked, -1))
 
-    kind = torch.full((R, K), FULL_OLD_MISS, dtype=torch.int64)
+    kind = torch.full((R, K), PlanKind.FULL_OLD_MISS, dtype=torch.int64)
     value = rows.clone()
-    kind = torch.where(rows > mv, torch.full_like(kind, DECODE_WINDOW), kind)
+    kind = torch.where(rows > mv, torch.full_like(kind, PlanKind.DECODE_WINDOW), kind)
     hit = (slot >= 0) & (rows <= mv)
-    kind = torch.where(hit, torch.full_like(kind, POOL_HIT), kind)
+    kind = torch.where(hit, torch.full_like(kind, PlanKind.POOL_HIT), kind)
     value = torch.where(hit, slot, value)
     future = empty | (rows > ms)
-    kind = torch.where(future, torch.full_like(kind, FUTURE_SKIP), kind)
+    kind = torch.where(future, torch.full_like(kind, PlanKind.FUTURE_SKIP), kind)
     value = torch.where(future, rows, value)
-    kind = torch.where(neg, torch.full_like(kind, NEGATIVE_STOP), kind)
+    kind = torch.where(neg, torch.full_like(kind, PlanKind.NEGATIVE_STOP), kind)
     value = torch.where(neg, rows, value)
-    kind = torch.where(stopped, torch.full_like(kind, INVALID), kind)
+    kind = torch.where(stopped, torch.full_like(kind, PlanKind.INVALID), kind)
     value = torch.where(stopped, torch.full_like(value, -1), value)
 
     plan = torch.stack([kind, value], dim=2).reshape(R * K, 2).to(torch.int32)
@@ -206,7 +204,7 @@ def reference_dsa_plan(
         plan = full
 
     words = torch.zeros(lay.required // 4, dtype=torch.int32)
-    miss = (kind == FULL_OLD_MISS).view(R * MICROTASKS, P)
+    miss = (kind == PlanKind.FULL_OLD_MISS).view(R * MICROTASKS, P)
     counts = miss.sum(1)
     cells = words[lay.rec_bytes // 4 :][: lay.microtasks * 8].view(lay.microtasks, 8)
     cells[:, 0] = counts.to(torch.int32)

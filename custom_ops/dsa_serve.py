@@ -16,6 +16,7 @@ import torch
 
 from . import _library as L
 from .opspec import GeOp, Limit, OpSpec, shared_limits
+from .plan_kind import PlanKind
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_serve")
 
@@ -45,9 +46,6 @@ SPEC = OpSpec(
 OP, FUNCTIONAL_OP = SPEC.op_names
 L.define(SPEC.schema)
 L.define(SPEC.functional_schema)
-
-#: Plan source kinds (docs/ops.md §2.4).
-KIND_INVALID, KIND_POOL_HIT, KIND_FULL_OLD_MISS, KIND_DECODE_WINDOW, KIND_FUTURE_SKIP, KIND_NEGATIVE_STOP = range(6)
 
 #: Limits of csrc/dsa_serve.cpp: compact_layout=1 ("prod") and compact_layout=0 ("legacy").
 PROD_LIMITS = {"raw_seq": SPEC.limit("MAX_RAW_SEQ"), "topk": SPEC.limit("MAX_TOPK"),
@@ -189,8 +187,8 @@ def reference_dsa_serve(
     kind = plan[:, 0].long()
     v = plan[:, 1].long()
     b = torch.arange(rows) // (raw_seq * topk)
-    from_pool = ((kind == KIND_POOL_HIT) & (v >= 0) & (v < PS)).unsqueeze(1)
-    from_full = (((kind == KIND_FULL_OLD_MISS) | (kind == KIND_DECODE_WINDOW)) & (v >= 0) & (v < F)).unsqueeze(1)
+    from_pool = ((kind == PlanKind.POOL_HIT) & (v >= 0) & (v < PS)).unsqueeze(1)
+    from_full = (((kind == PlanKind.FULL_OLD_MISS) | (kind == PlanKind.DECODE_WINDOW)) & (v >= 0) & (v < F)).unsqueeze(1)
     pool_row = b * PS + v.clamp(0, PS - 1)
     full_row = b * F + v.clamp(0, F - 1)
     for full, pool, sel in (

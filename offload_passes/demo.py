@@ -152,6 +152,7 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     (``serve.bucket_model``); ``arrival`` < 1 lets the running count vary so they are used."""
     from . import models
     from .backend import make_offload_backend
+    from .custom_ops.plan_kind import NUM_PLAN_KINDS, PlanKind
     from .models.glm.serve import Lane, Server, ServeConfig, bucket_model
     from .state import module_state
     from .trace.format import Trace
@@ -196,7 +197,7 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     IR = None
     ptrs: dict[int, int] = {}
     live: dict[int, list] = {}  # request id -> its steps: ([G, S, K] top-k, length)
-    kinds = np.zeros(6, dtype=np.int64)
+    kinds = np.zeros(NUM_PLAN_KINDS, dtype=np.int64)  # plan-kind counts of the static replay
     replayed = [True]
 
     def replay(steps_of: list) -> None:
@@ -258,9 +259,10 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     if small:
         out["buckets"] = {str(b): n for b, n in srv.bucket_steps.items()}  # steps per batch bucket
     if replayed[0] and steps:
-        out["static"] = {"hits": int(kinds[1]), "misses": int(kinds[2]), "window": int(kinds[3]),
-                         "hit_rate": rate(int(kinds[1]), int(kinds[2]))}
-        out["hit_ratio_vs_static"] = tot["hits"] / int(kinds[1]) if kinds[1] else 0.0
+        hits, misses = int(kinds[PlanKind.POOL_HIT]), int(kinds[PlanKind.FULL_OLD_MISS])
+        out["static"] = {"hits": hits, "misses": misses, "window": int(kinds[PlanKind.DECODE_WINDOW]),
+                         "hit_rate": rate(hits, misses)}
+        out["hit_ratio_vs_static"] = tot["hits"] / hits if hits else 0.0
         out["hit_rate_points_vs_static"] = 100.0 * (out["hit_rate"] - out["static"]["hit_rate"])
     if backend2 is not None:
         st2 = module_state(lanes[2].model)

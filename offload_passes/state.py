@@ -3,8 +3,8 @@
 Per layer ``l``: ``pool_kv [B, PS, Dkv]``, ``pool_rope [B, PS, Dr]`` (KV dtype). Per group ``g``:
 ``pool_ids [B, PS]`` (-1), ``id_to_slot [B, IR]`` (-1), ``lru_counter [B, PS/16]`` (0) int32, and
 ``stats [2, 7]`` int64 written *in the graph* every step: row 0 = this step's plan-kind counts
-(kinds 0..5, then 1 for the step), row 1 = the running sum. hits = kind 1, misses = kind 2,
-window = kind 3; host rows read = (misses + window) × layers of the group (every layer serves the
+(``custom_ops/plan_kind.py``, kinds 0..5, then 1 for the step), row 1 = the running sum. hits =
+POOL_HIT, misses = FULL_OLD_MISS, window = DECODE_WINDOW; host rows read = (misses + window) × layers of the group (every layer serves the
 same plan from its own host cache). ``seen_len [B]`` int32: each row's cache length at the previous
 step; ``external_write [1]`` int32: set by the host when the full caches were written outside the graph
 since the last step (version counters). Paged groups also keep ``seen_table [B, maxblk]`` int32, each
@@ -32,10 +32,11 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from .custom_ops.plan_kind import NUM_PLAN_KINDS, PlanKind
+
 log = logging.getLogger("offload_passes.state")
 
-KIND_HIT, KIND_MISS, KIND_WINDOW = 1, 2, 3
-STATS_WIDTH = 7  # kinds 0..5 + step count
+STATS_WIDTH = NUM_PLAN_KINDS + 1  # the plan kinds' counts + the step count
 
 
 class GroupPools:
@@ -270,9 +271,9 @@ class OffloadState:
             s = g.stats.tolist()
             entry = {"group_id": g.group_id, "layers": list(g.layers)}
             for key, row in (("step", s[0]), ("total", s[1])):
-                hits, misses, window = row[KIND_HIT], row[KIND_MISS], row[KIND_WINDOW]
+                hits, misses, window = row[PlanKind.POOL_HIT], row[PlanKind.FULL_OLD_MISS], row[PlanKind.DECODE_WINDOW]
                 entry[key] = {"hits": hits, "misses": misses, "window": window,
-                              "host_rows_read": (misses + window) * len(g.layers), "steps": row[6]}
+                              "host_rows_read": (misses + window) * len(g.layers), "steps": row[NUM_PLAN_KINDS]}
             out.append(entry)
         return out
 

@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from offload_passes._cli import UsageError, finite, run_cli
+from offload_passes.custom_ops._pool import WAYS, id_range_for, pool_size_problem
 
 try:  # package import (console script) or flat import (python tools/capacity_plan.py)
     from .capacity_plan_model import WEIGHT_KEYS, ModelShape, list_presets, load_model_shape
@@ -69,8 +70,6 @@ PROG = "offload-capacity"
 ALIAS = "offload-plan"
 
 GiB = 1 << 30
-MIN_ID_RANGE = 131072       # _DSA_MIN_ID_RANGE in the recipe (docs/ops.md §7)
-SET_WAYS = 16               # 16-way set-associative pool
 INT32 = 4
 
 
@@ -125,12 +124,12 @@ class Budget:
         if not self.pool_sizes:
             raise ValueError("pool_sizes must name at least one pool size")
         for ps in self.pool_sizes:
-            if not isinstance(ps, int) or ps <= 0 or ps > 16384 or ps % SET_WAYS \
-                    or (ps // SET_WAYS) & (ps // SET_WAYS - 1):
-                raise ValueError(f"pool_size must be a multiple of 16 in (0, 16384] with a power-of-two "
-                                 f"set count (dsa_plan limits), got {ps}")
-            if ps % self.pa_block_size:
-                raise ValueError(f"pool_size must be divisible by pa_block_size {self.pa_block_size}, got {ps}")
+            if not isinstance(ps, int):
+                raise ValueError(f"pool_size must be an integer, got {ps!r}")
+            # the ops' pool rule, with the selection block size the plan assumes (pa_block_size)
+            problem = pool_size_problem(ps, self.pa_block_size)
+            if problem is not None:
+                raise ValueError(f"pool_size {problem[0]} (dsa_plan / dsa_install limits), got {problem[1]}")
 
 
 @dataclass
@@ -265,7 +264,7 @@ def plan(shape: ModelShape, budget: Budget, batch: int | None = None,
     groups = shape.groups
     D = shape.kv_lora_rank + shape.qk_rope_head_dim
     ctx = _align(b.context_len, BS)
-    IR = max(MIN_ID_RANGE, ctx)
+    IR = id_range_for(ctx)
 
     out = Plan(model={
         "name": shape.name, "source": shape.source, "num_hidden_layers": shape.num_hidden_layers,
@@ -311,7 +310,7 @@ def plan(shape: ModelShape, budget: Budget, batch: int | None = None,
     pools = {}
     for PS in b.pool_sizes:
         pool_layer = PS * D * b.kv_dtype_bytes
-        meta_group = (PS + IR + PS // SET_WAYS) * INT32
+        meta_group = (PS + IR + PS // WAYS) * INT32
         pools[PS] = (pool_layer, meta_group)
         out.per_request[f"pool_{PS}_per_layer"] = pool_layer
         out.per_request[f"pool_{PS}_all_layers"] = pool_layer * shape.num_hidden_layers
@@ -320,7 +319,7 @@ def plan(shape: ModelShape, budget: Budget, batch: int | None = None,
         req += [
             Step(f"pool {PS} / layer", f"pool_size {PS} * {D} * {b.kv_dtype_bytes} B", pool_layer),
             Step(f"pool {PS}, all layers (MTP: gather)", f"{shape.num_hidden_layers} * {pool_layer}", pool_layer * shape.num_hidden_layers),
-            Step(f"pool {PS} metadata / group", f"(pool_ids {PS} + id_to_slot {IR} + lru {PS // SET_WAYS}) * 4 B", meta_group),
+            Step(f"pool {PS} metadata / group", f"(pool_ids {PS} + id_to_slot {IR} + lru {PS // WAYS}) * 4 B", meta_group),
             Step(f"pool {PS} metadata, all groups", f"{len(groups)} * {meta_group}", meta_group * len(groups)),
         ]
     out.sections["per request"] = req
@@ -547,8 +546,9 @@ def _check_args(args: argparse.Namespace) -> None:
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     for ps in args.pool_size or ():
-        if ps < 16 or ps % 16:
-            raise UsageError(f"--pool-size must be a positive multiple of 16, got {ps}")
+        problem = pool_size_problem(ps)
+        if problem is not None:
+            raise UsageError(f"--pool-size {problem[0]} (dsa_plan / dsa_install limits), got {problem[1]}")
 
 
 def _main(args: argparse.Namespace) -> int:

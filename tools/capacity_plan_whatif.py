@@ -38,6 +38,8 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
+from offload_passes.custom_ops._pool import pool_size_problem
+
 log = logging.getLogger("offload_passes.tools.capacity_plan_whatif")
 
 #: name -> (value, unit, public source)
@@ -632,9 +634,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if b > MAX_BATCH:
             ap.error(f"--batches must be <= {MAX_BATCH}, got {b}")
     for ps in a.pools:
-        # every policy runs on every pool: the set-associative ones need 16 x a power of two
-        if ps > 16384 or ps % 16 or (ps // 16) & (ps // 16 - 1):
-            ap.error(f"--pools must be 16 x a power of two, at most 16384 (dsa_plan limits), got {ps}")
+        # every policy runs on every pool, as the ops would hold it (custom_ops/_pool.py)
+        problem = pool_size_problem(ps)
+        if problem is not None:
+            ap.error(f"--pools {problem[0]} (dsa_plan / dsa_install limits), got {problem[1]}")
     try:
         o = what_if(a.batches, a.pools, pols, a.contexts, a.mode, a.seeds, a.steps, a.warmup, which)
     except NonPhysicalFit as e:
@@ -654,8 +657,9 @@ def _main_trace(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         ap.error(f"--policy: {a.policy} is not a pool replacement policy (no pool, or prefetches beyond demand)")
     if not 1 <= a.batch <= MAX_BATCH:
         ap.error(f"--batch must be in [1, {MAX_BATCH}], got {a.batch}")
-    if a.pool <= 0 or a.pool > 16384:
-        ap.error(f"--pool must be in [1, 16384] (dsa_plan limits), got {a.pool}")
+    problem = pool_size_problem(a.pool)
+    if problem is not None:
+        ap.error(f"--pool {problem[0]} (dsa_plan / dsa_install limits), got {problem[1]}")
     for name, v in (("--fifo8k-hit", a.fifo8k_hit), ("--fifo16k-hit", a.fifo16k_hit)):
         if v is not None and not 0.0 <= v <= 1.0:
             ap.error(f"{name} must be a hit rate in [0, 1], got {v}")

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "_install_common.h"
+#include "plan_kind.h"
 
 namespace {
 
@@ -34,7 +35,7 @@ void dsa_install_sc_cpu(const at::Tensor& plan_in, const at::Tensor& records_in,
   auto mark_hits = [pl, SK, PS](int64_t b, int32_t* counters) {
     const int32_t* prow = pl + b * SK * 2;
     for (int64_t q = 0; q < SK; ++q) {
-      if (prow[2 * q] != 1) continue;
+      if (prow[2 * q] != offload_plan_kind::kPoolHit) continue;
       const int64_t slot = prow[2 * q + 1];
       if (slot < 0 || slot >= PS) continue;
       counters[slot / kWays] |= int32_t{1} << (kRefShift + slot % kWays);

@@ -13,13 +13,15 @@
 #include <cstdint>
 #include <tuple>
 
+#include "plan_kind.h"
+
 namespace {
 
 constexpr int64_t kPage = 4096;
 constexpr int64_t kMicrotasks = 8;
 constexpr int64_t kWays = 16;
 
-enum Kind : int32_t { kInvalid = 0, kPoolHit = 1, kFullOldMiss = 2, kDecodeWindow = 3, kFutureSkip = 4, kNegativeStop = 5 };
+using namespace offload_plan_kind;
 
 inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 

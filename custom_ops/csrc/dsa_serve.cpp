@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "plan_kind.h"
+
 namespace {
 
 constexpr int64_t kGrainRows = 512;     // ~0.5 MiB of kv per chunk at Dkv=512 bf16
@@ -82,11 +84,12 @@ void dsa_serve_cpu(const at::Tensor& plan, const at::Tensor& full_kv, const at::
     const int32_t kind = p[2 * q];
     const int64_t v = p[2 * q + 1];
     const int64_t b = q / per_batch;
-    if (kind == 1 && v >= 0 && v < PS) {
+    if (kind == offload_plan_kind::kPoolHit && v >= 0 && v < PS) {
       const int64_t row = b * PS + v;
       *kv = pkv + row * kv_bytes;
       *rp = prp + row * rope_bytes;
-    } else if ((kind == 2 || kind == 3) && v >= 0 && v < F) {
+    } else if ((kind == offload_plan_kind::kFullOldMiss || kind == offload_plan_kind::kDecodeWindow) && v >= 0 &&
+               v < F) {
       const int64_t row = b * F + v;
       *kv = fkv + row * kv_bytes;
       *rp = frp + row * rope_bytes;

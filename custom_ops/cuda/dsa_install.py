@@ -31,12 +31,13 @@ import torch
 from .. import dsa_install as M
 from .._records import records_layout
 from ._common import COPY_TILE, CudaOp, bits, commit, int32_words, next_pow2, out_buffer, require_triton
+from ._kinds import POOL_HIT
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
 
 OP, FUNCTIONAL_OP = M.OP, M.FUNCTIONAL_OP
-WAYS = 16
+WAYS = M.WAYS  # the pool associativity (custom_ops/_pool.py)
 
 
 @triton.jit
@@ -89,7 +90,7 @@ def _ref_kernel(plan_ptr, ref_ptr, rows, SK, NS, PS, BLOCK_Q: tl.constexpr):
     qm = q < rows
     kd = tl.load(plan_ptr + 2 * q, mask=qm, other=0)
     v = tl.load(plan_ptr + 2 * q + 1, mask=qm, other=-1)
-    hit = qm & (kd == 1) & (v >= 0) & (v < PS)
+    hit = qm & (kd == POOL_HIT) & (v >= 0) & (v < PS)
     b = q // SK
     tl.atomic_and(ref_ptr + b * NS + v // 16, ~(1 << (v % 16)), mask=hit)
 

@@ -17,6 +17,7 @@ import torch
 from .. import dsa_plan as M
 from .._records import records_layout
 from ._common import CudaOp, next_pow2, require_triton
+from ._kinds import DECODE_WINDOW, FULL_OLD_MISS, FUTURE_SKIP, INVALID, NEGATIVE_STOP, POOL_HIT
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -52,22 +53,22 @@ def _plan_kernel(topk_ptr, lens_ptr, i2s_ptr, plan_ptr, words_ptr, act_ptr,
     looked = tl.load(i2s_ptr + b.to(tl.int64) * IR + x, mask=in_range, other=-1)
     sl = tl.where(in_range & (looked >= 0) & (looked < PS), looked, -1)
 
-    kind = tl.where(x > mv, 3, 2)                      # DECODE_WINDOW / FULL_OLD_MISS
+    kind = tl.where(x > mv, DECODE_WINDOW, FULL_OLD_MISS)
     value = x
     hit = (sl >= 0) & (x <= mv)
-    kind = tl.where(hit, 1, kind)                      # POOL_HIT
+    kind = tl.where(hit, POOL_HIT, kind)
     value = tl.where(hit, sl, value)
-    kind = tl.where(empty | (x > ms), 4, kind)         # FUTURE_SKIP (value = id)
+    kind = tl.where(empty | (x > ms), FUTURE_SKIP, kind)  # value = the id
     value = tl.where(empty | (x > ms), x, value)
-    kind = tl.where(neg, 5, kind)                      # NEGATIVE_STOP (value = the negative id)
+    kind = tl.where(neg, NEGATIVE_STOP, kind)          # value = the negative id
     value = tl.where(neg, x, value)
-    kind = tl.where(stopped, 0, kind)                  # INVALID
+    kind = tl.where(stopped, INVALID, kind)
     value = tl.where(stopped, -1, value)
     out = plan_ptr + (r.to(tl.int64) * K + k) * 2
     tl.store(out, kind, mask=pm)
     tl.store(out + 1, value, mask=pm)
 
-    miss = pm & (kind == 2)
+    miss = pm & (kind == FULL_OLD_MISS)
     missi = miss.to(tl.int32)
     rank = tl.cumsum(missi, 1) - missi
     mt = (r * 8 + m).to(tl.int64)                      # [8, 1]

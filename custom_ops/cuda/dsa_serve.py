@@ -17,6 +17,7 @@ from __future__ import annotations
 from .. import dsa_serve as M
 from .. import _library as L
 from ._common import COPY_TILE, CudaOp, bits, commit, host_operand, next_pow2, out_buffer, require_triton
+from ._kinds import DECODE_WINDOW, FULL_OLD_MISS, POOL_HIT
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -44,8 +45,8 @@ def _serve_kernel(plan_ptr, fkv_ptr, frp_ptr, pkv_ptr, prp_ptr, skv_ptr, srp_ptr
     kind = tl.load(plan_ptr + 2 * q, mask=qm, other=0)
     v = tl.load(plan_ptr + 2 * q + 1, mask=qm, other=-1).to(tl.int64)
     b = q // per_batch
-    from_pool = qm & (kind == 1) & (v >= 0) & (v < PS)
-    from_full = qm & ((kind == 2) | (kind == 3)) & (v >= 0) & (v < F)
+    from_pool = qm & (kind == POOL_HIT) & (v >= 0) & (v < PS)
+    from_full = qm & ((kind == FULL_OLD_MISS) | (kind == DECODE_WINDOW)) & (v >= 0) & (v < F)
     pool_row = b * PS + v
     full_row = b * F + v
     _copy_rows(q, qm, from_pool, from_full, pool_row, full_row, pkv_ptr, fkv_ptr, skv_ptr, Dkv, kv_dst_stride,

@@ -27,7 +27,9 @@ from offload_passes.custom_ops._records import decode_records  # noqa: E402
 log = logging.getLogger("offload_passes.tests.group_simulation")
 
 ops = torch.ops.custom
-INVALID, POOL_HIT, FULL_OLD_MISS, DECODE_WINDOW, FUTURE_SKIP, NEGATIVE_STOP = range(6)
+from offload_passes.custom_ops.plan_kind import PlanKind  # noqa: E402
+
+INVALID, POOL_HIT, FULL_OLD_MISS, DECODE_WINDOW, FUTURE_SKIP, NEGATIVE_STOP = PlanKind
 
 
 @pytest.fixture(scope="module", autouse=True)

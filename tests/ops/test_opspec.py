@@ -223,10 +223,8 @@ def test_limits_have_one_definition():
     assert _pool.pool_size_problem(install.limit("MAX_POOL")) is None
     assert _pool.pool_size_problem(install.limit("MAX_POOL") + install.limit("WAYS"))[0] == "must be in (0, 16384]"
     assert _pool.pool_size_problem(install.limit("WAYS") * 3) == ("/ 16 (sets) must be a power of two", 3)
-    # the id range: one rule; the torch-free capacity planner keeps its own copy of the number, checked here
-    from offload_passes.tools import capacity_plan
-
-    assert _pool.id_range_for(1000) == _pool.MIN_ID_RANGE == capacity_plan.MIN_ID_RANGE == 131072
+    # the id range: one rule (the capacity planner sizes id_to_slot with it too, tests/tools/test_capacity_plan.py)
+    assert _pool.id_range_for(1000) == _pool.MIN_ID_RANGE == 131072
     assert _pool.id_range_for(200_000) == 200_000 and _pool.id_range_for(200_000, 4096) == 4096
     assert (dsa_serve.MAX_KV_DIM, dsa_serve.MAX_ROPE_DIM, preconditions.MAX_DKV, preconditions.MAX_DR) \
         == (512, 128, 512, 128)

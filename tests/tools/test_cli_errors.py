@@ -117,7 +117,8 @@ PLAN_BAD = [
     (["--hbm-gib", "inf"], "--hbm-gib must be a finite positive number, got inf"),
     (["--host-gib", "-1"], "--host-gib must be a finite positive number, got -1.0"),
     (["--devices", "0"], "--devices must be >= 1, got 0"),
-    (["--pool-size", "1000"], "--pool-size must be a positive multiple of 16, got 1000"),
+    (["--pool-size", "1000"], "--pool-size must be a multiple of 16 (dsa_plan / dsa_install limits), got 1000"),
+    (["--pool-size", "32768"], "--pool-size must be in (0, 16384] (dsa_plan / dsa_install limits), got 32768"),
     (["--config", "nope"], "--config 'nope'"),
 ]
 
