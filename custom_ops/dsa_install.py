@@ -48,6 +48,9 @@ SPEC = OpSpec(
              "~12 KiB of buffers and an 8 KiB pad (the CPU kernels do not need it; options.py enforces it)"),),
     ge=GeOp("DsaInstall", outputs=("pool_kv_cache", "pool_k_rope", "pool_ids", "id_to_slot", "lru_counter")),
     cuda_kernel="dsa_install",
+    arg_roles={"install_records": "records", "selection_kv_cache": "selection", "selection_k_rope": "selection",
+               "selection_kv_block_table": "selection_table", "pool_kv_cache": "pool", "pool_k_rope": "pool",
+               "pool_ids": "metadata", "id_to_slot": "metadata", "lru_counter": "metadata"},
 )
 OP, FUNCTIONAL_OP = SPEC.op_names
 L.define(SPEC.schema)

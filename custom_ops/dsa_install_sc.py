@@ -51,6 +51,7 @@ SPEC = OpSpec(
     # dsa_install's limits (it runs dsa_install's validation) plus where the reference bits live
     limits=INSTALL_SPEC.limits + (Limit("REF_SHIFT", 4, "lru_counter bits 4..19 hold one reference bit per way"),),
     cuda_kernel="dsa_install_sc",
+    arg_roles={"plan": "plan", **INSTALL_SPEC.arg_roles},
 )
 OP = SPEC.name
 REF_SHIFT = SPEC.limit("REF_SHIFT")

@@ -48,6 +48,7 @@ SPEC = OpSpec(
     ),
     ge=GeOp("DsaPlan", outputs=("plan", "install_records", "selection_kv_actual_seq")),
     cuda_kernel="dsa_plan",
+    arg_roles={"pool_ids": "metadata", "id_to_slot": "metadata", "lru_counter": "metadata"},
 )
 OP = SPEC.name
 L.define(SPEC.schema)

@@ -42,6 +42,8 @@ SPEC = OpSpec(
     ),
     ge=GeOp("DsaServe", outputs=("selection_kv_cache", "selection_k_rope")),
     cuda_kernel="dsa_serve",
+    arg_roles={"plan": "plan", "pool_kv_cache": "pool", "pool_k_rope": "pool", "selection_kv_cache": "selection",
+               "selection_k_rope": "selection"},
 )
 OP, FUNCTIONAL_OP = SPEC.op_names
 L.define(SPEC.schema)

@@ -61,6 +61,8 @@ SPEC = OpSpec(
             outputs=("selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
                      "selection_kv_block_status", "selection_kv_actual_seq")),
     cuda_kernel="npu_gather_selection_kv_cache",
+    arg_roles={"selection_k_rope": "selection", "selection_kv_cache": "selection",
+               "selection_kv_block_table": "selection_table"},
 )
 OP, FUNCTIONAL_OP = SPEC.op_names
 L.define(SPEC.schema)

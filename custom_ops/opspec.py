@@ -69,6 +69,11 @@ def shared_limits(*names: str) -> Tuple[Limit, ...]:
 #: What an op is for; ``count_ops`` reports the ``offload`` and ``decode`` ones.
 ROLES = ("offload", "decode", "cache_write", "comm")
 
+#: What an argument is for (:attr:`OpSpec.arg_roles`): the passes and the side-stream schedule read an
+#: argument by its role, never by its position (``dsa_install_sc`` takes ``dsa_install``'s arguments after
+#: its plan).
+ARG_ROLES = ("plan", "records", "selection", "selection_table", "pool", "metadata")
+
 _ALIAS = re.compile(r"Tensor\([a-z]+!\)")
 
 
@@ -121,6 +126,8 @@ class OpSpec:
     ge: Optional[GeOp] = None
     #: Module of ``offload_passes.custom_ops.cuda`` holding the op's Triton (CUDA) kernels, or None.
     cuda_kernel: Optional[str] = None
+    #: Argument name -> its role (one of :data:`ARG_ROLES`), for the arguments a pass reads by role.
+    arg_roles: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -140,6 +147,12 @@ class OpSpec:
                                  f"match the schema's {n_ret} returns")
         if self.functional is not None and not self.mutated:
             raise ValueError(f"OpSpec {self.name}: a functional twin needs mutated arguments")
+        unknown = sorted(set(self.arg_roles) - set(self.arg_names))
+        if unknown:
+            raise ValueError(f"OpSpec {self.name}: arg_roles names {unknown}, not arguments of the schema")
+        bad = sorted({r for r in self.arg_roles.values() if r not in ARG_ROLES})
+        if bad:
+            raise ValueError(f"OpSpec {self.name}: arg_roles must be among {ARG_ROLES}, got {bad}")
 
     # ------------------------------------------------------------------ schema
     @cached_property
@@ -169,6 +182,12 @@ class OpSpec:
         """Positions of the mutated (``Tensor(x!)``) arguments; the twin takes the same arguments."""
         return tuple(i for i, a in enumerate(self.parsed.arguments)
                      if a.alias_info is not None and a.alias_info.is_write)
+
+    def args_of(self, role: str) -> Tuple[str, ...]:
+        """The names of the arguments with ``role`` (:attr:`arg_roles`), schema order."""
+        if role not in ARG_ROLES:
+            raise KeyError(f"{self.qualname}: unknown argument role {role!r}; roles: {ARG_ROLES}")
+        return tuple(a for a in self.arg_names if self.arg_roles.get(a) == role)
 
     @property
     def mutated(self) -> Tuple[str, ...]:

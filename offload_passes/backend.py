@@ -40,19 +40,19 @@ __all__ = ["OffloadBackend", "NpuOffloadBackend", "offload_backend", "make_offlo
            "LowerContext", "Lowering", "state_as_inputs"]
 
 #: torch.compile's ``mode`` values. They tune Inductor (and CUDA graphs for "reduce-overhead"); this backend
-#: lowers by its own ``exe_mode``, so any of them is accepted and has no effect (HF's CompileConfig passes
-#: mode="reduce-overhead" by default).
+#: lowers by its own ``exe_mode``: the mode reaches the lowering (``LowerContext.compile_mode``), which
+#: honours or refuses it (the CPU and NPU lowerings accept it with no effect, HF's CompileConfig passes
+#: mode="reduce-overhead" by default; the CUDA lowering refuses the Inductor modes).
 TORCH_COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def check_torch_mode(mode: Any) -> None:
-    """Accept torch.compile's ``mode`` (ignored: the lowering is the ``exe_mode`` option); reject anything else
-    with what to pass instead."""
+def check_torch_mode(mode: Any) -> Optional[str]:
+    """torch.compile's ``mode`` (``"default"`` is None), for the lowering; anything else is refused with what to
+    pass instead."""
     if mode not in TORCH_COMPILE_MODES:
         raise ValueError(f"dsa_offload: mode={mode!r} is not a torch.compile mode {TORCH_COMPILE_MODES[1:]}; the "
                          "backend's own lowering is the exe_mode option (make_offload_backend(exe_mode=...))")
-    if mode not in (None, "default"):
-        log.info("dsa_offload: torch.compile mode=%r has no effect (the lowering is exe_mode)", mode)
+    return None if mode == "default" else mode
 
 
 def _dynamo_frame() -> Optional[dict]:
@@ -183,7 +183,6 @@ class OffloadBackend:
         return self
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
-        check_torch_mode(kwargs.pop("mode", None))
         return self.compile(gm, example_inputs, **kwargs)
 
     def final_graph(self, graph_id: Optional[str] = None) -> Optional[fx.Graph]:
@@ -201,7 +200,9 @@ class OffloadBackend:
 
     # -- compile --------------------------------------------------------------------------
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
-        """Rewrite (every mode alike), bind the state, record / dump the report, lower per mode."""
+        """Rewrite (every mode alike), bind the state, record / dump the report, lower per mode.
+        ``kwargs``: what Dynamo passes; torch.compile's ``mode`` goes to the lowering, which honours or refuses it."""
+        compile_mode = check_torch_mode(kwargs.pop("mode", None))
         t_start = time.perf_counter()
         graph_id = new_graph_id()
         dump_dir = self.options.resolved_dump_dir
@@ -235,7 +236,7 @@ class OffloadBackend:
         self.reports.append(report)
         if dumper:  # before lowering too: a lowering that stops (no CANN here) leaves the report
             dumper.report(report.to_dict())
-        ctx = LowerContext(graph_id, opts, state, report, dumper, dict(kwargs))
+        ctx = LowerContext(graph_id, opts, state, report, dumper, dict(kwargs), compile_mode)
         timings = report.timings
         t_lower = time.perf_counter()
         fn = self.lowering.lower(gm, example_inputs, ctx)
@@ -306,11 +307,12 @@ def backend_for_options(options: Optional[Mapping] = None) -> Any:
 
 def dsa_offload_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[Mapping] = None,
                         **kw: Any) -> Callable:
-    """Entry point of ``torch.compile(m, backend="dsa_offload", options={...})``."""
-    check_torch_mode(kw.pop("mode", None))
+    """Entry point of ``torch.compile(m, backend="dsa_offload", options={...})``; torch.compile's ``mode``
+    reaches the lowering as with a backend instance."""
+    mode = check_torch_mode(kw.pop("mode", None))
     opts = dict(options or {})
     opts.update(kw)
-    return backend_for_options(opts)(gm, example_inputs)
+    return backend_for_options(opts)(gm, example_inputs, mode=mode)
 
 
 def offload_compile_config(*, fullgraph: bool = False, dynamic: Optional[bool] = None, **options: Any) -> Any:

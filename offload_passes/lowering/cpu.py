@@ -21,6 +21,7 @@ from ..passes.inductor_targets import define_aliases, retarget_for_inductor
 from ..passes.reinplace import ReinplaceReport, reinplace
 from ..passes.emit import InstallHook
 from ..state import OffloadState
+from . import LowerContext
 
 __all__ = ["CpuLowering", "pass_uuid"]
 
@@ -105,7 +106,8 @@ class CpuLowering:
                       options: OffloadOptions, install_hook: Optional[InstallHook]) -> None:
         return None
 
-    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Any) -> Callable:
+    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable:
+        ctx.ignore_compile_mode()  # the CPU modes run op by op or through our Inductor settings
         timings, report = ctx.timings, ctx.report
         if not report.rewritten or (ctx.state is None and self.mode == "eager"):
             # untouched: no DSA at all, or refused (the model's own in-place ops run as written)

@@ -254,6 +254,28 @@ def test_opspec_rejects_inconsistent_data():
     spec = OpSpec(role="offload", functional="f_functional", ge=GeOp("F", outputs=("x",)), **base)
     assert spec.functional_schema == "f_functional(Tensor x, Tensor y) -> Tensor"
     assert (spec.ge_inputs, spec.ge_ref_map, spec.functional_outputs) == (("x", "y"), {0: 0}, ("x",))
+    with pytest.raises(ValueError, match=r"OpSpec f: arg_roles names \['z'\], not arguments of the schema"):
+        OpSpec(role="offload", arg_roles={"z": "plan"}, **base)
+    with pytest.raises(ValueError, match=r"OpSpec f: arg_roles must be among \('plan', .*\), got \['weights'\]"):
+        OpSpec(role="offload", arg_roles={"x": "weights"}, **base)
+
+
+def test_argument_roles_are_the_same_arguments_in_every_install():
+    """The side-stream schedule reads installs by role: ``dsa_install_sc`` has ``dsa_install``'s roles on the
+    same argument names, plus its plan (first, so every position differs); an install writes exactly its
+    pools and metadata; serve, the gather and the install name their selection buffers alike."""
+    inst, sc = spec_for("dsa_install"), spec_for("dsa_install_sc")
+    for role in ("records", "selection", "selection_table", "pool", "metadata"):
+        assert inst.args_of(role) == sc.args_of(role) != ()
+    assert (inst.args_of("plan"), sc.args_of("plan")) == ((), ("plan",))
+    assert sorted(inst.args_of("pool") + inst.args_of("metadata")) == sorted(inst.mutated)
+    assert inst.arg_names.index("selection_kv_cache") != sc.arg_names.index("selection_kv_cache")
+    selections = {spec_for(n).args_of("selection") for n in ("dsa_serve", "dsa_install")}
+    assert selections == {("selection_kv_cache", "selection_k_rope")}
+    assert set(spec_for("npu_gather_selection_kv_cache").args_of("selection")) == set(inst.args_of("selection"))
+    assert spec_for("dsa_plan").args_of("metadata") == inst.args_of("metadata")
+    with pytest.raises(KeyError, match=r"custom::dsa_install: unknown argument role 'cache'"):
+        inst.args_of("cache")
 
 
 # ------------------------------------------------------------------------------------- register_twins
