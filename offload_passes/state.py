@@ -4,8 +4,8 @@ Per layer ``l``: ``pool_kv [B, PS, Dkv]``, ``pool_rope [B, PS, Dr]`` (KV dtype).
 ``pool_ids [B, PS]`` (-1), ``id_to_slot [B, IR]`` (-1), ``lru_counter [B, PS/16]`` (0) int32, and
 ``stats [2, 7]`` int64 written *in the graph* every step: row 0 = this step's plan-kind counts
 (``custom_ops/plan_kind.py``, kinds 0..5, then 1 for the step), row 1 = the running sum. hits =
-POOL_HIT, misses = FULL_OLD_MISS, window = DECODE_WINDOW; host rows read = (misses + window) × layers of the group (every layer serves the
-same plan from its own host cache). ``seen_len [B]`` int32: each row's cache length at the previous
+POOL_HIT, misses = FULL_OLD_MISS, window = DECODE_WINDOW; host rows read = (misses + window) × layers
+of the group (every layer serves the same plan from its own host cache). ``seen_len [B]`` int32: each row's cache length at the previous
 step; ``external_write [1]`` int32: set by the host when the full caches were written outside the graph
 since the last step (version counters). Paged groups also keep ``seen_table [B, maxblk]`` int32, each
 row's block table at the previous step. The graph uses them to invalidate new requests' rows; the host

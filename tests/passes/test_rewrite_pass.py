@@ -134,7 +134,8 @@ def test_recipe_form_op_counts(policy, install):
     assert [s.layer for s in rr.sites] == [0, 1, 2, 3, 4] and [s.group_id for s in rr.sites] == [0, 0, 0, 1, 1]
     names = {n.name for n in gm.graph.nodes}
     assert all(s.serve_node in names and s.sfa_node in names and s.gather_node not in names for s in rr.sites)
-    assert [len(s.install_nodes) for s in rr.sites] == [1] * 5 and {n for s in rr.sites for n in s.install_nodes} <= names
+    assert [len(s.install_nodes) for s in rr.sites] == [1] * 5
+    assert {n for s in rr.sites for n in s.install_nodes} <= names
     plans = [n.name for n in gm.graph.nodes if "dsa_plan" in str(n.target)]
     assert [rr.layer_nodes_after[layer][0] for layer in (0, 3)] == plans  # the owners' plan comes first
     assert all(rr.layer_nodes_after[layer][0] not in plans for layer in (1, 2, 4))
@@ -201,8 +202,9 @@ def hf_graph() -> tuple[fx.GraphModule, list]:
 
 def _hf_counts(gm: fx.GraphModule) -> dict:
     ours = {k: v for k, v in count_ops(gm.graph).items() if v}
-    return dict(ours, sparse=len(_targets(gm, hf_sparse_attention)), sparse_rows=len(_targets(gm, hf_sparse_attention_rows)),
-                masks=dense_masks_left(gm.graph), softmax=len(_targets(gm, F.softmax)))
+    return dict(ours, sparse=len(_targets(gm, hf_sparse_attention)),
+                sparse_rows=len(_targets(gm, hf_sparse_attention_rows)), masks=dense_masks_left(gm.graph),
+                softmax=len(_targets(gm, F.softmax)))
 
 
 def test_hf_form_op_counts_with_offload():

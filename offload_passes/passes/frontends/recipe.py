@@ -33,11 +33,13 @@ from ...custom_ops._library import is_pow2
 from ...custom_ops.plan_kind import PlanKind
 from ...options import OffloadOptions
 from .. import _fx
-from .._fx import ancestors, bind, example, input_values, is_graph_input_or_attr, is_op, op_name, strip_views, view_users
-from ..emit import Builder, GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission, emit_serve, emit_serve_pool, guard, input_name
+from .._fx import (ancestors, bind, example, input_values, is_graph_input_or_attr, is_op, op_name, strip_views,
+                   view_users)
+from ..emit import (Builder, GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission, emit_serve, emit_serve_pool, guard,
+                    input_name)
 from ..group import Group, GroupReport
-from ..preconditions import (MAX_DKV, MAX_DR, MAX_SBS, MIN_SBS, Checker, GroupGeometry, PreconditionReport, SiteGeometry,
-                             check_pool_size, check_raw_seq, check_topk_width, group_geometry)
+from ..preconditions import (MAX_DKV, MAX_DR, MAX_SBS, MIN_SBS, Checker, GroupGeometry, PreconditionReport,
+                             SiteGeometry, check_pool_size, check_raw_seq, check_topk_width, group_geometry)
 from ..producers import PRODUCER_NAMES, producer_of_call, topk_source
 from ..refusal import Refusal
 from .protocol import PartialRefusal, PassFiles, PlanInputs, Screening, Summary
