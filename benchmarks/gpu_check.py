@@ -578,13 +578,17 @@ def _serve_inputs(dev: torch.device, B: int, K: int, PS: int, F: int, g: torch.G
 def serve_plans(B: int, K: int, PS: int, F: int, g: torch.Generator) -> dict:
     """Plans of B x K rows: all hits (random pool slots), all misses of sequential rows (one contiguous
     run of the full cache per batch row), all misses of random rows."""
-    hits = torch.stack([torch.ones(B * K, dtype=torch.int32),
-                        torch.cat([torch.randperm(PS, generator=g)[:K] for _ in range(B)]).to(torch.int32)], 1)
+    from offload_passes.custom_ops.plan_kind import PlanKind
+
+    def plan(kind: PlanKind, values: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.full((B * K,), int(kind), dtype=torch.int32), values], 1)
+
+    hits = plan(PlanKind.POOL_HIT, torch.cat([torch.randperm(PS, generator=g)[:K] for _ in range(B)]).to(torch.int32))
     start = torch.randint(0, F - K, (B,), generator=g)
     seq = torch.cat([torch.arange(K) + s for s in start.tolist()]).to(torch.int32)
     rnd = torch.cat([torch.randperm(F, generator=g)[:K] for _ in range(B)]).to(torch.int32)
-    miss = lambda v: torch.stack([torch.full((B * K,), 2, dtype=torch.int32), v], 1)  # noqa: E731
-    return {"hits": hits, "misses sequential": miss(seq), "misses random": miss(rnd)}
+    return {"hits": hits, "misses sequential": plan(PlanKind.FULL_OLD_MISS, seq),
+            "misses random": plan(PlanKind.FULL_OLD_MISS, rnd)}
 
 
 def section_serve(dev: torch.device, dry: bool, args: Any) -> list:
