@@ -46,7 +46,7 @@ def _copy_rows(r, ok, dst, src_ptr, dst_ptr, D, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _write_kernel(pos_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, flag_ptr, N, S, T, Dk, Dv,
+def _static_write_kernel(pos_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, flag_ptr, N, S, T, Dk, Dv,
                   BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     # r: a source row (b, h, s) of the [B, H, S, D] rows, flat; its destination row (b, h, position) of [B, H, T, D]
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -76,7 +76,7 @@ def launch(keys: torch.Tensor, values: torch.Tensor, cache_position: torch.Tenso
         return
     dev = cache_position.device if cache_position.device.type != "cpu" else key_states.device
     flags = error_flags(dev)[ERR_CACHE_POSITION:]
-    _write_kernel[(triton.cdiv(N, BLOCK_R),)](
+    _static_write_kernel[(triton.cdiv(N, BLOCK_R),)](
         cache_position.contiguous(), _raw(key_states.contiguous()), _raw(value_states.contiguous()), _raw(keys),
         _raw(values), flags, N, S, T, Dk, Dv, BLOCK_R=BLOCK_R, BLOCK_DK=next_pow2(Dk), BLOCK_DV=next_pow2(Dv))
 
