@@ -39,9 +39,16 @@ def _calls(graph, name: str) -> list:
     return [n for n in graph.nodes if n.op == "call_function" and name in str(n.target)]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _dynamo_beside_the_session_flow():
+    """No torch._dynamo.reset() here: it would drop the graphs of the session's fake-CUDA flow
+    (``conftest.flow``) other modules read; every new model compiles beside them instead."""
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
 @pytest.fixture(scope="module")
 def cpu_run():
-    torch._dynamo.reset()
     base = models.build("tiny", enable_offload=True, decode_steps=STEPS + 1)
     comp = models.build("tiny", enable_offload=True, decode_steps=STEPS + 1)
     table = _permuted_table(base.model)
@@ -57,7 +64,6 @@ def cpu_run():
         logits.append(b.driver.step(fn).logits)
         out[name] = (logits, refill)
     yield dict(out=out, be=be, table=table)
-    torch._dynamo.reset()
 
 
 def test_paged_table_exact_in_cuda_mode(cpu_run):
@@ -115,7 +121,7 @@ def fake_paged():
     events: list = []
     mp = pytest.MonkeyPatch()
     try:
-        gen = run_flow(table=table, record=lambda m, d: _order_of_host_writes(events, mp))
+        gen = run_flow(table=table, record=lambda m, d: _order_of_host_writes(events, mp), reset=False)
         out = next(gen)
     finally:
         mp.undo()  # only the flow's re-fill ran with the recorder

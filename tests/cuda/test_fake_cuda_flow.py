@@ -27,12 +27,15 @@ CUDA0, CPU = torch.device("cuda", 0), torch.device("cpu")
 B_ROWS = 2
 
 
-def run_flow(table=None, record=None):
+def run_flow(table=None, record=None, reset=True):
     """The flow (a generator: the session fixture ``flow`` of ``conftest.py`` yields its one value).
     ``table``: a block table ``[B, cache_len]`` set before the prefill (a paged layout; default the model's
-    identity table). ``record(model, driver)``: a context manager entered around the re-fill of row 1."""
+    identity table). ``record(model, driver)``: a context manager entered around the re-fill of row 1.
+    ``reset=False``: no ``torch._dynamo.reset()`` before and after (it would drop the session flow's graphs);
+    Dynamo compiles the new model beside them."""
     F.install_fake_cuda_guard()
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     built = models.build("tiny", enable_offload=True, decode_steps=3, first_k_dense_replace=8)
     m = built.model
     assert m.batch_size == B_ROWS
@@ -56,7 +59,8 @@ def run_flow(table=None, record=None):
             out["refill"] = built.driver.reset_row(1, prompt_len=5)
         out["steps"].append(built.driver.step(step))
     yield dict(model=m, be=be, **out)
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
 
 
 def test_caches_stay_where_the_placement_put_them(flow):
