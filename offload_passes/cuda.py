@@ -114,9 +114,9 @@ def _targets(obj: Any) -> List[tuple]:
                              "Hugging Face model pass its StaticCache")
         return out
     if _is_static_cache(obj):
-        host_layers = _host_kv_layers(obj)
+        host_cache = _host_kv(obj)
         for i, layer in enumerate(obj.layers):
-            if host_layers is not None and not isinstance(layer, host_layers):
+            if host_cache and not _host_kv(layer):
                 continue  # a HostStaticCache's other layers (sliding windows, ...) stay as transformers made them
             for a in HF_FULL + HF_DEVICE:
                 t = getattr(layer, a, None)
@@ -131,14 +131,10 @@ def _targets(obj: Any) -> List[tuple]:
                     f"StaticCache, got {type(obj).__name__}")
 
 
-def _host_kv_layers(cache: Any) -> Any:
-    """The host-KV layer class when ``cache`` is an ``offload_passes.hf_cache.HostStaticCache``, else None
-    (transformers is imported only for a cache object, never by ``import offload_passes.cuda``)."""
-    try:
-        from .hf_cache import HostIndexedLayer, HostStaticCache
-    except ImportError:  # transformers without StaticIndexedLayer: no host-KV cache can exist
-        return None
-    return HostIndexedLayer if isinstance(cache, HostStaticCache) else None
+def _host_kv(obj: Any) -> bool:
+    """``obj`` is an ``offload_passes.hf_cache`` host-KV cache or layer (they say so: ``host_kv = True``;
+    ``hf_cache`` imports this module, not the other way round)."""
+    return getattr(type(obj), "host_kv", False) is True
 
 
 def plan_placement(obj: Any) -> List[Placement]:
@@ -236,7 +232,7 @@ def place_full_caches(obj: Any, device: Union[str, torch.device, None] = None) -
     ``torch.compile``: the backend's state (pools, metadata) is then allocated beside the selection
     buffers, on the device. Returns the plan applied.
     """
-    if _is_static_cache(obj) and _host_kv_layers(obj) is None:
+    if _is_static_cache(obj) and not _host_kv(obj):
         raise TypeError(f"place_full_caches: a transformers {type(obj).__name__} writes its rows with index_copy_, "
                         "which torch (and Dynamo, tracing it) refuse for a host cache with device rows; build "
                         "offload_passes.hf_cache.HostStaticCache(model.config, max_cache_len, batch_size=..., "

@@ -103,6 +103,9 @@ class HostIndexedLayer(StaticIndexedLayer):
     """A ``StaticIndexedLayer`` whose latent / rope KV live in host memory (module doc). ``device`` (the
     model's) holds the length counters and the indexer keys."""
 
+    #: what ``offload_passes.cuda`` places and pins (``keys`` / ``values``: host; ``indexer_keys``: device)
+    host_kv = True
+
     def allocate(self, keys_shape: tuple, values_shape: tuple, dtype: torch.dtype,
                  device: Union[str, torch.device]) -> None:
         """The host KV of this layer (zeros) and the counters on ``device``; what ``lazy_initialization``
@@ -159,6 +162,9 @@ class HostStaticCache(StaticCache):
     layer allocates on its first (eager) ``update``. ``offloading=True`` (transformers' own copy-to-CPU
     scheme) does not combine with host-resident KV and is refused.
     """
+
+    #: ``offload_passes.cuda.place_full_caches`` places this cache (a plain ``StaticCache`` it refuses)
+    host_kv = True
 
     def __init__(self, config: Any, max_cache_len: int, batch_size: Optional[int] = None,
                  device: Union[str, torch.device, None] = None, dtype: Optional[torch.dtype] = None,
