@@ -17,7 +17,7 @@ from offload_passes.decorator import offload, static_cache_state
 from offload_passes.hf_cache import HostIndexedLayer, HostStaticCache, host_kv_shapes
 from offload_passes.models import hf
 
-from test_generate import NEW, OVER, _check_call, _generate, _model, _prompt
+from test_generate import NEW, OVER, _check_call, _model, _prompt
 
 B, L = 2, 72
 MAX = L + NEW - 1  # what generate() sizes its own StaticCache to: the same T as the unmodified runs
