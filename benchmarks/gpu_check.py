@@ -390,20 +390,29 @@ def _pinned_like(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return out
 
 
+def _write_check(dev: torch.device, seed: int, op: Any, run: Callable, caches: Sequence[tuple], n_index: int,
+                 n: int, rows: Sequence[tuple]) -> bool:
+    """A cache-write kernel storing ``rows`` (on ``dev``) at ``n`` distinct indices of ``[0, n_index)`` into pinned
+    caches (on a CUDA device), against the op's CPU kernel on host copies of the same data."""
+    g = _gen(dev, seed)
+    cache = [randn(s, dev, g) for s in caches]
+    idx = torch.randperm(n_index, generator=g, device=dev)[:n]
+    new = [randn(s, dev, g) for s in rows]
+    ref = [_twin(t) for t in cache]
+    op(*ref, _twin(idx), *[_twin(t) for t in new])
+    dst = [_pinned_like(t, dev) for t in cache]
+    run(*dst, idx, *new)
+    _sync()
+    return all(_same(a, b) for a, b in zip(ref, dst))
+
+
 def host_write_check(dev: torch.device) -> Optional[str]:
-    """The recipe's host-KV write kernel (pinned cache, device rows) against the CPU kernel."""
+    """The recipe's host-KV write kernel (pinned ``[blocks, BS, 1, D]`` caches, device rows) against the CPU kernel."""
     from offload_passes.custom_ops.cuda import cache_write as CW
 
-    g = _gen(dev, 1)
-    kvc, krc = randn((8, 16, 1, 512), dev, g), randn((8, 16, 1, 64), dev, g)
-    idx = torch.randperm(128, generator=g, device=dev)[:40]
-    kv, kr = randn((40, 512), dev, g), randn((40, 64), dev, g)
-    ref = [_twin(kvc), _twin(krc)]
-    torch.ops.offload_ref.npu_mla_prolog_cache_write_(*ref, _twin(idx), _twin(kv), _twin(kr))
-    dst = [_pinned_like(kvc, dev), _pinned_like(krc, dev)]
-    CW.run(*dst, idx, kv, kr)
-    _sync()
-    return None if all(_same(a, b) for a, b in zip(ref, dst)) else "host write differs from the CPU kernel"
+    ok = _write_check(dev, 1, torch.ops.offload_ref.npu_mla_prolog_cache_write_, CW.run,
+                      [(8, 16, 1, 512), (8, 16, 1, 64)], 128, 40, [(40, 512), (40, 64)])
+    return None if ok else "host write differs from the CPU kernel"
 
 
 def static_write_check(dev: torch.device) -> Optional[str]:
@@ -411,16 +420,9 @@ def static_write_check(dev: torch.device) -> Optional[str]:
     device rows at distinct positions) against the CPU kernel (``index_copy_``)."""
     from offload_passes.custom_ops.cuda import static_cache_write as SW
 
-    g = _gen(dev, 2)
-    keys, values = randn((3, 1, 300, 512), dev, g), randn((3, 1, 300, 64), dev, g)
-    pos = torch.randperm(300, generator=g, device=dev)[:17]
-    ks, vs = randn((3, 1, 17, 512), dev, g), randn((3, 1, 17, 64), dev, g)
-    ref = [_twin(keys), _twin(values)]
-    torch.ops.offload_ref.static_cache_write_(*ref, _twin(pos), _twin(ks), _twin(vs))
-    dst = [_pinned_like(keys, dev), _pinned_like(values, dev)]
-    SW.run(*dst, pos, ks, vs)
-    _sync()
-    return None if all(_same(a, b) for a, b in zip(ref, dst)) else "HF cache write differs from index_copy_"
+    ok = _write_check(dev, 2, torch.ops.offload_ref.static_cache_write_, SW.run, [(3, 1, 300, 512), (3, 1, 300, 64)],
+                      300, 17, [(3, 1, 17, 512), (3, 1, 17, 64)])
+    return None if ok else "HF cache write differs from index_copy_"
 
 
 def gather_check(dev: torch.device, K: int, bsz: int, seed: int = 3) -> Optional[str]:

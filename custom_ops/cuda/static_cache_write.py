@@ -24,6 +24,7 @@ import torch
 
 from .. import static_cache_write as M
 from ._common import ERR_CACHE_POSITION, CudaOp, error_flags, host_operand, next_pow2, require_triton
+from .cache_write import _rows
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -39,15 +40,8 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _copy_rows(r, ok, dst, src_ptr, dst_ptr, D, BLOCK_D: tl.constexpr):
-    d = tl.arange(0, BLOCK_D)[None, :]
-    m = ok[:, None] & (d < D)
-    tl.store(dst_ptr + dst[:, None] * D + d, tl.load(src_ptr + r[:, None] * D + d, mask=m), mask=m)
-
-
-@triton.jit
 def _static_write_kernel(pos_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, flag_ptr, N, S, T, Dk, Dv,
-                  BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     # r: a source row (b, h, s) of the [B, H, S, D] rows, flat; its destination row (b, h, position) of [B, H, T, D]
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < N
@@ -57,8 +51,8 @@ def _static_write_kernel(pos_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, flag_ptr, N, S, 
     # an out-of-range position: nothing written, the error word set (the host raises; no device assert)
     tl.atomic_max(flag_ptr + tl.zeros([BLOCK_R], tl.int32), 1, mask=rm & ~ok)
     dst = (r // S) * T + p
-    _copy_rows(r, ok, dst, k_ptr, kc_ptr, Dk, BLOCK_DK)
-    _copy_rows(r, ok, dst, v_ptr, vc_ptr, Dv, BLOCK_DV)
+    _rows(r, ok, dst, k_ptr, kc_ptr, Dk, BLOCK_DK)  # the recipe write's row copy: dst row := src row r
+    _rows(r, ok, dst, v_ptr, vc_ptr, Dv, BLOCK_DV)
 
 
 def launch(keys: torch.Tensor, values: torch.Tensor, cache_position: torch.Tensor, key_states: torch.Tensor,
