@@ -99,10 +99,13 @@ def host_operand(t: torch.Tensor, op: str, name: str) -> torch.Tensor:
 #: largest code (:func:`guard_code`) of an in-graph guard of the ``cuda`` mode that failed.
 ERR_CACHE_INDEX = 0
 ERR_GUARD = 1
+ERR_CACHE_POSITION = 2
 ERR_WORDS = 8
 _ERR_TEXT = {
     ERR_CACHE_INDEX: ("offload_ref::npu_mla_prolog_cache_write_", "cache_index had values outside [0, rows): "
                       "those rows were not written"),
+    ERR_CACHE_POSITION: ("offload_ref::static_cache_write_", "cache_position had values outside [0, T): "
+                         "those positions were not written"),
 }
 _FLAGS: dict = {}
 _GUARD_MSGS: list = []

@@ -28,7 +28,8 @@ from offload_passes.custom_ops import _library as Lib
 H100_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 SPILL_LIMIT = 128  # bytes per thread: 32 registers' worth; a tile that does not fit spills kilobytes
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
-MODULES = ("dsa_plan", "dsa_serve", "dsa_install", "npu_gather_selection_kv_cache", "cache_write", "guard")
+MODULES = ("dsa_plan", "dsa_serve", "dsa_install", "npu_gather_selection_kv_cache", "cache_write", "guard",
+           "static_cache_write")
 TRITON_DTYPE = {torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
                 torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.bool: "i1"}
 
@@ -120,11 +121,15 @@ def _plan_serve_install(mods, c, mu, sc_policy):
 
 
 def _host_write_and_guard(mods, T, D, Dr, dtype):
-    """The host-KV write (rows T of a 4T-row cache) and one device guard (its flag cleared after)."""
+    """The host-KV writes (the recipe's: rows T of a 4T-row cache; the HF cache's: one token of T rows of a
+    [T, 1, 8, D] cache) and one device guard (its flag cleared after)."""
     g = G.gen(7)
     kvc, krc = G.payload((T, 4, 1, D), dtype, g), G.payload((T, 4, 1, Dr), dtype, g)
     mods["cache_write"].run(kvc, krc, torch.arange(T, dtype=torch.int64) * 3, G.payload((T, D), dtype, g),
                             G.payload((T, Dr), dtype, g))
+    keys, values = G.payload((T, 1, 8, D), dtype, g), G.payload((T, 1, 8, Dr), dtype, g)
+    mods["static_cache_write"].run(keys, values, torch.tensor([5]), G.payload((T, 1, 1, D), dtype, g),
+                                   G.payload((T, 1, 1, Dr), dtype, g))
     mods["guard"].flag(torch.tensor(True), "offload guard: compile test")
 
 
@@ -193,8 +198,8 @@ def test_every_launched_kernel_is_recorded(launches):
     got = {(r["module"], r["kernel"]) for r in recs}
     assert want == got
     # plan 1, serve 1, install 6 (second chance's reference pass), gather 3 (ledger, copies, the K <= 32 swap),
-    # host write 1, guard 1
-    assert len(want) == 13
+    # host writes 2 (the recipe's, the HF cache's), guard 1
+    assert len(want) == 14
     # both policies and both metadata modes reached the install's victim kernel
     assign = {(r["constexprs"]["SECOND_CHANCE"], r["constexprs"]["UPDATE"]) for r in recs
               if r["kernel"] == "_assign_kernel"}
@@ -226,7 +231,7 @@ def test_no_tile_spills_at_the_glm5_geometry(compiled):
     glm5 = {r["kernel"] for r in recs if r["geometry"] == "glm5"}
     assert glm5 == {"_plan_kernel", "_serve_kernel", "_first_kernel", "_cand_kernel", "_assign_kernel",
                     "_keys_kernel", "_apply_kernel", "_ledger_kernel", "_copy_kernel", "_write_kernel",
-                    "_guard_kernel"}
+                    "_static_write_kernel", "_guard_kernel"}
 
 
 def test_shared_memory_fits_one_sm90_block(compiled):

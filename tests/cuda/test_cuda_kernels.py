@@ -412,7 +412,7 @@ def test_cuda_kernels_found_from_the_specs(kernels):
 
     with_kernel = {s.name for s in OP_SPECS if s.cuda_kernel is not None}
     assert with_kernel == {"dsa_plan", "dsa_serve", "dsa_install", "npu_gather_selection_kv_cache",
-                           "dsa_install_sc", "npu_mla_prolog_cache_write_"}
+                           "dsa_install_sc", "npu_mla_prolog_cache_write_", "static_cache_write_"}
     cuda.register_all(force=True)
     for spec in OP_SPECS:
         if spec.cuda_kernel is None:

@@ -28,7 +28,8 @@ CUSTOM = ["custom::dsa_install", "custom::dsa_install_functional", "custom::dsa_
 OFFLOAD_REF = ["offload_ref::dsa_install_sc", "offload_ref::npu_lightning_indexer",
                "offload_ref::npu_mla_prolog_cache_write_", "offload_ref::npu_moe_distribute_combine_v2",
                "offload_ref::npu_moe_distribute_dispatch_v2", "offload_ref::npu_quant_lightning_indexer",
-               "offload_ref::npu_scatter_nd_update_", "offload_ref::npu_sparse_flash_attention"]
+               "offload_ref::npu_scatter_nd_update_", "offload_ref::npu_sparse_flash_attention",
+               "offload_ref::static_cache_write_"]
 # functional twin -> (in-place op, mutated argument positions)
 PAIRS = {
     "custom::dsa_serve_functional": ("custom::dsa_serve", (5, 6)),

@@ -102,10 +102,14 @@ def _dce(g: fx.Graph, seeds: Sequence[fx.Node]) -> int:
 
 # -- offload preconditions ----------------------------------------------------------------------------
 def _cache_length(site: HfSite) -> Optional[fx.Node]:
-    """The index the model writes this step's latent rows at (``index_copy_`` into the latent cache)."""
+    """The index the model writes this step's latent rows at: ``index_copy_`` into the latent cache
+    (``StaticCache``), or ``offload_ref::static_cache_write_``'s ``cache_position`` (the host-KV cache,
+    ``offload_passes/hf_cache.py``)."""
     for u in site.latent.users:
         if _name(u) in ("index_copy_", "index_copy") and u.args and u.args[0] is site.latent and len(u.args) >= 3:
             return u.args[2]
+        if _fx.op_name(u) == "offload_ref::static_cache_write_" and u.args and u.args[0] is site.latent:
+            return u.args[2] if len(u.args) >= 3 else u.kwargs.get("cache_position")
     return None
 
 
@@ -139,7 +143,8 @@ def check_hf_preconditions(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOp
             chk(0 < d["C"] <= MAX_DKV and 0 < d["R"] <= MAX_DR, "dims",
                 f"Dkv={d['C']} must be in (0, {MAX_DKV}], Dr={d['R']} in (0, {MAX_DR}]", s.layer)
             chk(_cache_length(s) is not None, "cache_layout",
-                f"{s.latent.name}: no index_copy_ write into the latent cache (cache length unknown)", s.layer)
+                f"{s.latent.name}: no index_copy_ / static_cache_write_ into the latent cache (cache length unknown)",
+                s.layer)
         check_topk_width(chk, K, bounded_by_producer=False)  # HF's topk() has no schema limit
         check_raw_seq(chk, S, opts)
         SBS = _selection_block(K)
@@ -244,8 +249,9 @@ class HfFrontEnd:
         B, S, K, SBS = p.B, p.S, p.K, p.BS
         dev = ctx.state.pools[grp.owner.layer][0].device
         nb = B * S * K // SBS
+        # a tensor of its own, not a view of the arange (a graph buffer; fake-tensor conversion keeps a view's base)
         table = ctx.attr(f"sel_table_g{grp.group_id}",
-                         torch.arange(nb, dtype=torch.int32, device=dev).view(B * S, K // SBS))
+                         torch.arange(nb, dtype=torch.int32, device=dev).view(B * S, K // SBS).clone())
         out = {}
         for s in grp.sites:
             geo = p.geometry[s.layer]
