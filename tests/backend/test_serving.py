@@ -330,9 +330,9 @@ def test_move_rows_carries_pool_rows_and_names_bad_input():
     st.move_rows([1])
     assert g.pool_ids[:, 0].tolist() == [0, -1, -1] and g.seen_len.tolist() == [10, 0, 0]
     assert kv[:, 0, 0].tolist() == [1.0, 0.0, 0.0]
-    for src, msg in (([0, 1, 2, 0], r"at most 3 \(the rows of the shared state\), got 4"),
-                     ([], r"at most 3 \(the rows of the shared state\), got 0"),
-                     ([0, 1, 3], r"must be in \[-1, 3\), got \[3\]"),
+    for src, msg in (([0, 1, 2, 0], r"src must have one entry per batch row of the next step, 1 to 3 .*got 4"),
+                     ([], r"src must have one entry per batch row of the next step, 1 to 3 .*got 0"),
+                     ([0, 1, 3], r"src entries must be in \[-1, 3\) .*got \[3\]"),
                      ([0, 0, 1], "a request cannot move to two rows")):
-        with pytest.raises(RuntimeError, match=msg):
+        with pytest.raises(ValueError, match=msg):
             st.move_rows(src)
