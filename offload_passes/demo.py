@@ -140,7 +140,8 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
               arrival: float = 1.0) -> dict:
     """The serving loop (``models/glm/serve.py``: continuous batching on the cache manager's block tables,
     a C++ KV transfer that moves no version counter, varying MTP acceptance) with the unmodified model and
-    the compiled one (``OffloadState.move_rows`` on every batch change) side by side; ``unannounced`` adds
+    the compiled one (the engine adapter, ``engine.EngineAdapter``: ``OffloadState.move_rows`` on every
+    batch change) side by side; ``unannounced`` adds
     a third lane compiled the same way that is told nothing (per-row in-graph signals only).
 
     The static-batch comparison on the same trace: every request's recorded top-k (what the compiled
@@ -152,6 +153,7 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     (``serve.bucket_model``); ``arrival`` < 1 lets the running count vary so they are used."""
     from . import models
     from .backend import make_offload_backend
+    from .engine import EngineAdapter
     from .models.glm.serve import Lane, Server, ServeConfig, bucket_model
     from .state import module_state
     from .trace.format import Trace
@@ -181,8 +183,8 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
 
     ref_buckets = bucket_lanes(ref.model, "inductor" if mode == "inductor" else None)
     lanes = [Lane(ref.model, ref_fn, None, ref_buckets),
-             Lane(comp.model, torch.compile(comp.model, backend=backend),
-                  lambda src: module_state(comp.model).move_rows(src), bucket_lanes(comp.model, backend))]
+             Lane(comp.model, torch.compile(comp.model, backend=backend), buckets=bucket_lanes(comp.model, backend),
+                  engine_step=EngineAdapter(comp.model).step)]
     backend2 = None
     if unannounced:
         comp2 = models.build(config, **over)

@@ -480,7 +480,7 @@ class OffloadState:
         rows = max(n, held)
         # a smaller batch bucket next: the rows past it hold no request (emptied, never trusted)
         full = full_src + [-1] * (rows - n)
-        if full != list(range(rows)):
+        if any(x >= 0 and x != b for b, x in enumerate(full)):  # some request moves (-1 rows: emptied below)
             idx = torch.tensor([max(x, 0) for x in full], dtype=torch.long)
             for sg in groups:
                 i = idx.to(sg.pool_ids.device)

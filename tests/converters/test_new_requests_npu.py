@@ -98,3 +98,30 @@ def _import_transformers_before_the_double() -> None:
 
     hf.build("hf-tiny", dtype="bfloat16")
     import_utils.is_torch_npu_available()
+
+
+def test_npugraph_ex_random_engine_schedules_match_the_unmodified_model(torchair, npugraph_ex_pkg, torch_npu_double):
+    """The cut of tests/backend/test_engine_schedules.py that runs in npugraph_ex (``force_eager``: our
+    kernels, exact) with its default bookkeeping (off: the rewrite does not keep the ledger): random engine
+    schedules on the project's scheduler, the lane glued by the engine adapter and the lane told nothing
+    both equal to the unmodified model at every step."""
+    from hypothesis import HealthCheck, given, settings
+
+    import engine_world as W
+
+    cfg = npugraph_ex_pkg.CompilerConfig()
+    _compat.set_npugraph_ex_option(cfg, "force_eager", True)
+    _compat.set_npugraph_ex_option(cfg, "pattern_fusion_pass", False)
+    with torch_npu_double.installed():
+        world = W.World(W.Cell(2, False, mode="npugraph_ex"), compiler_config=cfg)
+
+        @settings(max_examples=6 if os.environ.get("OFFLOAD_PASSES_LONG") == "1" else 2, deadline=None,
+                  derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(sched=W.SCHEDULES)
+        def run(sched):
+            out = world.run(sched)
+            assert max(out["told"]) == 0.0 and max(out["blind"]) == 0.0, (sched, out)
+
+        run()
+    reps = [be.reports[-1] for be in world.backends]
+    assert all(r["rewritten"] and r["mode"] == "npugraph_ex" and not r["bookkeeping"] for r in reps), reps
