@@ -336,3 +336,55 @@ def test_move_rows_carries_pool_rows_and_names_bad_input():
                      ([0, 0, 1], "a request cannot move to two rows")):
         with pytest.raises(ValueError, match=msg):
             st.move_rows(src)
+
+
+def test_the_kv_transfer_is_built_at_install_and_moves_no_version_counter():
+    """``glm_serve::copy_blocks_`` comes from the library ``pip install`` built (setup.py), named for this
+    torch build; it copies whole blocks by id and, like an engine's transfer, moves no version counter."""
+    from offload_passes import _extensions
+    from offload_passes.models.glm import serve
+
+    lib = serve.transfer_library()
+    assert lib is not None and lib.name.startswith(_extensions.kv_transfer_name(torch.__version__)), lib
+    op = serve.load_transfer_op()
+    assert serve.transfer_origin() in ("prebuilt", "loaded")
+    dst, src = torch.zeros(4, 2, 3), torch.arange(18.0).view(3, 2, 3)
+    op(dst, src, torch.tensor([3, 1]), torch.tensor([0, 2]))
+    assert torch.equal(dst[3], src[0]) and torch.equal(dst[1], src[2]) and dst[[0, 2]].abs().sum() == 0
+    assert dst._version == 0
+    tag = _extensions.torch_tag(torch.__version__)
+    assert serve.transfer_build_dir().name == f"glm_serve_kv_transfer_{tag}"  # the JIT fallback: one per torch
+
+
+def test_a_build_lock_left_by_a_stopped_build_is_removed_and_named(tmp_path, caplog):
+    """The JIT fallback's wait (``_extensions.wait_for_build_lock``): a lock older than the limit is a build
+    that was stopped (removed, named in a warning); a fresh one is waited on until it goes (another
+    process's build), or until it is older than the limit."""
+    import logging
+    import os
+
+    from offload_passes import _extensions
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    os.utime(lock, (1000.0, 1000.0))
+    with caplog.at_level(logging.WARNING, logger="offload_passes.extensions"):
+        assert _extensions.wait_for_build_lock(tmp_path, stale_after=300, clock=lambda: 1400.0) == lock
+    assert not lock.exists() and any(str(lock) in r.getMessage() and "stale" in r.getMessage()
+                                     for r in caplog.records)
+    assert _extensions.wait_for_build_lock(tmp_path) is None  # no lock: nothing to wait for
+    lock.write_text("")
+    os.utime(lock, (1000.0, 1000.0))
+    waits = []
+    # another process's build ends after two polls
+    assert _extensions.wait_for_build_lock(tmp_path, stale_after=300, clock=lambda: 1010.0,
+                                           sleep=lambda s: waits.append(s) or (len(waits) == 2 and lock.unlink())
+                                           ) is None
+    assert len(waits) == 2
+    lock.write_text("")
+    os.utime(lock, (1000.0, 1000.0))
+    now = [1010.0]
+    # ... or is stopped while we wait: removed once it is older than the limit
+    assert _extensions.wait_for_build_lock(tmp_path, stale_after=300, clock=lambda: now[0],
+                                           sleep=lambda s: now.__setitem__(0, now[0] + 100.0)) == lock
+    assert not lock.exists() and now[0] >= 1300.0
