@@ -659,6 +659,58 @@ class StateRegistry:
                      "were reset (cold start)", state.graph_id)
         return reset
 
+    def serves(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether some offload state ran on caches among ``tensors`` (by the tensors that own them)."""
+        owners = {id(_owner(t)) for t in tensors}
+        return any(k[0] in owners for keys in list(self._seen.values()) for k in keys)
+
+    @torch.no_grad()
+    def follow_rows(self, old: Sequence[torch.Tensor], new: Sequence[torch.Tensor], src: Sequence[int]) -> int:
+        """Full caches ``old[i]`` were replaced by ``new[i]`` (same shapes), whose row ``b`` holds what row
+        ``src[b]`` of ``old[i]`` held: a beam-search reorder (``hf_cache``). Every group state that served
+        exactly caches among ``old`` (and still holds them) follows: its rows are gathered by ``src`` (a row
+        may be taken twice, two beams from one), it is found by the new caches from now on, and their
+        version counters count as its own (the reorder is no outside write: the pools moved with it). Row
+        lists of another length (the batch changed) are not followed: the new caches start cold. Returns
+        how many groups followed."""
+        by_key = {cache_key(t): n for t, n in zip(old, new)}
+        idx = torch.tensor(list(src), dtype=torch.long)
+        moved = 0
+        for sg, keys in list(self._seen.items()):
+            if not keys or not all(k in by_key for k in keys) or sg.rows != len(src):
+                continue
+            claim = self._claims.get(keys[0])
+            if claim is None or claim() is not sg:
+                continue  # superseded: another state served these caches since
+            new_t = [by_key[k] for k in keys]
+            if any(tuple(t.shape) != k[2] for t, k in zip(new_t, keys)):
+                continue
+            for t in sg.per_row():
+                t.copy_(t[idx.to(t.device)])
+            new_keys = tuple(cache_key(t) for t in new_t)
+            ref = weakref.ref(sg)
+            for skey, r in list(self._shared.items()):
+                if r() is sg and skey[0] == keys:
+                    nkey = (new_keys,) + skey[1:]
+                    self._shared[nkey] = ref
+                    for t in new_t:
+                        self._watch(_owner(t), nkey)
+            # the graphs' states of the old caches are the states of the new ones (the old entries die with
+            # the old tensors, and with them the last strong reference to the group)
+            for bkey, st in list(self._bindings.items()):
+                if keys in bkey[1]:
+                    nb = (bkey[0], tuple(new_keys if gk == keys else gk for gk in bkey[1]))
+                    self._bindings[nb] = st
+                    for t in new_t:
+                        self._watch(_owner(t), nb)
+            for k, t in zip(new_keys, new_t):
+                self._claims[k] = ref
+                self._watch(_owner(t), ("claim", k))
+            self._seen[sg] = new_keys
+            sg.versions = cache_versions(new_t)
+            moved += 1
+        return moved
+
     def current_groups(self, owner_ids: set) -> list[tuple[tuple, GroupPools]]:
         """Group tensors that ran on caches owned by tensors all in ``owner_ids`` (ids) and still hold
         them (not superseded); with their cache keys."""
@@ -820,6 +872,9 @@ class StateBinder:
         # case: module buffers) skip computing the keys; a view that died never matches
         self._last_caches: list = []
         self._last_keys: Optional[tuple] = None
+        # calls in a row that found new, empty pools (caches that are new tensors at every call)
+        self.fresh_streak = 0
+        self.frontend = "recipe"  # whose advice its warnings give (set by the backend: "recipe" | "hf")
 
     def caches(self, args: Sequence[Any]) -> list[list[torch.Tensor]]:
         return [[args[v] if kind == "arg" else v for kind, v in refs] for refs in self.cache_refs]
@@ -845,6 +900,7 @@ class StateBinder:
             st = self.registry.bind(self.graph_id, self.layouts, caches, keys)
         for g in st.groups:
             _check_expected_rows(g, self.graph_id)
+        self._note_fresh(st)
         if self.registry.activate(st, caches, keys):
             self.cold_resets += 1
             if self.cold_resets == 2:
@@ -861,6 +917,25 @@ class StateBinder:
         self._last = weakref.ref(st)
         self.calls += 1
         return st
+
+    #: calls in a row on new, empty pools after which the binder says the pools never warm up
+    FRESH_WARN_AFTER = 3
+
+    def _note_fresh(self, st: OffloadState) -> None:
+        """Say once when the caches are new tensors at every call: their state is new and empty each time,
+        so every step is cold (a cache that replaces its tensors between steps; beam search in a transformers
+        cache whose reorder ``hf_cache`` does not see)."""
+        fresh = self.calls > 0 and any(not g.shared.ran for g in st.groups)
+        self.fresh_streak = self.fresh_streak + 1 if fresh else 0
+        if self.fresh_streak != self.FRESH_WARN_AFTER:
+            return
+        advice = ("A Hugging Face cache whose tensors transformers replaces between steps cannot be followed, except "
+                  "the StaticCache's beam-search reorder (docs/hf.md)." if self.frontend == "hf" else
+                  "Hand the compiled model the same cache tensors (or views of them) every step, and tell it how "
+                  "rows moved with OffloadState.move_rows (docs/new-requests.md).")
+        log.warning("%s: its full caches were new tensors on each of the last %d calls, so their offload pools "
+                    "started empty every time: correct, but the offload gains nothing. %s", self.graph_id,
+                    self.fresh_streak, advice)
 
     def extra_inputs(self, args: Sequence[Any]) -> list[torch.Tensor]:
         st = self.state_for(args)
