@@ -366,3 +366,30 @@ def test_models_that_share_transformers_forward_share_dynamo_budget_unless_given
         own = three(own_forward)
     assert [[r["rewritten"] for r in be.reports] for be in own] == [[False, True]] * 3
     assert {r["dynamo"]["frame_compile_id"] for be in own for r in be.reports} == {0, 1}
+
+
+def test_counters_of_a_cache_passed_to_several_calls_add_up_until_reset():
+    """``static_cache_state(cache).totals()`` counts that cache's pools since it was created (docs/hf.md): per
+    call with the cache ``generate()`` makes; a StaticCache passed to two calls adds both, and
+    ``reset_counters()`` between them counts the second alone."""
+    torch._dynamo.reset()
+    m = _model()
+    m.forward = torch.compile(m.forward, backend=make_offload_backend(pool_size=1024))
+    ids, mask = _prompt(2, 72, 99)
+    from transformers import StaticCache
+
+    cache = StaticCache(config=m.config, max_cache_len=80)
+
+    def call():
+        cache.reset()  # a cache reused by the caller starts empty, as generate() would make it
+        out = m.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, past_key_values=cache,
+                         return_dict_in_generate=True, pad_token_id=0)
+        assert out.past_key_values is cache
+        return static_cache_state(cache).totals()
+
+    one = call()
+    both = call()
+    assert one["hits"] > 0 and both["hits"] > one["hits"] and both["misses"] > one["misses"], (one, both)
+    static_cache_state(cache).reset_counters()
+    third = call()
+    assert third == {k: both[k] - one[k] for k in third}, (one, both, third)  # the same call again: the same counts
