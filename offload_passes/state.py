@@ -52,7 +52,8 @@ def row_indices(value: Any, where: str, arg: str, lo: int, hi: Optional[int], li
     float is not an index, 2.0 included), strings, mappings, iterators and generators (they cannot be
     checked without being consumed), scalars, None. ``ValueError``: a tensor or array that is not 1-D, an
     entry outside ``[lo, hi)`` (the message carries ``limit``, what the bound is)."""
-    forms = ROW_FORMS.replace("list, tuple or range of ints", "list, tuple, range or set of ints") if sets else ROW_FORMS
+    forms = ROW_FORMS.replace("list, tuple or range of ints", "list, tuple, range or set of ints") if sets \
+        else ROW_FORMS
     bound = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
 
     def refuse(what: str) -> TypeError:
@@ -807,15 +808,14 @@ def _check_expected_rows(g: GroupState, graph_id: str) -> None:
         return
     g.shared.expect = None
     where, rows, exact = exp
-    if rows > g.B:  # a refused announcement is void: the version-counter fallback applies again
-        g.shared.announced = False
-    if exact and rows != g.B:
-        g.shared.announced = False
+    if (rows == g.B) if exact else (rows <= g.B):
+        return
+    g.shared.announced = False  # a refused announcement is void: the version-counter fallback applies again
+    if exact:
         raise ValueError(f"{where}: src had {rows} entries, but the next step ran {graph_id}, a graph of batch "
                          f"{g.B}: src must have one entry per row of the next step's batch")
-    if not exact and rows > g.B:
-        raise ValueError(f"{where}: rows named row {rows - 1}, but the next step ran {graph_id}, a graph of "
-                         f"batch {g.B}: rows must be in [0, {g.B})")
+    raise ValueError(f"{where}: rows named row {rows - 1}, but the next step ran {graph_id}, a graph of batch {g.B}: "
+                     f"rows must be in [0, {g.B})")
 
 
 @torch.no_grad()

@@ -12,9 +12,11 @@ What it mirrors (cann-recipes-infer, ``executor/online`` and ``executor/core``: 
   stack, so a freed block is handed out again at once; block 0 is the null block, never handed out); a
   request gets the blocks for its prompt at admission and more as it grows (``allocate_slots`` with the
   step's S look-ahead); a finished request's blocks go back to the list and are re-used by later requests;
-* retraction (``ServeConfig.retract`` > 0, as the reference's decode scheduler preempts when blocks run
-  short): a running request loses its blocks and waits again; it is admitted before new arrivals and its
-  whole sequence is prefilled and transferred again (new KV, same request id);
+* retraction (``ServeConfig.retract`` > 0): a running request loses its blocks and waits again; it is
+  admitted before new arrivals and its whole sequence is prefilled and transferred again (new KV, the same
+  request id), as engines that preempt by recompute do. The reference's decode scheduler
+  (``_retract_one``) finishes a preempted request instead; re-admitting it is the harder case for the
+  offload (a request id that continues with new KV);
 * the decode batch is the running requests in arrival order, up to the per-rank batch size
   (``running[:batch_size]``), so a row's request changes and rows shift up when a request finishes;
 * the prompt is prefilled by a separate batch-1 model (disaggregated prefill) and its KV blocks are

@@ -388,3 +388,21 @@ def test_a_build_lock_left_by_a_stopped_build_is_removed_and_named(tmp_path, cap
     assert _extensions.wait_for_build_lock(tmp_path, stale_after=300, clock=lambda: now[0],
                                            sleep=lambda s: now.__setitem__(0, now[0] + 100.0)) == lock
     assert not lock.exists() and now[0] >= 1300.0
+
+
+def test_demo_serve_with_buckets_in_any_order_exits_0_exact(capsys):
+    """``offload-demo --serve --buckets 1,2,4`` with a varying running count: bucket 1 runs first, 2 and 4
+    compile later (the engine's announcement for their first step comes before their graph binds: the
+    shared state grows at once); exit 0, max |diff| 0, every bucket ran. The order given does not matter
+    (``4,2`` is ``2,4``); tests/backend/test_engine_schedules.py runs the buckets large first and
+    interleaved too."""
+    import json
+
+    from offload_passes import demo
+
+    assert demo.parse_buckets("4,2", 4) == demo.parse_buckets("2,4", 4) == [2, 4]
+    torch._dynamo.reset()
+    assert demo.main(["--serve", "--buckets", "1,2,4", "--arrival", "0.05", "--steps", "30", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_abs_diff"] == 0.0 and out["within_tolerance"], out
+    assert set(out["buckets"]) == {"1", "2", "4"} and all(out["buckets"].values()), out

@@ -46,6 +46,16 @@ def test_ge_graph_invalidation_reads_the_outside_write_flag_before_every_plan(to
         # the flag is read (ne 0) and the result reaches the plan's pool_ids through the masked update
         assert any(u.target is torch.ops.aten.ne.Scalar for u in flag.users)
         assert nodes.index(flag) < nodes.index(plan)
+    # the ledger signal without the ledger update (ge_graph's default bookkeeping): before every plan the
+    # owner layer's count column is compared with -1 (an engine's / the model's reset), and every layer's
+    # ledger is written "served" (ids -1, count LEDGER_SERVED), not -1
+    from offload_passes.passes.rewrite import LEDGER_SERVED
+
+    assert not rep["bookkeeping"]
+    resets = [n for n in nodes if n.target is torch.ops.aten.eq.Scalar and n.args[1] == -1]
+    assert len(resets) == len(plans) and all(nodes.index(r) < nodes.index(p) for r, p in zip(resets, plans))
+    marks = [n for n in nodes if n.target is torch.ops.aten.full.default and n.args[1] == LEDGER_SERVED]
+    assert len(marks) == len(b.model.model.layers), len(marks)
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
