@@ -165,3 +165,31 @@ def test_the_engine_example_runs_exact(capsys):
     assert mod.main(["--steps", "8"]) == 0
     out = capsys.readouterr().out
     assert "max |logits diff| vs the unmodified model 0" in out and "pool hit rate 0.0%" not in out, out
+
+
+def test_warnings_speak_to_the_caller_that_triggered_them(monkeypatch):
+    """An engine (no transformers generate() in the process) reading ``backend.state`` before its first
+    compiled call hears what happened, not Hugging Face advice; the recompile-limit warning gives an engine
+    an engine's advice and a Hugging Face user theirs, and names a budget several models share."""
+    import sys
+    import warnings
+
+    from offload_passes import backend as B
+    from offload_passes import make_offload_backend
+
+    monkeypatch.delitem(sys.modules, "transformers.generation.utils", raising=False)
+    monkeypatch.setattr(B, "_LIMIT_REACHED", {})
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        assert make_offload_backend().state is None
+    (w,) = [x for x in got if issubclass(x.category, B.OffloadWarning)]
+    msg = str(w.message)
+    assert msg.startswith("backend.state is None: this dsa_offload backend has compiled no graph yet")
+    assert "generate" not in msg and "Hugging Face" not in msg, msg
+    frame = {"recompile_limit": 8, "frame_compile_id": 7, "models": 1}
+    engine = B._recompile_limit_message("graph_001", frame, hf=False)
+    assert "An engine compiles one graph per batch bucket" in engine and "StaticCache" not in engine, engine
+    hf = B._recompile_limit_message("graph_001", frame, hf=True)
+    assert "Reuse one StaticCache" in hf, hf
+    shared = B._recompile_limit_message("graph_001", dict(frame, models=3), hf=False)
+    assert "3 models compiled in this process share this one" in shared and "own_forward" in shared, shared
