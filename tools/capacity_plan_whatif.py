@@ -538,16 +538,6 @@ def render_trace(o: dict) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive comma-separated integers, got {text!r}")
-    return vals
-
-
 #: CLI limits (the synthetic traces are generated per context: a context of 1e11 would allocate terabytes)
 MAX_CONTEXT = 1 << 20
 MAX_SEEDS = 16
@@ -559,23 +549,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     ap = _cli.ArgumentParser(prog="offload-capacity --what-if", description=__doc__.split("\n\n")[0])
     ap.add_argument("--what-if", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--batches", type=_ints, default=[64, 128, 192], help="global batches (32 ranks)")
-    ap.add_argument("--pools", type=_ints, default=[4096, 8192, 16384])
+    ap.add_argument("--batches", type=_cli.ints_arg("--batches", 1), default=[64, 128, 192],
+                    help="global batches (32 ranks)")
+    ap.add_argument("--pools", type=_cli.ints_arg("--pools", 1), default=[4096, 8192, 16384])
     ap.add_argument("--policies", default="sa_fifo,sa_clock,sa_lru,lru,min_per_set,belady")
-    ap.add_argument("--contexts", type=_ints, default=[65536])
+    ap.add_argument("--contexts", type=_cli.ints_arg("--contexts", 1), default=[65536])
     ap.add_argument("--mode", choices=("ge_graph", "npugraph_ex"), default="ge_graph")
-    ap.add_argument("--seeds", type=int, default=2, help="traces per trace model")
-    ap.add_argument("--steps", type=int, default=1152, help="measured steps per trace (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=None,
+    ap.add_argument("--seeds", type=_cli.int_arg("--seeds"), default=2, help="traces per trace model")
+    ap.add_argument("--steps", type=_cli.int_arg("--steps"), default=1152,
+                    help="measured steps per trace (after --warmup)")
+    ap.add_argument("--warmup", type=_cli.int_arg("--warmup"), default=None,
                     help="steps left out of every hit rate (default: 384 for the ensemble, 0 with --trace)")
     ap.add_argument("--models", default=None, help="trace models of the ensemble (default: all)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--trace", default=None,
                     help="a recorded trace (offload-demo --record-trace, offload-trace record) or synth spec: "
                          "predict the latency of --policy with --pool on it instead of the ensemble study")
-    ap.add_argument("--pool", type=int, default=8192, help="with --trace: pool slots per batch row")
+    ap.add_argument("--pool", type=_cli.int_arg("--pool"), default=8192, help="with --trace: pool slots per batch row")
     ap.add_argument("--policy", default="sa_fifo", help="with --trace: replacement policy")
-    ap.add_argument("--batch", type=int, default=128, help="with --trace: global batch (32 ranks)")
+    ap.add_argument("--batch", type=_cli.int_arg("--batch"), default=128, help="with --trace: global batch (32 ranks)")
     ap.add_argument("--fifo8k-hit", type=float, default=None,
                     help="with --trace: the real SA-FIFO 8K hit rate (default: the trace's)")
     ap.add_argument("--anchored", default=None, metavar="STUDY_JSON",

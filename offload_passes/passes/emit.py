@@ -24,7 +24,7 @@ from . import _fx
 from ._fx import strip_views
 from .preconditions import GroupGeometry
 
-__all__ = ["InstallHook", "SiteRewrite", "SiteEmission", "SelectionBuffers", "Builder", "RewriteCtx", "GroupNodes",
+__all__ = ["InstallHook", "SiteRewrite", "SiteEmission", "SelectionBuffers", "Builder", "RewriteCtx", "GroupNodes", "LEDGER_SERVED",
            "input_name", "guard", "state_attr", "emit_serve", "emit_serve_pool"]
 
 aten = torch.ops.aten
@@ -210,3 +210,11 @@ def emit_serve_pool(ctx: RewriteCtx, gn: GroupNodes, layer: int) -> fx.Node:
     sel = gn.sel[layer]
     return ctx.b(custom.dsa_serve.default, gn.plan_pool, pkv, prope, pkv, prope, sel.kv, sel.rope,
                  raw_seq=p.S, topk=p.K, selection_block_size=p.BS, compact_layout=1)
+
+
+#: The count column (``status[..., K]``) the rewrite writes into the model's gather ledger when it does not
+#: keep the ledger (``update_ledger=False``; ``frontends/recipe.py::_emit_ledger_reset``): with every id
+#: column -1 the unmodified model's gather reuses nothing (docs/ops.md §1.4 reads only the id columns;
+#: §1.5 reuses nothing for a count <= 0), and it is not the -1 of a model's or an engine's ledger reset,
+#: which :func:`invalidate_new_rows` reads as a new request in every mode.
+LEDGER_SERVED = -2

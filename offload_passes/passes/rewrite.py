@@ -25,7 +25,7 @@ each layer's install nodes through ``install_hook`` and add the events.
 
 New requests (docs/new-requests.md): before the plan, a batch row's pool metadata is invalidated when
 its cache length left the continuation window ``[seen, seen + S]``, when the model reset its gather
-ledger (recipe form, ledger kept), when (paged groups) the blocks of the prefix it already served
+ledger (recipe form, every mode), when (paged groups) the blocks of the prefix it already served
 changed, or when the host saw the full caches written outside this graph (``external_write``, set by
 ``state.StateRegistry.activate`` from the caches' version counters; then every row, a counter cannot say
 which rows were written, unless the engine announced them: ``OffloadState.begin_request`` /
@@ -182,12 +182,11 @@ def _emit_plan(ctx: RewriteCtx, fe: FrontEnd, grp: Group, gn: GroupNodes) -> Non
         _lengths_guard(ctx, grp, p, L)
     with ctx.g.inserting_before(anchor):
         if ctx.detect_new_requests:
-            # the model's gather ledgers (the recipe form keeps one per layer; the HF form none)
-            ledgers = [p.geometry[s.layer].status for s in grp.sites] if ctx.update_ledger else []
+            # the model's gather ledger (the recipe form keeps one per layer, the HF form none): the owner's
             geo = p.geometry[grp.owner.layer]
             table = ((geo.block_table, geo.FBS) if "seen_table" in gn.meta and geo.block_table is not None
                      else None)
-            invalidate_new_rows(b, p, gn.meta, L, [st for st in ledgers if st is not None], table)
+            invalidate_new_rows(b, p, gn.meta, L, geo.status, table)
         tk = _plan_topk(b, p)
         gn.plan = b(custom.dsa_plan.default, tk, L, gn.meta["pool_ids"], gn.meta["id_to_slot"],
                     gn.meta["lru_counter"], raw_seq=S, group_id=grp.group_id, owner_layer=grp.owner.layer)
@@ -243,7 +242,7 @@ def _emit_install(ctx: RewriteCtx, gn: GroupNodes, layer: int, md: int, cursor: 
         return ctx.b(custom.dsa_install.default, *args, **kw)
 
 
-def invalidate_new_rows(b: Builder, p: GroupGeometry, meta: dict, L: fx.Node, ledgers: Sequence[fx.Node],
+def invalidate_new_rows(b: Builder, p: GroupGeometry, meta: dict, L: fx.Node, ledger: Optional[fx.Node],
                         table: Optional[tuple[fx.Node, int]] = None) -> None:
     """Batch rows that started a new request lose their pool rows, in the graph, before the plan.
 
@@ -251,8 +250,13 @@ def invalidate_new_rows(b: Builder, p: GroupGeometry, meta: dict, L: fx.Node, le
 
     * its cache length left the continuation window: ``L < seen`` or ``L > seen + S`` (a decode step
       advances a row by 1..S tokens; ``seen`` is the previous step's ``L``);
-    * the model reset its gather ledger (count column ``status[..., K] == -1``; the rewrite writes a
-      count >= 0 every step, so only the model's reset leaves -1), when the ledger is kept;
+    * its gather ledger was reset (``ledger``: the owner layer's, recipe form; count column
+      ``status[..., K] == -1`` at any of the row's S positions): the unmodified model's own mark of a row
+      that holds nothing (a new model, its ``reset_rows``, the reference's ``reinit_status``, an engine
+      resetting the rows it re-filled). Every writer of the ledger leaves another count: the rewrite a
+      count >= 0 (``update_ledger``) or :data:`.emit.LEDGER_SERVED`, the model's own gather a count >= 0, so
+      the signal holds in every mode, whether or not the rewrite keeps the ledger. One masked read of
+      ``[B, S]`` per group and step;
     * paged groups (``table = (block_table, block_size)``): a block of the prefix the row already served
       (``[0, seen)``) is not the one it had at the previous step (``seen_table``): the row holds another
       request (a re-allocation, a row that shifted). This signal sees writes no version counter shows (a
@@ -271,9 +275,9 @@ def invalidate_new_rows(b: Builder, p: GroupGeometry, meta: dict, L: fx.Node, le
     seen = meta["seen_len"]
     new = b(aten.logical_or.default, b(aten.lt.Tensor, L, seen),
             b(aten.gt.Tensor, L, b(aten.add.Tensor, seen, S)))
-    for st in ledgers:
-        cnt = b(aten.select.int, b(aten.view.default, st, [B, -1, K + 1]), 2, K)  # [B, S]
-        new = b(aten.logical_or.default, new, b(aten.any.dim, b(aten.lt.Scalar, cnt, 0), 1))
+    if ledger is not None:
+        cnt = b(aten.select.int, b(aten.view.default, ledger, [B, -1, K + 1]), 2, K)  # [B, S]
+        new = b(aten.logical_or.default, new, b(aten.any.dim, b(aten.eq.Scalar, cnt, -1), 1))
     if table is not None:
         bt, FBS = table
         prev = meta["seen_table"]

@@ -35,8 +35,8 @@ from ...options import OffloadOptions
 from .. import _fx
 from .._fx import (ancestors, bind, example, input_values, is_graph_input_or_attr, is_op, op_name, strip_views,
                    view_users)
-from ..emit import (Builder, GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission, emit_serve, emit_serve_pool, guard,
-                    input_name)
+from ..emit import (LEDGER_SERVED, Builder, GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission, emit_serve,
+                    emit_serve_pool, guard, input_name)
 from ..group import Group, GroupReport
 from ..preconditions import (MAX_DKV, MAX_DR, MAX_SBS, MIN_SBS, Checker, GroupGeometry, PreconditionReport,
                              SiteGeometry, check_pool_size, check_raw_seq, check_topk_width, group_geometry)
@@ -404,12 +404,15 @@ class RecipeFrontEnd:
 
 def _emit_ledger_reset(b: Builder, geo: Any) -> fx.Node:
     """Without the ledger update (``update_ledger=False``, the NPU modes' default) the ledger still must
-    not claim rows serve overwrote: mark it "nothing reusable" (-1, as the model's own reset does), so a
-    step through the unmodified module in between gathers every row afresh instead of reusing stale ones.
-    One ``[B, S, 1, K+1]`` int32 write per layer."""
+    not claim rows serve overwrote: every id column -1 ("nothing reusable"), so a step through the
+    unmodified module in between gathers every row afresh, and the count column ``emit.LEDGER_SERVED``
+    (-2), not the -1 of a model's or an engine's reset, so the next step still reads an engine's reset as
+    a new request (``rewrite.invalidate_new_rows``). One ``[B, S, 1, K+1]`` int32 write per layer."""
     ex = geo.status.meta["example_value"]
-    return b(aten.copy_.default, geo.status,
-             b(aten.full.default, list(ex.shape), -1, dtype=ex.dtype, device=ex.device))
+    K = int(ex.size(-1)) - 1
+    ids = b(aten.full.default, [*ex.shape[:-1], K], -1, dtype=ex.dtype, device=ex.device)
+    cnt = b(aten.full.default, [*ex.shape[:-1], 1], LEDGER_SERVED, dtype=ex.dtype, device=ex.device)
+    return b(aten.copy_.default, geo.status, b(aten.cat.default, [ids, cnt], -1))
 
 
 def _emit_ledger_hits(b: Builder, geo: Any, gn: GroupNodes, K: int) -> fx.Node:
