@@ -233,8 +233,8 @@ def _jit_build() -> None:
 def check(cond: bool, op: str, msg: Union[str, Callable[[], str]]) -> None:
     """Raise ``RuntimeError("custom::<op>: <msg>")`` unless ``cond``. Messages name argument and limit.
 
-    ``msg`` may be a zero-argument callable: validation runs on every call, so hot paths format the
-    message only when the check fails.
+    ``msg`` may be a zero-argument callable: the fake kernels validate on every traced call, so hot paths
+    format the message only when the check fails.
     """
     if not cond:
         raise RuntimeError(f"{qualname(op)}: {msg() if callable(msg) else msg}")

@@ -111,11 +111,13 @@ class CheckedEntry final : public c10::OperatorKernel {
         return;
       }
     }
+    // the checked path may call ops again on this thread (reusing `key`): remember this call's own copy
+    std::vector<int64_t> mine = keyed ? key : std::vector<int64_t>();
     checked_.redispatchBoxed(cpu, stack);  // raises with the op's message; nothing remembered then
     if (keyed) {
       std::unique_lock<std::shared_mutex> lock(mu_);
       if (seen_.size() >= kMaxSignatures) seen_.clear();
-      seen_.insert(key);
+      seen_.insert(std::move(mine));
     }
   }
 

@@ -85,6 +85,8 @@ def test_a_warm_call_only_binds_and_launches(mods, op):
     fn, aten_ops = _calls(mods)[op]
     module = I if op.startswith("dsa_install") else mods[op.split("_")[1]]
     kernels = _kernel_names([module, I])
+    getattr(mods[{"dsa_plan": "plan", "dsa_serve": "serve", "dsa_install": "install", "dsa_install_sc": "sc"}[op]],
+            "KERNELS")._memo.clear()  # other tests of this process may have validated this signature
     first, first_names = _count_python(fn, kernels)
     assert any("validate" in n for n in first_names), first_names  # a new signature is validated
     n, names = _count_python(fn, kernels)

@@ -160,3 +160,33 @@ def test_bare_kernel_checks_keep_direct_calls_safe():
         torch.ops.offload_cpu.dsa_plan(tk, L, pid, i2s, lru, 2)
     with pytest.raises(RuntimeError, match="offload_cpu::_register_checked_entry: custom::dsa_plan is registered"):
         torch.ops.offload_cpu._register_checked_entry("custom::dsa_plan")
+
+
+_JIT_PROBE = """
+import json, torch
+import offload_passes
+from offload_passes.custom_ops import OP_SPECS, _library as L
+t = torch.zeros(1, 1, 1, 64, dtype=torch.int32)
+try:
+    torch.ops.custom.dsa_plan(t, t.view(-1)[:1], t.view(1, -1)[:, :16], t.view(1, -1), t.view(1, -1)[:, :1], raw_seq=5)
+    err = None
+except RuntimeError as e:
+    err = str(e)
+print(json.dumps({"entries": [s.qualname for s in OP_SPECS if L.has_cpu_entry(s)], "origin": L._kernels_origin,
+                  "cpu": torch._C._dispatch_has_kernel_for_dispatch_key("custom::dsa_plan", "CPU"), "err": err}))
+"""
+
+
+def test_without_a_prebuilt_library_the_kernels_stay_python(tmp_path):
+    """A process that JIT-builds its kernels (OFFLOAD_PASSES_JIT_KERNELS=1) registers the ops' Python CPU kernels
+    (no build at import; a bad call fails in validation, before any build, with the same message)."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, OFFLOAD_PASSES_JIT_KERNELS="1", TORCH_EXTENSIONS_DIR=str(tmp_path), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    res = subprocess.run([sys.executable, "-c", _JIT_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {"entries": [], "origin": None, "cpu": True,
+                   "err": "custom::dsa_plan: raw_seq must be in [1, 4], got 5"}
+    assert list(tmp_path.iterdir()) == []  # nothing was built
