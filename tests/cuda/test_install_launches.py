@@ -148,8 +148,8 @@ def test_launches_per_install(triton_interpreted, policy, monkeypatch):
 
 #: launches per gather: one fill of the int32 scratch, actual_seq, the block-table checks and their report, the
 #: ledger, the copies [, the K <= 32 swap]. The block-table bounds are checked on the device (the C++ kernel's
-#: messages through an error record; the launcher before checked them on the host: one synchronisation per
-#: call on a GPU, custom_ops/cuda/npu_gather_selection_kv_cache.py)
+#: messages through an error record), so nothing runs on the host (a host check is a synchronisation per call
+#: on a GPU, custom_ops/cuda/npu_gather_selection_kv_cache.py)
 WANT_GATHER = {"aten:full": 1, "aten:zeros": 1, "triton:_check_kernel": 1, "triton:_report_kernel": 1,
                "triton:_ledger_kernel": 1, "triton:_copy_kernel": 1}
 
