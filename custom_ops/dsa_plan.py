@@ -55,8 +55,9 @@ L.define(SPEC.schema)
 
 MAX_TOPK, MAX_RAW_SEQ, TOPK_ALIGN = SPEC.limit_values("MAX_TOPK", "MAX_RAW_SEQ", "TOPK_ALIGN")
 
-#: Callables ``f(topk, full_kv_actual_seq, pool_ids, raw_seq)`` run on every CPU ``dsa_plan`` call before
-#: planning (trace recording: ``offload_passes.trace.record.PlanRecorder``). Empty by default.
+#: Callables ``f(topk, full_kv_actual_seq, pool_ids, raw_seq)`` run on every ``dsa_plan`` call before
+#: planning (trace recording: ``offload_passes.trace.record.PlanRecorder``). Empty by default; changed only
+#: through :func:`add_plan_observer` / :func:`remove_plan_observer`.
 PLAN_OBSERVERS: list = []
 
 
@@ -224,21 +225,29 @@ def reference_dsa_plan(
     return plan, records, act_full
 
 
-def _cpu(a: tuple, _checked: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The CPU kernel on the bound arguments ``a`` (schema order)."""
-    selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter, raw_seq = a[:6]
+_run_cpu = L.cpu_run(SPEC, lambda **a: reference_dsa_plan(**a, validate=False))
+
+
+def _run(a: tuple, checked: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU computation on the bound arguments ``a`` (schema order), after the observers saw the call."""
     for observe in PLAN_OBSERVERS:
-        observe(selection_topk_indices, full_kv_actual_seq, pool_ids, raw_seq)
-    if L.cpu_kernel_mode() == "reference":
-        return reference_dsa_plan(
-            selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter,
-            raw_seq=raw_seq, validate=False,
-        )
-    plan, records, act = L.cpu_kernel(OP)(
-        selection_topk_indices, full_kv_actual_seq, id_to_slot, pool_ids.size(1), raw_seq
-    )
-    return plan, records, act
+        observe(a[0], a[1], a[2], a[5])
+    return _run_cpu(a, checked)
 
 
-# CPU and fake kernels (custom_ops/_library.py: register_twins; dsa_plan has no twin)
-L.register_twins(SPEC, validate=lambda a, op: validate_dsa_plan(*a[:6]), run=_cpu, fake_returns=_fake)
+def add_plan_observer(fn) -> None:
+    """Call ``fn(topk, full_kv_actual_seq, pool_ids, raw_seq)`` before every CPU (and CUDA) ``dsa_plan``."""
+    PLAN_OBSERVERS.append(fn)
+    L.set_checked_bypass(SPEC, True)  # the C++ entry would run the kernel without the observers
+
+
+def remove_plan_observer(fn) -> None:
+    """Stop calling ``fn`` (ValueError if it was not added)."""
+    PLAN_OBSERVERS.remove(fn)
+    if not PLAN_OBSERVERS:
+        L.set_checked_bypass(SPEC, False)
+
+
+# CPU and fake kernels (custom_ops/_library.py: register_twins; dsa_plan has no twin); the CPU computation
+# is csrc/dsa_plan.cpp (the op's arguments) or reference_dsa_plan
+L.register_twins(SPEC, validate=lambda a, op: validate_dsa_plan(*a), run=_run, fake_returns=_fake)

@@ -157,10 +157,12 @@ def launches(triton_interpreted):
         # both payload widths, the gather's SMALL and rope variants)
         for mu, sc_policy in ((1, False), (0, False), (1, True)):  # pool payloads: 16-bit in plan / serve / install
             _plan_serve_install(mods, _step(1, 2, 64, 32, 130, 4, 2, 16, torch.bfloat16), mu, sc_policy)
+        _plan_serve_install(mods, _step(1, 2, 64, 32, 130, 4, 0, 16, torch.bfloat16), 1, False)  # no rope (Dr = 0)
         for dtype in (torch.bfloat16, torch.int8):
             for K, bsz in ((16, 4), (64, 1)):
                 for no_rope in (False, True):
                     _gather(mods, K, bsz, dtype, no_rope, 4, 2)
+        _gather(mods, 64, 1, torch.bfloat16, False, 4, 0)  # the gather's zero-width rope
         _host_write_and_guard(mods, 8, 4, 2, torch.bfloat16)
         # the GLM-5 decode geometry (topk 2048, selection block 128, latent 512 + rope 64, pool 8192 rows,
         # context 8192, next_n 0 and 3): the block sizes, so registers and shared memory, of production
@@ -197,15 +199,17 @@ def test_every_launched_kernel_is_recorded(launches):
     want = {(f"offload_passes.custom_ops.cuda.{m}", n) for m, ns in launched_kernels(mods).items() for n in ns}
     got = {(r["module"], r["kernel"]) for r in recs}
     assert want == got
-    # plan 1, serve 1, install 6 (second chance's reference pass), gather 3 (ledger, copies, the K <= 32 swap),
-    # host writes 2 (the recipe's, the HF cache's), guard 1
-    assert len(want) == 14
+    # plan 1, serve 1, install 6 (second chance's reference pass), gather 5 (the block-table check and its
+    # report, ledger, copies, the K <= 32 swap), host writes 2 (the recipe's, the HF cache's), guard 1
+    assert len(want) == 16
     # both policies and both metadata modes reached the install's victim kernel
     assign = {(r["constexprs"]["SECOND_CHANCE"], r["constexprs"]["UPDATE"]) for r in recs
               if r["kernel"] == "_assign_kernel"}
     assert assign == {(False, True), (False, False), (True, True)}
     assert {r["constexprs"]["SMALL"] for r in recs if r["kernel"] == "_ledger_kernel"} == {False, True}
     assert {r["constexprs"]["HAS_ROPE"] for r in recs if r["kernel"] in ("_copy_kernel", "_swap_kernel")} == {False, True}
+    for kernel in ("_serve_kernel", "_apply_kernel"):  # the no-rope mode (Dr = 0) of serve and install
+        assert {r["constexprs"]["HAS_ROPE"] for r in recs if r["kernel"] == kernel} == {False, True}, kernel
 
 
 def test_every_launch_compiles_to_an_sm90_cubin(compiled):
@@ -230,8 +234,8 @@ def test_no_tile_spills_at_the_glm5_geometry(compiled):
     assert not bad, bad
     glm5 = {r["kernel"] for r in recs if r["geometry"] == "glm5"}
     assert glm5 == {"_plan_kernel", "_serve_kernel", "_first_kernel", "_cand_kernel", "_assign_kernel",
-                    "_keys_kernel", "_apply_kernel", "_ledger_kernel", "_copy_kernel", "_write_kernel",
-                    "_static_write_kernel", "_guard_kernel"}
+                    "_keys_kernel", "_apply_kernel", "_check_kernel", "_report_kernel", "_ledger_kernel",
+                    "_copy_kernel", "_write_kernel", "_static_write_kernel", "_guard_kernel"}
 
 
 def test_shared_memory_fits_one_sm90_block(compiled):

@@ -127,7 +127,7 @@ def test_cpp_matches_reference_bit_exact(chunk, cpp_kernel):
             outs = [plan_op(tk, L, pid, i2s, lru, raw_seq=S)]
             if seed % 4 == 0:  # one work item per task with the default thread count: a real split
                 with G.threads(nthreads):
-                    outs.append(cpp_kernel(tk, L, i2s, pid.size(1), S, 1))
+                    outs.append(cpp_kernel(tk, L, pid, i2s, lru, S, 0, 0, 0, 1))  # grain 1
             for out in outs:
                 for name, a, b in zip(("plan", "install_records", "actual_seq"), ref, out):
                     assert a.dtype == b.dtype and a.shape == b.shape, (seed, name)

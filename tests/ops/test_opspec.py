@@ -285,12 +285,43 @@ def test_bind_orders_the_arguments_as_the_schema():
     # the kernels register_twins writes take (*args, **kwargs): the dispatcher passes keyword-only
     # arguments by name and may leave out those equal to their defaults
     from offload_passes.custom_ops import _library as L
+    from offload_passes.custom_ops.opspec import OpArgumentError
 
     serve = spec_for("dsa_serve")
     tensors = tuple(torch.empty(1) for _ in range(7))
     assert L.bind(serve, tensors, {"topk": 64}) == tensors + (1, 64, 128, 1)
     assert L.bind(serve, tensors + (2, 64, 16, 0), {}) == tensors + (2, 64, 16, 0)
-    with pytest.raises(TypeError, match="custom::dsa_serve: unknown arguments \\['top_k'\\]"):
-        L.bind(serve, tensors, {"top_k": 64})
-    with pytest.raises(TypeError, match="custom::dsa_serve: missing argument 'selection_k_rope'"):
-        L.bind(serve, tensors[:6], {})
+    # one way to fail, naming the op and the argument; a TypeError and a RuntimeError alike
+    bad = [((tensors, {"top_k": 64}), "custom::dsa_serve: unknown argument 'top_k'; the schema's arguments are "
+                                      "plan, full_kv_cache, "),
+           ((tensors[:6], {}), "custom::dsa_serve: missing argument 'selection_k_rope'"),
+           ((tensors, {"plan": tensors[0]}), "custom::dsa_serve: argument 'plan' given twice"),
+           ((tensors * 2, {}), "custom::dsa_serve: 14 positional arguments, the schema takes 11")]
+    for (args, kwargs), msg in bad:
+        for err in (TypeError, RuntimeError, OpArgumentError):
+            with pytest.raises(err) as e:
+                L.bind(serve, args, kwargs)
+            assert str(e.value).startswith(msg), str(e.value)
+    # the twin's binder names the twin
+    with pytest.raises(OpArgumentError, match=r"^custom::dsa_serve_functional: missing argument 'plan'$"):
+        serve.twin_binder((), {})
+
+
+def test_every_caller_binds_through_the_one_binder():
+    """The passes' node binding rejects a bad call with the binder's message (the kernels, the CUDA runner and
+    the GE converters bind with the same Binder: tests/cuda, tests/converters)."""
+    from torch import fx
+
+    from offload_passes.custom_ops.opspec import OpArgumentError, schema_binder
+    from offload_passes.passes import _fx
+
+    plan = torch.ops.custom.dsa_plan.default
+    g = fx.Graph()
+    x = g.placeholder("x")
+    node = g.call_function(plan, (x, x, x, x))
+    with pytest.raises(OpArgumentError, match=r"^custom::dsa_plan: missing argument 'lru_counter'$"):
+        _fx.bind(node)
+    assert schema_binder(plan._schema) is schema_binder(plan._schema)
+    node.args = (x, x, x, x, x)
+    assert _fx.bind(node)["raw_seq"] == 1 and list(_fx.bind(node))[:2] == ["selection_topk_indices",
+                                                                           "full_kv_actual_seq"]
