@@ -677,7 +677,6 @@ def section_kernels(dev: torch.device, dry: bool, args: Any) -> list:
 
 def bench_decode(contexts: Sequence[int], pools: Sequence[int], steps: int, dev: torch.device) -> list:
     from offload_passes.backend import make_offload_backend
-    from offload_passes.custom_ops.cuda import fallback
     from offload_passes.models import hf
 
     b = hf.build("hf-glm5-attn")
@@ -692,7 +691,6 @@ def bench_decode(contexts: Sequence[int], pools: Sequence[int], steps: int, dev:
             row: dict = {"variant": name, "context": ctx}
             try:
                 torch._dynamo.reset()
-                n0 = sum(fallback.CALLS.values())
                 if offload is None:
                     fn, be = model, None
                 elif offload is False:
@@ -713,7 +711,6 @@ def bench_decode(contexts: Sequence[int], pools: Sequence[int], steps: int, dev:
                     row["host_mib_per_step"] = host_bytes_per_step(rows_read, C, R) / 2 ** 20
                 row["device_kv_mib"] = dev_kv / 2 ** 20
                 row["host_kv_mib"] = where["host"] / 2 ** 20
-                row["fallback_calls"] = sum(fallback.CALLS.values()) - n0
                 if offload is None:
                     dense_bytes = row["device_kv_mib"]
                 elif offload and dense_bytes:
@@ -752,8 +749,7 @@ def section_decode(dev: torch.device, dry: bool, args: Any) -> list:
         return rows
     for r in bench_decode(contexts, pools, args.steps, dev):
         note = r.get("error") or (f"device KV {_cell(r.get('device_kv_mib'))} MiB, host read/step "
-                                  f"{_cell(r.get('host_mib_per_step'))} MiB, "
-                                  f"fallback calls {r.get('fallback_calls', 0)}")
+                                  f"{_cell(r.get('host_mib_per_step'))} MiB")
         rows.append(row("decode", f"decode {r['variant']} @ {r['context']} ms/step", r.get("ms_per_step"), None, note,
                         ok=False if r.get("error") else None))
         if r.get("kv_fraction") is not None:

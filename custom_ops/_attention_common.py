@@ -291,6 +291,32 @@ def indexer_window(
     return n, (int(n.max().item()) if n.numel() > 0 else 0)
 
 
+# The indexers' fp32 sums in one defined order. A BLAS product leaves its summation order to the library
+# (torch's CPU bmm already rounds differently when only the width of the key window changes), so a top-k
+# computed that way is not reproducible by any other kernel. In this order every IEEE single operation is
+# fixed, and custom_ops/cuda/npu_lightning_indexer.py computes the same bits on any device.
+
+
+def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim of fp32 ``x`` in a fixed order: padded with ``-0.0`` (the exact identity of
+    addition) to a power of two, then adjacent pairs ``x[2i] + x[2i+1]``, level by level."""
+    n = x.size(-1)
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = torch.cat([x, x.new_full((*x.shape[:-1], width - n), -0.0)], dim=-1)
+    while x.size(-1) > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x.squeeze(-1)
+
+
+def fold_heads(terms: torch.Tensor) -> torch.Tensor:
+    """``[T, N, W] -> [T, W]``: the head terms summed in head order, ``((t0 + t1) + t2) + ...`` (fp32)."""
+    acc = terms[:, 0]
+    for h in range(1, terms.size(1)):
+        acc = acc + terms[:, h]
+    return acc
+
+
 def indexer_topk(score: torch.Tensor, n: torch.Tensor, needed: torch.Tensor, K: int) -> torch.Tensor:
     """``[T, K]`` int32 ids of the ``min(K, n[t])`` largest ``score[t, :n[t]]``, -1 padded.
 
