@@ -297,16 +297,19 @@ def indexer_window(
 # fixed, and custom_ops/cuda/npu_lightning_indexer.py computes the same bits on any device.
 
 
-def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim of fp32 ``x`` in a fixed order: padded with ``-0.0`` (the exact identity of
-    addition) to a power of two, then adjacent pairs ``x[2i] + x[2i+1]``, level by level."""
-    n = x.size(-1)
+def pairwise_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum of fp32 ``x`` over ``dim`` in a fixed order: padded with ``-0.0`` (the exact identity of addition)
+    to a power of two ``w``, then halves, ``x[i] + x[i + w/2]``, until one element is left."""
+    n = x.size(dim)
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
-        x = torch.cat([x, x.new_full((*x.shape[:-1], width - n), -0.0)], dim=-1)
-    while x.size(-1) > 1:
-        x = x[..., 0::2] + x[..., 1::2]
-    return x.squeeze(-1)
+        pad = list(x.shape)
+        pad[dim] = width - n
+        x = torch.cat([x, x.new_full(pad, -0.0)], dim=dim)
+    while width > 1:
+        width //= 2
+        x = x.narrow(dim, 0, width) + x.narrow(dim, width, width)
+    return x.squeeze(dim)
 
 
 def fold_heads(terms: torch.Tensor) -> torch.Tensor:

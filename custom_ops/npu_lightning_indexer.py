@@ -65,6 +65,9 @@ SPEC = OpSpec(
 )
 OP = SPEC.name
 
+#: elements of the reference's product tensor per chunk of the key window (about 4 MB of fp32)
+_SCORE_CHUNK = 1 << 20
+
 #: torch_npu's documented upper limit of ``sparse_count``.
 MAX_SPARSE_COUNT = SPEC.limit("INDEXER_MAX_SPARSE_COUNT")
 
@@ -155,12 +158,19 @@ def reference_npu_lightning_indexer(
     T, N, D = info["T"], info["N"], info["D"]
 
     def score(rows: torch.Tensor) -> torch.Tensor:
-        keys = key.reshape(-1, D)[rows].float()  # [T, nmax, D]
-        q, w = query.reshape(T, N, D).float(), weights.reshape(T, N).float()
+        nmax = rows.size(1)
+        keys = key.reshape(-1, D)[rows].float().permute(2, 0, 1)  # [D, T, nmax]
+        q = query.reshape(T, N, D).float().permute(2, 1, 0).unsqueeze(-1)  # [D, N, T, 1]
+        w = weights.reshape(T, N).float().t().unsqueeze(-1)  # [N, T, 1]
         # score[t, j] = sum_h w[t, h] * relu(q[t, h] . k[t, j]) in fp32, in the order docs/ops.md §6.1 fixes:
-        # each dot a pairwise sum of its products, the heads summed in order (one head at a time: memory)
-        terms = torch.stack([w[:, h, None] * torch.relu(pairwise_sum(q[:, h, None, :] * keys)) for h in range(N)], 1)
-        return fold_heads(terms)  # [T, nmax]
+        # each dot a pairwise sum of its products, the heads summed in order. Products [D, N, T, chunk], the
+        # sum over D first: its halves are contiguous (the same arithmetic in any layout; a few MB per chunk)
+        terms = torch.empty((N, T, nmax), dtype=torch.float32)
+        step = max(1, _SCORE_CHUNK // (D * N * max(T, 1)))
+        for j0 in range(0, nmax, step):
+            chunk = keys[:, None, :, j0:j0 + step]
+            terms[:, :, j0:j0 + step] = w * torch.relu(pairwise_sum(q * chunk, dim=0))
+        return fold_heads(terms.transpose(0, 1))  # [T, nmax]
 
     # window, key gather and top-k (score desc, ties by ascending id, -1 beyond min(K, n)) are shared
     # with the int8 indexer

@@ -46,12 +46,11 @@ SCORE_TILE = 4096
 
 @triton.jit
 def _pairwise(p, BLOCK_J: tl.constexpr, LOG_D: tl.constexpr):
-    """``_attention_common.pairwise_sum`` of the rows of ``p [BLOCK_J, 2**LOG_D]``: adjacent pairs, level by
-    level (one IEEE add each; the padding holds -0.0)."""
+    """``_attention_common.pairwise_sum`` of the rows of ``p [BLOCK_J, 2**LOG_D]``: first half plus second
+    half, until one column is left (a sum of two elements is one IEEE add in either order; the padding
+    holds -0.0)."""
     for _ in tl.static_range(LOG_D):
-        p = tl.reshape(p, [BLOCK_J, p.shape[1] // 2, 2])
-        lo, hi = tl.split(p)
-        p = lo + hi
+        p = tl.sum(tl.reshape(p, [BLOCK_J, 2, p.shape[1] // 2]), axis=1)
     return tl.reshape(p, [BLOCK_J])
 
 
