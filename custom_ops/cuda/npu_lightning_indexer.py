@@ -103,21 +103,25 @@ def _indexer_score_kernel(q_ptr, k_ptr, w_ptr, qs_ptr, ks_ptr, table_ptr, kvlen_
         if QUANT:
             kt = kt.to(tl.int32)
             kscale = tl.load(ks_ptr + rows, mask=ok, other=0).to(tl.float32)
-            for h in range(N):
+            h = 0
+            while h < N:  # a while loop: range() of a run-time bound breaks the interpreters of triton 3.4 / 3.6
                 qh = tl.load(q_ptr + (t * N + h) * D + d, mask=dm, other=0).to(tl.int32)
                 dot = tl.sum(qh[None, :] * kt, axis=1).to(tl.float32)  # exact: |dot| <= 2**14 * D
                 qscale = tl.load(qs_ptr + t * N + h).to(tl.float32)
                 v = (qscale * kscale) * dot
                 r = tl.where(v < 0, 0.0, v)  # relu; NaN stays NaN, as torch.relu
                 acc = acc + tl.load(w_ptr + t * N + h).to(tl.float32) * r
+                h += 1
         else:
             kt = kt.to(tl.float32)
-            for h in range(N):
+            h = 0
+            while h < N:
                 qh = tl.load(q_ptr + (t * N + h) * D + d, mask=dm, other=0).to(tl.float32)
                 p = tl.where(dm[None, :], qh[None, :] * kt, -0.0)
                 dot = _pairwise(p, BLOCK_J, LOG_D)
                 r = tl.where(dot < 0, 0.0, dot)
                 acc = acc + tl.load(w_ptr + t * N + h).to(tl.float32) * r
+                h += 1
         # order-preserving integer of the score: -0.0 as 0.0, every NaN as one NaN (torch.sort puts NaN first)
         sb = acc.to(tl.int32, bitcast=True)
         sb = tl.where(acc == 0, 0, sb)

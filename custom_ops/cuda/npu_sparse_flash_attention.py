@@ -13,7 +13,7 @@ layer. Here three launches, each reading the rows through the block table:
 
 1. ``_sfa_score_kernel``, one program per (token, block of ``BLOCK_H`` heads, block of ``BLOCK_K`` positions):
    the token's validity window (``lim``), the paged rows, ``z = scale * (q . k + q_rope . k_rope)`` in fp64
-   (``tl.dot``), ``-inf`` where a position is not selected; writes ``z [T, N, K]``, the rows and the validity.
+   (products summed in registers), ``-inf`` where a position is not selected; writes ``z [T, N, K]``, the rows and the validity.
 2. ``_sfa_stats_kernel``, per (token, head block): whether the token has any valid position, the softmax maximum
    and sum (a token without one attends uniformly, as the reference's zeros do, and is multiplied by 0).
 3. ``_sfa_out_kernel``, per (token, head block, block of ``BLOCK_D`` value dims): ``sum_p softmax(z)_p * v(p)``
@@ -36,10 +36,14 @@ triton = require_triton()
 import triton.language as tl  # noqa: E402
 
 OP = M.OP
-#: heads per program (``tl.dot`` needs at least 16 rows; GLM's 64 heads are four blocks)
+#: heads per program (GLM's 64 heads are four blocks); positions x dims of the score kernel's product tile;
+#: positions x value dims of the output kernel's. The products are fp64 registers (``tl.dot`` of fp64 does
+#: not compile with triton 3.6, the lent machine's: "PassManager::run failed" for sm_80 and sm_90).
 BLOCK_H = 16
-BLOCK_K = 64
-BLOCK_D = 64
+SCORE_K, SCORE_D = 32, 8
+OUT_K, OUT_D = 8, 32
+#: positions per step of the statistics kernel
+STATS_K = 64
 
 
 @triton.jit
@@ -52,7 +56,7 @@ def _dot_rows(acc, x_ptr, xk_ptr, t, h, hm, rows, km, N, D, BLOCK_H: tl.constexp
         dm = d < D
         qt = tl.load(x_ptr + (t * N + h[:, None]) * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0)
         kt = tl.load(xk_ptr + rows[:, None] * D + d[None, :], mask=km[:, None] & dm[None, :], other=0)
-        acc = tl.dot(qt.to(tl.float64), tl.trans(kt.to(tl.float64)), acc)
+        acc += tl.sum(qt.to(tl.float64)[:, None, :] * kt.to(tl.float64)[None, :, :], axis=2)
         d0 += BLOCK_D
     return acc
 
@@ -63,7 +67,7 @@ def _sfa_score_kernel(q_ptr, qr_ptr, k_ptr, kr_ptr, idx_ptr, table_ptr, kvlen_pt
                   c_start, c_cum, c_last, c_bsnd, c_beyond, c_block,
                   TND: tl.constexpr, PAGED: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr,
                   MODE3: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr):
+                  BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     kb = tl.program_id(2)
@@ -102,7 +106,7 @@ def _sfa_score_kernel(q_ptr, qr_ptr, k_ptr, kr_ptr, idx_ptr, table_ptr, kvlen_pt
                   BLOCK_H, BLOCK_K, BLOCK_D)
     if HAS_ROPE:  # the reference adds the rope dot to the nope dot, then scales
         z = z + _dot_rows(tl.zeros([BLOCK_H, BLOCK_K], tl.float64), qr_ptr, kr_ptr, t, h, hm, rows, km, N, DR,
-                          BLOCK_H, BLOCK_K, BLOCK_DR)
+                          BLOCK_H, BLOCK_K, BLOCK_D)
     z = z * scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
     z = tl.where(valid[None, :], z, float("-inf"))
     tl.store(z_ptr + (t * N + h[:, None]) * K + kk[None, :], z, mask=hm[:, None] & km[None, :])
@@ -173,7 +177,7 @@ def _sfa_out_kernel(z_ptr, rows_ptr, m_ptr, l_ptr, any_ptr, v_ptr, out_ptr, N, D
         p = tl.where(km[None, :], tl.exp(z - m[:, None]) / s[:, None], 0.0)
         rows = tl.load(rows_ptr + t * K + kk, mask=km, other=0)
         vt = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=km[:, None] & dm[None, :], other=0)
-        acc = tl.dot(p, vt.to(tl.float64), acc)
+        acc += tl.sum(p[:, :, None] * vt.to(tl.float64)[None, :, :], axis=1)
         k0 += BLOCK_K
     acc = acc * tl.where(anyv, 1.0, 0.0)  # the reference multiplies by "any valid" (0 * NaN stays NaN)
     tl.store(out_ptr + (t * N + h[:, None]) * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
@@ -220,18 +224,19 @@ def _launch(a: tuple, checked: tuple) -> tuple:
         cu = cu_q.contiguous() if cu_q is not None else rows
         kvl = kv_len.contiguous() if kv_len is not None else rows
         scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0]  # fp64 exactly (a float arg is fp32)
-        hblocks = triton.cdiv(N, BLOCK_H)
-        _sfa_score_kernel[(T, hblocks, triton.cdiv(K, BLOCK_K))](
+        bh = min(BLOCK_H, next_pow2(N))
+        hblocks = triton.cdiv(N, bh)
+        _sfa_score_kernel[(T, hblocks, triton.cdiv(K, SCORE_K))](
             q, qr, k, kr, ids, tab, kvl, cu, z, rows, valid, A.guard_word(dev), scale_bits,
             T, B, info["S"] or 1, N, D, dr, K, bs, table.size(1) if paged else 1, nb,
             checks.start, checks.cumulative, checks.last, checks.bsnd_lengths, checks.beyond, checks.block,
             TND=layout_query == "TND", PAGED=paged, HAS_QLEN=cu_q is not None, HAS_KVLEN=kv_len is not None,
-            MODE3=mode == 3, HAS_ROPE=rope, BLOCK_B=A.block_b(B), BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K,
-            BLOCK_D=BLOCK_D, BLOCK_DR=max(16, next_pow2(dr)),
+            MODE3=mode == 3, HAS_ROPE=rope, BLOCK_B=A.block_b(B), BLOCK_H=bh, BLOCK_K=SCORE_K,
+            BLOCK_D=SCORE_D,
         )
-        _sfa_stats_kernel[(T, hblocks)](z, valid, m, s, anyv, N, K, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K)
-        _sfa_out_kernel[(T, hblocks, triton.cdiv(D, BLOCK_D))](z, rows, m, s, anyv, v, out, N, D, K,
-                                                           BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, BLOCK_D=BLOCK_D)
+        _sfa_stats_kernel[(T, hblocks)](z, valid, m, s, anyv, N, K, BLOCK_H=bh, BLOCK_K=STATS_K)
+        _sfa_out_kernel[(T, hblocks, triton.cdiv(D, OUT_D))](z, rows, m, s, anyv, v, out, N, D, K,
+                                                             BLOCK_H=bh, BLOCK_K=OUT_K, BLOCK_D=OUT_D)
     return out.to(query.dtype).reshape(query.shape), empty, empty.clone()
 
 
