@@ -31,7 +31,7 @@ import triton.language as tl  # noqa: E402
 OP = M.SCATTER
 QUALNAME = ref_qualname(OP)
 #: index dims ``k`` the kernel takes (scalar arguments); the model uses 2
-MAX_DIMS = 8
+MAX_DIMS = 4
 BLOCK_T = 16
 #: elements of a program's copy tile (``BLOCK_T`` rows)
 COPY_ELEMS = 8192
@@ -39,38 +39,33 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @triton.jit
-def _dim(r, ok, bad_code, idx_ptr, i, im, d: tl.constexpr, size, code, KD: tl.constexpr):
-    """Horner step of the flat row over index dim ``d``; a value outside ``[0, size)`` clears ``ok``."""
-    x = tl.load(idx_ptr + i * KD + d, mask=im, other=0).to(tl.int64)
-    out = (x < 0) | (x >= size)
-    bad_code = tl.where(im & out, tl.maximum(bad_code, code), bad_code)
-    return r * size + x, ok & ~out, bad_code
+def _pick(d: tl.constexpr, a, b, c, e):
+    """The ``d``-th of four scalar arguments (``d`` known at compile time)."""
+    x = a
+    if d == 1:
+        x = b
+    if d == 2:
+        x = c
+    if d == 3:
+        x = e
+    return x
 
 
 @triton.jit
-def _scatter_kernel(idx_ptr, upd_ptr, self_ptr, flag_ptr, NROWS, E,
-                    s0, s1, s2, s3, s4, s5, s6, s7, c0, c1, c2, c3, c4, c5, c6, c7,
+def _scatter_kernel(idx_ptr, upd_ptr, self_ptr, flag_ptr, NROWS, E, s0, s1, s2, s3, c0, c1, c2, c3,
                     KD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     im = i < NROWS
-    r = tl.zeros([BLOCK_T], tl.int64)
+    r = tl.zeros([BLOCK_T], tl.int64)  # the flat row, Horner over the index dims
     ok = im
-    bad = tl.zeros([BLOCK_T], tl.int32)
-    r, ok, bad = _dim(r, ok, bad, idx_ptr, i, im, 0, s0, c0, KD)
-    if KD > 1:
-        r, ok, bad = _dim(r, ok, bad, idx_ptr, i, im, 1, s1, c1, KD)
-    if KD > 2:
-        r, ok, bad = _dim(r, ok, bad, idx_ptr, i, im, 2, s2, c2, KD)
-    if KD > 3:
-        r, ok, bad = _dim(r, ok, bad, idx_ptr, i, im, 3, s3, c3, KD)
-    if KD > 4:
-        r, ok, bad = _dim(r, ok, bad, idx_ptr, i, im, 4, s4, c4, KD)
-    if KD > 5:
-        r, ok, bad = _dim(r, ok, bad, idx_ptr, i, im, 5, s5, c5, KD)
-    if KD > 6:
-        r, ok, bad = _dim(r, ok, bad, idx_ptr, i, im, 6, s6, c6, KD)
-    if KD > 7:
-        r, ok, bad = _dim(r, ok, bad, idx_ptr, i, im, 7, s7, c7, KD)
+    bad = tl.zeros([BLOCK_T], tl.int32)  # the largest code of a dim out of range
+    for d in tl.static_range(KD):
+        size = _pick(d, s0, s1, s2, s3)
+        x = tl.load(idx_ptr + i * KD + d, mask=im, other=0).to(tl.int64)
+        out = (x < 0) | (x >= size)
+        bad = tl.where(im & out, tl.maximum(bad, _pick(d, c0, c1, c2, c3)), bad)
+        r = r * size + x
+        ok = ok & ~out
     tl.atomic_max(flag_ptr + i * 0, bad, mask=bad > 0)
     e0 = 0
     while e0 < E:

@@ -230,6 +230,16 @@ def test_scatter_out_of_range_row_is_flagged_and_not_written(kernels):
     assert "checked on the device, reported on the host" in str(e.value)
 
 
+def test_scatter_more_index_dims_than_the_kernel_takes(kernels):
+    cache = torch.zeros(2, 2, 2, 2, 2, 3)
+    idx = torch.zeros(1, 5, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"offload_ref::npu_scatter_nd_update_: indices' last dim k must be <= 4 "
+                                           r"for the CUDA kernel, got 5"):
+        kernels["scatter"].run(cache, idx, torch.ones(1, 3))
+    scatter_op(cache, idx, torch.ones(1, 3))  # the CPU kernel takes any k
+    assert cache[0, 0, 0, 0, 0].eq(1).all()
+
+
 # --------------------------------------------------------------------------------------------
 # data checks on the device, signature checks on the host (once)
 # --------------------------------------------------------------------------------------------

@@ -99,17 +99,10 @@ def test_host_caches_are_touched_only_by_kernels(step_graph):
     host = [p for p in g.nodes if p.op == "placeholder" and isinstance(_val(p), torch.Tensor) and _val(p).device == CPU]
     assert len(host) == 16  # the latent and rope full caches of 8 layers, nothing else on the host
     for p in host:
-        todo, seen = [p], {p}
-        while todo:
-            n = todo.pop()
-            for u in n.users:
-                if _fx.is_view(u) and u.args and u.args[0] is n:
-                    if u not in seen:
-                        seen.add(u)
-                        todo.append(u)
-                    continue
-                uses |= {(u.target, i) for i, a in enumerate(u.args) if a is n}
-                assert not any(a is n for a in u.kwargs.values()), u
+        for u in _fx.view_users(p):  # through views of the cache
+            at = {i for i, a in enumerate(u.args) if _fx.strip_views(a) is p}
+            assert at and not any(_fx.strip_views(a) is p for a in u.kwargs.values()), u
+            uses |= {(u.target, i) for i in at}
     assert uses == {(SERVE, 1), (SERVE, 2), (CACHE_WRITE, 0), (CACHE_WRITE, 1)}
     on_host = [n.name for n in g.nodes if n.op == "call_function" and not _fx.is_view(n)
                and any(t.device == CPU for t in _tensors(n))]
