@@ -39,7 +39,7 @@ SPECS = {f"{s.namespace}::{n}": s for s in OP_SPECS for n in s.op_names}
 def w8a8_flow():
     from test_fake_cuda_flow import run_flow
 
-    yield from run_flow("tiny-w8a8", cache_write="inplace")
+    yield from run_flow("tiny-w8a8", reset=False, cache_write="inplace")  # the session's tiny flow stays alive
 
 
 @pytest.fixture(params=["tiny", "tiny-w8a8-inplace"])

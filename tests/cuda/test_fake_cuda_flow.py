@@ -25,10 +25,13 @@ CUDA0, CPU = torch.device("cuda", 0), torch.device("cpu")
 B_ROWS = 2
 
 
-def run_flow(preset: str = "tiny", **overrides):
-    """The flow (a generator: the session fixture ``flow`` of ``conftest.py`` yields its one value)."""
+def run_flow(preset: str = "tiny", reset: bool = True, **overrides):
+    """The flow (a generator: the session fixture ``flow`` of ``conftest.py`` yields its one value).
+    ``reset=False``: no ``torch._dynamo.reset()`` before and after, which would drop the compiled graphs, and
+    with them the offload state, of a flow still in use (the session's)."""
     F.install_fake_cuda_guard()
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     built = models.build(preset, enable_offload=True, decode_steps=3, first_k_dense_replace=8, **overrides)
     m = built.model
     assert m.batch_size == B_ROWS
@@ -49,7 +52,8 @@ def run_flow(preset: str = "tiny", **overrides):
         out["refill"] = built.driver.reset_row(1, prompt_len=5)
         out["steps"].append(built.driver.step(step))
     yield dict(model=m, be=be, **out)
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
 
 
 def test_caches_stay_where_the_placement_put_them(flow):
