@@ -27,8 +27,8 @@ B_ROWS = 2
 
 def run_flow(preset: str = "tiny", reset: bool = True, **overrides):
     """The flow (a generator: the session fixture ``flow`` of ``conftest.py`` yields its one value).
-    ``reset=False``: no ``torch._dynamo.reset()`` before and after, which would drop the compiled graphs, and
-    with them the offload state, of a flow still in use (the session's)."""
+    ``reset=False``: no ``torch._dynamo.reset()`` before and after (which would drop the compiled graphs of
+    the session's flow while it is in use)."""
     F.install_fake_cuda_guard()
     if reset:
         torch._dynamo.reset()
@@ -51,6 +51,9 @@ def run_flow(preset: str = "tiny", reset: bool = True, **overrides):
         out["steps"] = [built.driver.step(step), built.driver.step(step)]
         out["refill"] = built.driver.reset_row(1, prompt_len=5)
         out["steps"].append(built.driver.step(step))
+    # where the offload state lives, read now: the state lives as long as the compiled graphs, which any
+    # later torch._dynamo.reset() of another test in this process drops
+    out["state_devices"] = {k: t.device for k, t in be.state.tensors().items()}
     yield dict(model=m, be=be, **out)
     if reset:
         torch._dynamo.reset()
@@ -76,9 +79,9 @@ def test_pools_and_metadata_are_on_the_device(flow):
     be = flow["be"]
     rep = be.reports[-1]
     assert rep["rewritten"] and rep["refusals"] == []
-    tensors = be.state.tensors()
-    assert any(k.startswith("pool_kv") for k in tensors)
-    assert {k: t.device for k, t in tensors.items() if t.device != CUDA0} == {}
+    devices = flow["state_devices"]
+    assert any(k.startswith("pool_kv") for k in devices)
+    assert {k: d for k, d in devices.items() if d != CUDA0} == {}
 
 
 def test_compiled_step_writes_the_host_caches_on_the_device_no_host_copy(flow):
