@@ -8,8 +8,10 @@ site-packages under those names.
 
 C++ extensions (``offload_passes/_extensions.py`` names them and holds their flags) are built here, with
 torch's ``BuildExtension``, as torchvision does: all CPU kernels (``custom_ops/csrc/*.cpp``) in one
-library installed as ``offload_passes.custom_ops._C_torch<version>``, and the offload-sim core
-(``offload_passes/trace/csrc/trace_sim.cpp``) as ``offload_passes.trace._trace_sim_torch<version>``.
+library installed as ``offload_passes.custom_ops._C_torch<version>``, the offload-sim core
+(``offload_passes/trace/csrc/trace_sim.cpp``) as ``offload_passes.trace._trace_sim_torch<version>``, and
+the serving loop's KV transfer (``models/glm/csrc/kv_transfer.cpp``) as
+``offload_passes.models.glm._kv_transfer_torch<version>``.
 torch must already be installed: build with ``pip install --no-build-isolation`` (an isolated build env
 would download a second, possibly CUDA, torch and build against it).
 
@@ -72,6 +74,11 @@ EXT_MODULES = [
         name="offload_passes.trace." + EXT.trace_sim_name(torch.__version__),
         sources=_rel([ROOT / "offload_passes" / "trace" / "csrc" / "trace_sim.cpp"]),
         extra_compile_args=list(EXT.TRACE_SIM_CFLAGS) + NO_DEBUG_INFO,
+    ),
+    CppExtension(
+        name="offload_passes.models.glm." + EXT.kv_transfer_name(torch.__version__),
+        sources=_rel([ROOT / "models" / "glm" / "csrc" / "kv_transfer.cpp"]),
+        extra_compile_args=list(EXT.KV_TRANSFER_CFLAGS) + NO_DEBUG_INFO,
     ),
 ]
 
@@ -151,7 +158,7 @@ setup(
     package_data={
         "offload_passes.custom_ops": ["csrc/*.cpp", "csrc/*.h"],
         "offload_passes.trace": ["csrc/*.cpp"],
-        "offload_passes.models": ["configs/*.yaml", "glm/csrc/*.cpp"],  # serve.py builds its KV transfer op
+        "offload_passes.models": ["configs/*.yaml", "glm/csrc/*.cpp"],  # serve.py's JIT fallback of its KV transfer
     },
     install_requires=[
         # the tested range; a binary wheel pins the exact torch instead (_BdistWheel below, docs/build.md)

@@ -2,6 +2,10 @@
 
 Prints ONE table of ratios measured in the same run (docs/design.md §5):
 
+* every op: its time through ``torch.ops`` (``op ms``) beside its bare C++ kernel's (``bare ms``,
+  ``offload_cpu::<op>`` called directly) and their ratio ``op / bare``: the per-call work outside the
+  kernel (binding, validation, Python), which the ops' C++ CPU entry removes (docs/ops.md §13); and, in
+  microseconds, that work alone: op and bare kernel on each op's smallest legal call;
 * ``dsa_serve``   C++ vs ``torch.index_select`` of the same rows (pool rows from the pool, full rows
   from the full cache, zero rows zeroed) and vs a plain ``copy_`` of the same bytes;
 * ``dsa_install`` C++ (``metadata_update=0``, the per-layer call) vs ``index_select`` of the rows it
@@ -10,9 +14,11 @@ Prints ONE table of ratios measured in the same run (docs/design.md §5):
 * ``npu_gather_selection_kv_cache`` C++ vs its reference and vs ``index_select`` of every valid row
   (what a gather without the reuse ledger moves), cold (empty ledger) and warm (~59 % reuse).
 
-Ratios are ``baseline_time / op_time`` (> 1: the op is faster). Every group of timings is taken in
-interleaved rounds (op, baselines, op, ...) and the minimum per function is used, which keeps the
-ratios meaningful on a shared machine.
+Ratios are ``baseline_time / op_time`` (> 1: the op is faster), except ``op / bare`` (1: no per-call
+overhead). Every group of timings is taken in interleaved rounds (op, baselines, op, ...) and the minimum
+per function is used, which keeps the ratios meaningful on a shared machine; in each round a function runs
+once untimed right before its timed call, so every function is timed with the caches its own previous call
+left (the function timed after another one's call would otherwise inherit its warm inputs).
 
 Usage: ``python benchmarks/bench_ops.py [--repeat N] [--quick] [--threads T] [--full-len F]``
 """
@@ -30,6 +36,7 @@ import torch  # noqa: E402
 import offload_passes  # noqa: E402,F401  (registers the ops)
 from offload_passes.custom_ops import _library as Lib  # noqa: E402
 from offload_passes.custom_ops._pool import id_range_for  # noqa: E402
+from offload_passes.custom_ops.plan_kind import NUM_PLAN_KINDS, PlanKind  # noqa: E402
 from offload_passes.custom_ops import npu_gather_selection_kv_cache as gather_mod  # noqa: E402
 from offload_passes.custom_ops import dsa_serve as serve_mod  # noqa: E402
 
@@ -41,16 +48,22 @@ STEP_OVERLAP = 0.59  # ledger reuse between adjacent steps (guide: 58.85 %)
 
 
 def timeit(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
-    """Min wall time per function over ``repeat`` interleaved rounds (after one warm-up round)."""
-    for f in fns.values():
-        f()
+    """Min wall time per function over ``repeat`` interleaved rounds, each timed call right after an untimed
+    call of the same function (the same warm caches for every function); every other round runs the
+    functions in reverse order (none always follows the same neighbour)."""
     best = {k: float("inf") for k in fns}
-    for _ in range(repeat):
-        for k, f in fns.items():
+    for i in range(repeat):
+        for k, f in (fns.items() if i % 2 == 0 else reversed(fns.items())):
+            f()
             t0 = time.perf_counter()
             f()
             best[k] = min(best[k], time.perf_counter() - t0)
     return best
+
+
+#: rounds of the op / bare-kernel pairs per round of the other timings: their ratio is the finest figure of
+#: the table (a few percent), so it gets the most samples
+PAIR_ROUNDS = 3
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,13 +146,15 @@ def bench_plan_serve_install(S: int, PS: int, F: int, full: tuple, repeat: int, 
         from offload_passes.custom_ops.dsa_plan import reference_dsa_plan
     except ImportError:
         reference_dsa_plan = None
-    fns = {"op": lambda: plan_op(topk, L, pool_ids, id_to_slot, lru, raw_seq=S)}
+    bare_plan = Lib.cpu_op("dsa_plan").default
+    t = timeit({"op": lambda: plan_op(topk, L, pool_ids, id_to_slot, lru, raw_seq=S),
+                "bare": lambda: bare_plan(topk, L, pool_ids, id_to_slot, lru, S)}, repeat * PAIR_ROUNDS)
     if reference_dsa_plan is not None:
-        fns["ref"] = lambda: reference_dsa_plan(topk, L, pool_ids, id_to_slot, lru, raw_seq=S)
-    t = timeit(fns, max(2, repeat // 2))
-    kinds = torch.bincount(plan[:, 0].long(), minlength=6)
-    hits, misses = int(kinds[1]), int(kinds[2])
-    out.append(dict(op="dsa_plan", cfg=cfg, ms=t["op"] * 1e3, gbs=None, isel=None, copy=None,
+        t.update(timeit({"ref": lambda: reference_dsa_plan(topk, L, pool_ids, id_to_slot, lru, raw_seq=S)},
+                        max(2, repeat // 4)))
+    kinds = torch.bincount(plan[:, 0].long(), minlength=NUM_PLAN_KINDS)
+    hits, misses = int(kinds[PlanKind.POOL_HIT]), int(kinds[PlanKind.FULL_OLD_MISS])
+    out.append(dict(op="dsa_plan", cfg=cfg, ms=t["op"] * 1e3, bare=t["bare"] * 1e3, gbs=None, isel=None, copy=None,
                     ref=t["ref"] / t["op"] if "ref" in t else None,
                     note=f"hit {hits / max(hits + misses, 1):.0%}"))
 
@@ -148,8 +163,8 @@ def bench_plan_serve_install(S: int, PS: int, F: int, full: tuple, repeat: int, 
     cpp_serve = Lib.cpu_op("dsa_serve")
     kind, val = plan[:, 0].long(), plan[:, 1].long()
     b_of = torch.arange(rows) // (S * K)
-    pm = kind == 1
-    fm = (kind == 2) | (kind == 3)
+    pm = kind == PlanKind.POOL_HIT
+    fm = (kind == PlanKind.FULL_OLD_MISS) | (kind == PlanKind.DECODE_WINDOW)
     pool_idx = (b_of * PS + val)[pm]
     full_idx = (b_of * F + val)[fm]
     n_p, n_f = pool_idx.numel(), full_idx.numel()
@@ -169,18 +184,13 @@ def bench_plan_serve_install(S: int, PS: int, F: int, full: tuple, repeat: int, 
         flat["srp"].copy_(src_rope)
 
     sargs = (plan, full_kv, full_rope, pool_kv, pool_rope, sel_kv, sel_rope)
-    t = timeit({
-        "op": lambda: serve_op(*sargs, raw_seq=S, topk=K, selection_block_size=SBS),
-        "isel": isel_serve,
-        "copy": copy_serve,
-        # the custom:: op adds Python dispatch + validation; also time the bare C++ entry point
-        "raw": lambda: cpp_serve(*sargs, S, K, SBS, 1),
-    }, repeat)
+    t = timeit({"isel": isel_serve, "copy": copy_serve}, repeat)
+    t.update(timeit({"op": lambda: serve_op(*sargs, raw_seq=S, topk=K, selection_block_size=SBS),
+                     "bare": lambda: cpp_serve(*sargs, S, K, SBS, 1)}, repeat * PAIR_ROUNDS))
     t_ref = timeit({"ref": lambda: serve_mod.reference_dsa_serve(*sargs, S, K, SBS, 1)}, max(2, repeat // 4))
     nbytes = rows * (DKV + DR) * 2
-    out.append(dict(op="dsa_serve", cfg=cfg, ms=t["op"] * 1e3, gbs=nbytes / t["op"] / 1e9,
-                    isel=t["isel"] / t["op"], copy=t["copy"] / t["op"], ref=t_ref["ref"] / t["op"],
-                    note=f"bare C++ {t['raw'] * 1e3:.2f} ms"))
+    out.append(dict(op="dsa_serve", cfg=cfg, ms=t["op"] * 1e3, bare=t["bare"] * 1e3, gbs=nbytes / t["op"] / 1e9,
+                    isel=t["isel"] / t["op"], copy=t["copy"] / t["op"], ref=t_ref["ref"] / t["op"], note=""))
     serve_op(*sargs, raw_seq=S, topk=K, selection_block_size=SBS)  # selection holds this step's rows
 
     # ---- dsa_install (metadata_update=0: identical work every call)
@@ -189,7 +199,7 @@ def bench_plan_serve_install(S: int, PS: int, F: int, full: tuple, repeat: int, 
         # rows installed: distinct FULL_OLD_MISS ids per batch row, first occurrence wins
         src_rows = []
         for b in range(B):
-            q = torch.nonzero(kind[b * S * K:(b + 1) * S * K] == 2).flatten()
+            q = torch.nonzero(kind[b * S * K:(b + 1) * S * K] == PlanKind.FULL_OLD_MISS).flatten()
             ids = val[b * S * K:(b + 1) * S * K][q]
             uniq, inv = torch.unique(ids, return_inverse=True)
             first = torch.full((uniq.numel(),), q.numel(), dtype=torch.long).scatter_reduce(
@@ -209,17 +219,18 @@ def bench_plan_serve_install(S: int, PS: int, F: int, full: tuple, repeat: int, 
             tmp_kv.copy_(cp_src_kv)
             tmp_rope.copy_(cp_src_rope)
 
-        t = timeit({
+        bare_install = Lib.cpu_op("dsa_install").default
+        t = timeit({"isel": isel_install, "copy": copy_install}, repeat)
+        t.update(timeit({
             "op": lambda: install_op(*iargs, raw_seq=S, topk=K, selection_block_size=SBS, metadata_update=0),
-            "isel": isel_install,
-            "copy": copy_install,
-        }, repeat)
+            "bare": lambda: bare_install(*iargs, S, K, SBS, 0),
+        }, repeat * PAIR_ROUNDS))
         nbytes = n_inst * (DKV + DR) * 2
-        out.append(dict(op="dsa_install", cfg=cfg, ms=t["op"] * 1e3, gbs=nbytes / t["op"] / 1e9,
-                        isel=t["isel"] / t["op"], copy=t["copy"] / t["op"], ref=None,
+        out.append(dict(op="dsa_install", cfg=cfg, ms=t["op"] * 1e3, bare=t["bare"] * 1e3,
+                        gbs=nbytes / t["op"] / 1e9, isel=t["isel"] / t["op"], copy=t["copy"] / t["op"], ref=None,
                         note=f"{n_inst} rows, metadata_update=0"))
     except Exception as e:  # the op belongs to another component; report instead of failing the run
-        out.append(dict(op="dsa_install", cfg=cfg, ms=None, gbs=None, isel=None, copy=None, ref=None,
+        out.append(dict(op="dsa_install", cfg=cfg, ms=None, bare=None, gbs=None, isel=None, copy=None, ref=None,
                         note=f"n/a: {type(e).__name__}: {str(e)[:60]}"))
     return out
 
@@ -253,6 +264,7 @@ def bench_gather(S: int, F: int, full: tuple, repeat: int, g: torch.Generator) -
         torch.index_select(fkv, 0, flat_idx, out=all_kv)
         torch.index_select(frp, 0, flat_idx, out=all_rope)
 
+    bare = Lib.cpu_op("npu_gather_selection_kv_cache").default
     for label, status0 in (("cold", status_cold), ("warm", warm)):
         status = status0.clone()
 
@@ -261,20 +273,67 @@ def bench_gather(S: int, F: int, full: tuple, repeat: int, g: torch.Generator) -
             return op(sel_rope, sel_kv, sbt, status, topk, paged_rope, paged_kv, fbt, L, q,
                       selection_topk_block_size=1)
 
+        def run_bare():
+            status.copy_(status0)
+            return bare(sel_rope, sel_kv, sbt, status, topk, paged_rope, paged_kv, fbt, L, q, 1)
+
         def run_ref():
             status.copy_(status0)
             return gather_mod.reference_npu_gather_selection_kv_cache(
                 sel_rope, sel_kv, sbt, status, topk, paged_rope, paged_kv, fbt, L, q, 1)
 
-        t = timeit({"op": run_op, "isel": isel_all}, repeat)
+        t = timeit({"isel": isel_all}, repeat)
+        t.update(timeit({"op": run_op, "bare": run_bare}, repeat * PAIR_ROUNDS))
         t_ref = timeit({"ref": run_ref}, max(2, repeat // 4))
         run_op()
         reused = int(torch.isin(status[..., :K], status0[..., :K]).logical_and(status[..., :K] >= 0).sum())
         moved = B * S * K - reused
-        out.append(dict(op=f"gather ({label})", cfg=cfg, ms=t["op"] * 1e3,
+        out.append(dict(op=f"gather ({label})", cfg=cfg, ms=t["op"] * 1e3, bare=t["bare"] * 1e3,
                         gbs=moved * (DKV + DR) * 2 / t["op"] / 1e9,
                         isel=t["isel"] / t["op"], copy=None, ref=t_ref["ref"] / t["op"],
                         note=f"reuse {reused / (B * S * K):.0%}, {moved} rows copied"))
+    return out
+
+
+def bench_overhead(repeat: int, calls: int = 500) -> list[tuple[str, float, float]]:
+    """Per-call time of each op and of its bare kernel on its smallest legal call (the kernel's own work is
+    a few microseconds, so the difference is the work outside it): ``(op, op us, bare us)``, each the min
+    over ``repeat`` interleaved samples of ``calls`` calls."""
+    g = torch.Generator().manual_seed(1)
+    i32, bf = torch.int32, torch.bfloat16
+    Bt, Kt, PSt, IRt, sbs = 1, 64, 16, 64, 16
+    topk = torch.arange(Kt, dtype=i32).view(1, 1, 1, Kt)
+    L = torch.tensor([Kt + 1], dtype=i32)
+    pid, i2s, lru = torch.full((1, PSt), -1, dtype=i32), torch.full((1, IRt), -1, dtype=i32), torch.zeros(1, 1, dtype=i32)
+    plan, rec, _ = torch.ops.custom.dsa_plan.default(topk, L, pid, i2s, lru)
+    fkv, frp = payload((1, Kt + 1, 8), g), payload((1, Kt + 1, 4), g)
+    pkv, prp = payload((1, PSt, 8), g), payload((1, PSt, 4), g)
+    skv, srp = payload((Kt // sbs, sbs, 8), g), payload((Kt // sbs, sbs, 4), g)
+    table = torch.arange(Kt // sbs, dtype=i32).view(1, -1)
+    status = torch.full((1, 1, 1, Kt + 1), -1, dtype=i32)
+    paged = (payload((5, sbs, 4), g), payload((5, sbs, 8), g))  # (rope, kv) blocks of the full cache
+    gather_args = (srp, skv, table, status, topk, *paged, torch.arange(5, dtype=i32).view(1, 5), L,
+                   torch.ones(1, dtype=i32))
+    ops_ = torch.ops.custom
+    pairs = {
+        "dsa_plan": (lambda: ops_.dsa_plan.default(topk, L, pid, i2s, lru),
+                     lambda b=Lib.cpu_op("dsa_plan").default: b(topk, L, pid, i2s, lru)),
+        "dsa_serve": (lambda: ops_.dsa_serve.default(plan, fkv, frp, pkv, prp, skv, srp, topk=Kt, selection_block_size=sbs),
+                      lambda b=Lib.cpu_op("dsa_serve").default: b(plan, fkv, frp, pkv, prp, skv, srp, 1, Kt, sbs, 1)),
+        "dsa_install": (lambda: ops_.dsa_install.default(rec, skv, srp, table, pkv, prp, pid, i2s, lru, topk=Kt,
+                                                         selection_block_size=sbs, metadata_update=0),
+                        lambda b=Lib.cpu_op("dsa_install").default: b(rec, skv, srp, table, pkv, prp, pid, i2s, lru,
+                                                                      1, Kt, sbs, 0)),
+        "npu_gather_selection_kv_cache": (
+            lambda: ops_.npu_gather_selection_kv_cache.default(*gather_args, selection_topk_block_size=1),
+            lambda b=Lib.cpu_op("npu_gather_selection_kv_cache").default: b(*gather_args, 1)),
+    }
+    out = []
+    for name, (op, bare) in pairs.items():
+        def many(f):
+            return lambda: [f() for _ in range(calls)]
+        t = timeit({"op": many(op), "bare": many(bare)}, repeat)
+        out.append((name, t["op"] / calls * 1e6, t["bare"] / calls * 1e6))
     return out
 
 
@@ -301,6 +360,7 @@ def main() -> None:
             Lib.cpu_op(name)  # build outside the timings
         except Exception as e:  # noqa: BLE001
             print(f"warning: C++ kernel {name} unavailable: {e}")
+    overhead = bench_overhead(repeat)
     full = (payload((B, F, DKV), g), payload((B, F, DR), g))
     rows: list[Row] = []
     for S in (1, 4):
@@ -314,15 +374,24 @@ def main() -> None:
     print(f"load average {load:.1f} on {os.cpu_count()} cores"
           + ("  [machine shared: multi-threaded timings include waits for a descheduled worker thread;"
              " compare with --threads 1]" if load > (os.cpu_count() or 1) * 0.75 else ""))
-    print("ratios = baseline time / op time (> 1: op faster)\n")
-    head = f"{'op':<16} {'config':<22} {'op ms':>8} {'GB/s':>6} {'vs index_select':>16} {'vs copy_':>9} {'vs reference':>13}  note"
+    print("ratios = baseline time / op time (> 1: op faster); op / bare = op time / bare kernel time "
+          "(1: no per-call work outside the kernel)\n")
+    head = (f"{'op':<16} {'config':<22} {'op ms':>8} {'bare ms':>8} {'op / bare':>9} {'GB/s':>6} "
+            f"{'vs index_select':>16} {'vs copy_':>9} {'vs reference':>13}  note")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['op']:<16} {r['cfg']:<22} {fmt(r['ms'], '8.2f')} {fmt(r['gbs'], '6.1f')} "
+        ratio = r["ms"] / r["bare"] if r.get("bare") else None
+        print(f"{r['op']:<16} {r['cfg']:<22} {fmt(r['ms'], '8.3f')} {fmt(r.get('bare'), '8.3f')} "
+              f"{fmt(ratio, '9.3f')} {fmt(r['gbs'], '6.1f')} "
               f"{fmt(r['isel'], '15.2f') + ('x' if r['isel'] is not None else ' '):>16} "
               f"{fmt(r['copy'], '8.2f') + ('x' if r['copy'] is not None else ' '):>9} "
               f"{fmt(r['ref'], '12.1f') + ('x' if r['ref'] is not None else ' '):>13}  {r['note']}")
+    print("\nper-call work outside the kernel: the smallest legal call of each op (B1 S1 K64), "
+          "microseconds per call")
+    print(f"{'op':<30} {'op us':>7} {'bare us':>8} {'op - bare':>10}")
+    for name, t_op, t_bare in overhead:
+        print(f"{name:<30} {t_op:7.2f} {t_bare:8.2f} {t_op - t_bare:10.2f}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from offload_passes._cli import ArgumentParser, int_arg
+
 
 def _rss_kib() -> int:
     try:
@@ -228,7 +230,7 @@ def serve_main(a: argparse.Namespace) -> int:
 
     out = run_serve("tiny", a.steps, "eager", 256 if a.pool_size == 128 else a.pool_size, next_n=3, batch=4,
                     seed=a.seed, threads=a.threads, unannounced=True, on_step=on_step, max_seconds=a.max_seconds,
-                    buckets=buckets, arrival=a.arrival)
+                    buckets=buckets, arrival=a.arrival, update_ledger=a.bookkeeping == "on")
     end = _rss_kib()
     out["rss_mib"] = {"start": rss["start"] / 1024, "after_warmup": rss["after_warmup"] / 1024, "end": end / 1024,
                       "growth_after_warmup": (end - rss["after_warmup"]) / 1024}
@@ -239,7 +241,8 @@ def serve_main(a: argparse.Namespace) -> int:
         st = out.get("static", {})
         print("\n".join([
             f"soak --serve: tiny, {out['steps']} decode steps (of {out['steps_requested']} requested), B={out['B']} "
-            f"S={out['S']} pool={out['pool_size']} seed={a.seed}; {out['requests_admitted']} requests, "
+            f"S={out['S']} pool={out['pool_size']} seed={a.seed} update_ledger={a.bookkeeping == 'on'}; "
+            f"{out['requests_admitted']} requests, "
             f"batch changed on {out['batch_changes']} steps",
             f"  max |diff| logits vs unmodified model: announcing {out['max_abs_diff']:g}, told nothing "
             f"{u.get('max_abs_diff', float('nan')):g}",
@@ -257,16 +260,19 @@ def serve_main(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=10000)
-    p.add_argument("--pool-size", type=int, default=128, help="pool slots per row (small: evictions every step)")
+    p = ArgumentParser(prog="soak.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int_arg("--steps", 1), default=10000)
+    p.add_argument("--pool-size", type=int_arg("--pool-size", 16), default=128,
+                   help="pool slots per row (small: evictions every step)")
     p.add_argument("--p-new", type=float, default=0.02, help="per row and step: probability of a new request")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--log-every", type=int, default=0, help="progress line on stderr every N steps")
+    p.add_argument("--seed", type=int_arg("--seed", 0), default=0)
+    p.add_argument("--threads", type=int_arg("--threads", 1), default=1)
+    p.add_argument("--log-every", type=int_arg("--log-every", 0), default=0,
+                   help="progress line on stderr every N steps")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop after this wall time (0: no limit)")
     p.add_argument("--bookkeeping", choices=("on", "off"), default="on",
-                   help="off: no gather ledger in the rewrite (the NPU modes' default)")
+                   help="off: no gather ledger in the rewrite (update_ledger=False, the NPU modes' default); "
+                        "--serve too")
     p.add_argument("--serve", action="store_true",
                    help="the serving loop instead (models/glm/serve.py: continuous batching on paged KV, "
                         "B=4 rows per rank, MTP next_n=3 with varying acceptance, a C++ KV transfer); compares "
@@ -277,8 +283,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="--serve: probability that a request waits when a row frees (1: the batch stays full)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    if a.steps < 1:
-        p.error("--steps must be >= 1")
     if a.serve:
         return serve_main(a)
     if not 0.0 <= a.p_new <= 1.0:

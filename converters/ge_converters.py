@@ -24,7 +24,7 @@ from torchair.ge import Clone, attr, custom_op
 from torchair.ge import Tensor as GeTensor  # public base of TorchAir's GE graph tensors
 
 from ..custom_ops import OP_SPECS
-from ..custom_ops.opspec import OpSpec, is_tensor_arg
+from ..custom_ops.opspec import OpSpec, is_tensor_arg, schema_binder
 
 log = logging.getLogger("offload_passes.converters")
 
@@ -45,24 +45,11 @@ def _attr_for(arg: "torch.Argument", value: Any, op: str):
     raise RuntimeError(f"{op}: argument {arg.name} has type {arg.type} which has no GE attr mapping")
 
 
-def _bind(schema: "torch.FunctionSchema", args: Tuple, kwargs: Dict[str, Any], op: str) -> Dict[str, Any]:
-    """Map a converter call (FX node args/kwargs) onto schema argument names, filling defaults."""
-    names = [a.name for a in schema.arguments]
-    if len(args) > len(names):
-        raise RuntimeError(f"{op}: {len(args)} positional arguments, schema has {len(names)}")
-    bound = dict(zip(names, args))
-    for k, v in kwargs.items():
-        if k not in names:
-            raise RuntimeError(f"{op}: unexpected argument {k!r}")
-        if k in bound:
-            raise RuntimeError(f"{op}: argument {k!r} given twice")
-        bound[k] = v
-    for a in schema.arguments:
-        if a.name not in bound:
-            if not a.has_default_value():
-                raise RuntimeError(f"{op}: missing required argument {a.name!r}")
-            bound[a.name] = a.default_value
-    return bound
+def _bind(schema: "torch.FunctionSchema", args: Tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """A converter call (FX node args/kwargs) by schema argument name, defaults filled (the ops' one binder,
+    ``custom_ops/opspec.py`` ``Binder``: a bad call raises ``OpArgumentError`` naming the op and argument)."""
+    b = schema_binder(schema)
+    return dict(zip(b.names, b(args, kwargs)))
 
 
 def _emit(spec: OpSpec, schema, bound: Dict[str, Any], op: str, move: Tuple[str, ...] = ()):
@@ -94,7 +81,7 @@ def _make_inplace_converter(spec: OpSpec, overload) -> Callable:
     keep = [spec.ge_outputs.index(n) for n in spec.non_ref_outputs]
 
     def convert(*args, meta_outputs: Any = None, **kwargs):
-        outs = _emit(spec, schema, _bind(schema, args, kwargs, op), op)
+        outs = _emit(spec, schema, _bind(schema, args, kwargs), op)
         picked = [outs[i] for i in keep]
         if not picked:
             return None  # `-> ()`: the updated values live in the same-named ref outputs
@@ -110,7 +97,7 @@ def _make_functional_converter(spec: OpSpec, overload) -> Callable:
     order = [spec.ge_outputs.index(n) for n in spec.functional_outputs]
 
     def convert(*args, meta_outputs: Any = None, **kwargs):
-        outs = _emit(spec, schema, _bind(schema, args, kwargs, op), op, move=spec.mutated)
+        outs = _emit(spec, schema, _bind(schema, args, kwargs), op, move=spec.mutated)
         return tuple(outs[i] for i in order)
 
     convert.__name__ = f"convert_{spec.functional}"

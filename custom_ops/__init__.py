@@ -34,6 +34,7 @@ from ._cann import CannLibraryStatus, cann_library_status, find_cann_library, lo
 from . import npu_quant_lightning_indexer  # noqa: F401
 from . import dsa_install_sc  # noqa: F401,E402  (opt-in second-chance pool policy, offload_ref::)
 from . import cache_write  # noqa: F401,E402  (in-place cache writes of the reference graph, offload_ref:: test doubles)
+from . import static_cache_write  # noqa: F401,E402  (a transformers StaticCache layer's write: the HF host-KV cache)
 from . import moe_distribute  # noqa: F401,E402  (MC2 MoE dispatch / combine references, offload_ref::)
 
 from .opspec import OpSpec, find_spec  # noqa: E402
@@ -49,6 +50,7 @@ OP_SPECS: tuple[OpSpec, ...] = (
     npu_sparse_flash_attention.SPEC,
     dsa_install_sc.SPEC,
     *cache_write.SPECS,
+    static_cache_write.SPEC,
     *moe_distribute.SPECS,
 )
 

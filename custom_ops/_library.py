@@ -5,16 +5,20 @@ Every op module (``dsa_plan.py``, ``dsa_serve.py`` ...) uses these helpers so th
 * a schema already present in the process (CANN's ``custom_ops`` extension loaded first) is never
   redefined; we only add the kernels that are missing (CPU, Meta/fake, Functionalize);
 * C++ CPU kernels (``csrc/*.cpp``, all ops in one library) are built by ``pip install`` (``setup.py``,
-  ``BuildExtension``) and loaded on the first CPU call. Only when that prebuilt library is missing (a
-  source checkout without build, another torch version) or ``OFFLOAD_PASSES_JIT_KERNELS=1`` is set are
-  they JIT-built with ``torch.utils.cpp_extension.load`` + ninja, cached under ``TORCH_EXTENSIONS_DIR``
-  (default ``~/.cache/torch_extensions``). Importing the package never invokes a compiler or loads them.
+  ``BuildExtension``) and loaded when the op modules register (about 1 ms), so that each op's CPU kernel
+  is its C++ entry (``csrc/_entry.cpp``). Only when that prebuilt library is missing (a source checkout
+  without build, another torch version) or ``OFFLOAD_PASSES_JIT_KERNELS=1`` is set are they JIT-built with
+  ``torch.utils.cpp_extension.load`` + ninja on the first CPU call, cached under ``TORCH_EXTENSIONS_DIR``
+  (default ``~/.cache/torch_extensions``); the ops' CPU kernels then stay Python (validation once per call
+  signature, then the C++ kernel). Importing the package never invokes a compiler.
 * ``OFFLOAD_PASSES_CPU_KERNELS=reference`` switches every CPU kernel to the pure-torch reference
   (for machines without a compiler); the default ``cpp`` uses the C++ kernels.
 
-It also holds the small pieces every op's CPU wiring repeats: ``check`` (eager or lazily formatted
-message), ``cpu_kernel`` (the resolved C++ entry point, cached), ``dense`` (contiguous copy of a
-read-only input, logged once) and ``ValidationMemo`` (skip re-validating a signature that passed).
+It also holds what every op's wiring shares, on every device: ``bind`` (``OpSpec.binder``: the one schema
+binding), ``run_twin`` (the one functional-twin runner), ``ValidationMemo`` (validate once per call
+signature), ``check`` (eager or lazily formatted message), ``cpu_kernel`` / ``cpu_run`` (the C++ kernel or
+the reference), ``register_twins`` (the op's kernels from its spec) and the C++ CPU entries
+(``csrc/_entry.cpp``: the op's CPU kernel without Python per call, :func:`register_cpu`).
 """
 from __future__ import annotations
 
@@ -229,8 +233,8 @@ def _jit_build() -> None:
 def check(cond: bool, op: str, msg: Union[str, Callable[[], str]]) -> None:
     """Raise ``RuntimeError("custom::<op>: <msg>")`` unless ``cond``. Messages name argument and limit.
 
-    ``msg`` may be a zero-argument callable: validation runs on every call, so hot paths format the
-    message only when the check fails.
+    ``msg`` may be a zero-argument callable: the fake kernels validate on every traced call, so hot paths
+    format the message only when the check fails.
     """
     if not cond:
         raise RuntimeError(f"{qualname(op)}: {msg() if callable(msg) else msg}")
@@ -259,45 +263,47 @@ def cpu_kernel(name: str) -> "_compat.OpOverload":
 _warned_copy: set[tuple[str, str]] = set()
 
 
-def dense(t: torch.Tensor, op: str, name: str) -> torch.Tensor:
-    """A read-only input of ``custom::<op>`` as a dense tensor. Copying a non-contiguous KV cache every
-    call is a silent bandwidth sink, so it is logged (once per op and argument)."""
-    if t.is_contiguous():
-        return t
-    if (op, name) not in _warned_copy:
-        _warned_copy.add((op, name))
-        logging.getLogger(f"{log.name}.{op}").warning(
-            "custom::%s: %s is not contiguous; the CPU kernel copies it on every call", op, name
-        )
-    return t.contiguous()
+def warn_strided(op: str, spec: "OpSpec", a: Sequence) -> None:
+    """Log (once per op and argument) every strided tensor of the bound arguments ``a``: the kernels copy
+    it to a dense buffer on every call (and back, for a mutated one), a silent bandwidth sink."""
+    for name, t in zip(spec.arg_names, a):
+        if isinstance(t, torch.Tensor) and not t.is_contiguous() and (op, name) not in _warned_copy:
+            _warned_copy.add((op, name))
+            logging.getLogger(f"{log.name}.{spec.name}").warning(
+                "%s: %s is not contiguous; the kernel copies it on every call", op, name)
+
+
+def signature(a: Sequence) -> list:
+    """What validation reads of bound arguments: per tensor its shape, dtype and contiguity; every other
+    argument itself."""
+    return [(x.shape, x.dtype, x.is_contiguous()) if isinstance(x, torch.Tensor) else x for x in a]
 
 
 _T = TypeVar("_T")
 
 
 class ValidationMemo:
-    """Remembers what validation returned for signatures that passed.
+    """What validation returned for call signatures (:func:`signature`) that passed.
 
-    Validation depends only on shapes, dtypes and the int arguments, and costs more than the kernel
-    launch on small inputs, so the CPU kernels skip it for a signature seen before (fake kernels
-    always check). Failures are never stored. Bounded: cleared when ``maxsize`` is reached.
+    An op's ``validate_<op>`` reads shapes, dtypes and the non-tensor arguments only, so a signature that
+    passed passes again; kernels validate once per signature (the fake kernels always do, so a graph is
+    checked when it is traced). Failures are never stored. Bounded: cleared when ``maxsize`` is reached.
     """
 
     def __init__(self, maxsize: int = 1024) -> None:
         self.maxsize = maxsize
         self._memo: dict[Hashable, object] = {}
 
-    @staticmethod
-    def key(op: str, ints: Hashable, tensors: Iterable[torch.Tensor]) -> tuple:
-        return (op, ints) + tuple((t.shape, t.dtype) for t in tensors)
-
-    def __call__(self, key: Hashable, validate: Callable[[], _T]) -> _T:
-        """The remembered result for ``key``, else ``validate()`` (stored if it returns)."""
+    def __call__(self, op: str, a: Sequence, validate: Callable[[Sequence, str], _T]) -> _T:
+        """``validate(a, op)`` unless the signature of ``a`` passed before (then what it returned)."""
+        key = (op, *signature(a))
         try:
             return self._memo[key]  # type: ignore[return-value]
         except KeyError:
             pass
-        result = validate()
+        except TypeError:  # an unhashable argument: no memo
+            return validate(a, op)
+        result = validate(a, op)
         if len(self._memo) >= self.maxsize:
             self._memo.clear()
         self._memo[key] = result
@@ -377,26 +383,106 @@ def defined_ops() -> Iterable[str]:
 # --------------------------------------------------------------------------------------------
 
 def bind(spec: "OpSpec", args: Sequence, kwargs: dict) -> tuple:
-    """The op's arguments in schema order, defaults filled in.
+    """The op's arguments in schema order, defaults filled in (``spec.binder``: ``opspec.Binder``)."""
+    return spec.binder(args, kwargs)
 
-    The dispatcher hands a Python kernel the keyword-only arguments by name and may leave out those equal
-    to their defaults, so kernels written against the schema take ``(*args, **kwargs)`` and bind here.
-    """
-    params = spec.parsed.arguments
-    if len(args) > len(params):
-        raise TypeError(f"{spec.qualname}: {len(args)} positional arguments, the schema has {len(params)}")
-    out = list(args)
-    for p in params[len(args):]:
-        if p.name in kwargs:
-            out.append(kwargs[p.name])
-        elif p.default_value is not None or p.type.kind() == "OptionalType":
-            out.append(p.default_value)
-        else:
-            raise TypeError(f"{spec.qualname}: missing argument {p.name!r}")
-    unknown = set(kwargs) - {p.name for p in params}
-    if unknown:
-        raise TypeError(f"{spec.qualname}: unknown arguments {sorted(unknown)}")
-    return tuple(out)
+
+def own_outputs(ret: object) -> tuple:
+    """What a kernel returned, as a tuple (``()`` for None)."""
+    return () if ret is None else tuple(ret) if isinstance(ret, (tuple, list)) else (ret,)
+
+
+def run_twin(spec: "OpSpec", a: tuple, checked: object, run: Callable[[tuple, object], object],
+             twin_outputs: Optional[Callable[[tuple], tuple]] = None) -> tuple:
+    """The functional twin on the bound arguments ``a``, for every device (the CPU kernels here, the CUDA
+    ones in ``cuda/_common.py``): ``run`` writes fresh buffers in place of the mutated arguments (clones of
+    them, or what ``twin_outputs(a)`` gives) and the twin returns the op's own outputs, then those buffers
+    (CANN's order, ``OpSpec.functional_schema``). The inputs are never written."""
+    outs = tuple(twin_outputs(a)) if twin_outputs else tuple(a[i].clone() for i in spec.mutated_positions)
+    b = list(a)
+    for i, out in zip(spec.mutated_positions, outs):
+        b[i] = out
+    return own_outputs(run(tuple(b), checked)) + outs
+
+
+def _registrars(namespace: str) -> tuple[Callable[[str, str, Callable], bool], Callable[[str, Callable], bool]]:
+    """``(impl, register_fake)`` of the namespace's library (``custom`` here, ``offload_ref`` in
+    ``_attention_common.py``)."""
+    if namespace == NAMESPACE:
+        return impl, register_fake
+    from ._attention_common import REF_NAMESPACE, ref_impl, ref_register_fake
+
+    if namespace != REF_NAMESPACE:
+        raise ValueError(f"no registration helpers for namespace {namespace!r}")
+    return ref_impl, ref_register_fake
+
+
+def cpu_run(spec: "OpSpec", reference: Callable[..., object]) -> Callable[[tuple, object], object]:
+    """The CPU computation on bound arguments: the op's C++ kernel (``offload_cpu::<op>``, the op's own
+    arguments), or ``reference`` (called with the arguments by name; op modules pass a lambda, so that the
+    module's ``reference_<op>`` is looked up per call) when ``OFFLOAD_PASSES_CPU_KERNELS=reference``."""
+    names = spec.arg_names
+
+    def run(a: tuple, _checked: object = None) -> object:
+        if cpu_kernel_mode() == "reference":
+            return reference(**dict(zip(names, a)))
+        return cpu_kernel(spec.name)(*a)
+
+    return run
+
+
+# The C++ CPU entries (csrc/_entry.cpp): custom::<op>'s CPU kernel in C++, which runs the bare kernel for call
+# signatures that passed the checked path (offload_cpu::<op>_checked: the Python kernel below) before.
+_checked_lib = torch.library.Library(CPU_NAMESPACE, "FRAGMENT")
+_entries: set[str] = set()
+_entries_ok: Optional[bool] = None
+
+
+def _entries_available() -> bool:
+    """The C++ entries need the kernels' library when the op modules register: the prebuilt one, loaded at
+    import (a JIT build happens on the first call, too late; those processes keep the Python kernels)."""
+    global _entries_ok
+    if _entries_ok is None:
+        _entries_ok = False
+        if _choose_origin()[0] == "prebuilt":
+            try:
+                load_cpu_kernels()
+                _entries_ok = _compat.dispatcher_has_schema(f"{CPU_NAMESPACE}::_register_checked_entry")
+            except (OSError, RuntimeError):  # a library built for another torch: the JIT path takes over
+                log.warning("C++ CPU kernels: the prebuilt library did not load; Python CPU kernels",
+                            exc_info=True)
+    return _entries_ok
+
+
+def register_cpu(spec: "OpSpec", kernel: Callable) -> str:
+    """Register ``kernel`` (the op's Python CPU path) for ``spec``'s op, unless the op has a CPU kernel
+    already (CANN's). With the C++ kernels loaded it becomes ``offload_cpu::<op>_checked`` behind the C++
+    entry; returns ``"entry"``, ``"python"`` or ``""`` (nothing registered)."""
+    name = spec.name
+    if _compat.dispatcher_has_kernel(spec.qualname, "CPU"):
+        return ""
+    if _entries_available() and _compat.dispatcher_has_schema(f"{CPU_NAMESPACE}::{name}"):
+        checked = f"{name}_checked"
+        if not _compat.dispatcher_has_schema(f"{CPU_NAMESPACE}::{checked}"):
+            _checked_lib.define(checked + spec.schema[len(name):])
+            _checked_lib.impl(checked, kernel, "CPU")
+        torch.ops.offload_cpu._register_checked_entry(spec.qualname)
+        _entries.add(spec.qualname)
+        return "entry"
+    _registrars(spec.namespace)[0](name, "CPU", kernel)
+    return "python"
+
+
+def has_cpu_entry(spec: "OpSpec") -> bool:
+    """True when ``spec``'s op runs through the C++ CPU entry in this process (csrc/_entry.cpp)."""
+    return spec.qualname in _entries
+
+
+def set_checked_bypass(spec: "OpSpec", on: bool) -> None:
+    """While ``on``, every CPU call of the op takes its Python path (observers of the op's calls,
+    ``custom_ops/dsa_plan.py``). No-op without the C++ entry (every call is Python then)."""
+    if spec.qualname in _entries:
+        torch.ops.offload_cpu._set_checked_bypass(spec.qualname, on)
 
 
 def register_twins(
@@ -404,7 +490,6 @@ def register_twins(
     *,
     validate: Callable[[tuple, str], object],
     run: Callable[[tuple, object], object],
-    cpu_validate: Optional[Callable[[tuple, str], object]] = None,
     twin_outputs: Optional[Callable[[tuple], tuple]] = None,
     fake_returns: Optional[Callable[[tuple, object], object]] = None,
 ) -> None:
@@ -412,55 +497,53 @@ def register_twins(
 
     Every callable takes the bound arguments (:func:`bind`) as one tuple ``a``, in schema order:
 
-    * ``validate(a, op)``: every check of the op (``op`` names the op or its twin in the messages); the
-      fake kernels run it on every call;
-    * ``cpu_validate(a, op)``: what the CPU kernels run instead (a ``ValidationMemo`` over ``validate``);
-      its result is handed to ``run``; default ``validate``;
-    * ``run(a, checked)``: the CPU computation, writing the mutated arguments of ``a`` in place and
-      returning the op's own outputs (None when the schema returns none);
+    * ``validate(a, op)``: every check of the op that reads no tensor data (``op`` names the op or its twin
+      in the messages); the fake kernels run it on every call, the CPU kernels once per call signature
+      (:class:`ValidationMemo`; the C++ entry of csrc/_entry.cpp for the op itself);
+    * ``run(a, checked)``: the CPU computation (usually :func:`cpu_run`), writing the mutated arguments of
+      ``a`` in place and returning the op's own outputs (None when the schema returns none); ``checked``
+      is what ``validate`` returned;
     * ``twin_outputs(a)``: the buffers the twin writes instead of the mutated arguments, schema order;
-      default clones of them (the twin's outputs start from the inputs);
-    * ``fake_returns(a, checked)``: the op's own outputs on fake tensors (``checked``: what ``validate``
-      returned); default None.
+      default clones of them (:func:`run_twin`);
+    * ``fake_returns(a, checked)``: the op's own outputs on fake tensors; default None.
 
     The twin returns the op's own outputs, then the new value of each mutated argument (CANN's order,
     ``OpSpec.functional_schema``); its fake returns ``empty_like`` of each mutated argument.
     """
-    cpu_check = cpu_validate or validate
+    reg_impl, reg_fake = _registrars(spec.namespace)
+    memo = ValidationMemo()
     mutated = spec.mutated_positions
 
+    def first_validation(a: tuple, op: str) -> object:
+        checked = validate(a, op)
+        warn_strided(op, spec, a)
+        return checked
+
     def op_cpu(*args, **kwargs):
-        a = bind(spec, args, kwargs)
-        return run(a, cpu_check(a, spec.name))
+        a = spec.binder(args, kwargs)
+        return run(a, memo(spec.name, a, first_validation))
 
     def op_fake(*args, **kwargs):
-        a = bind(spec, args, kwargs)
+        a = spec.binder(args, kwargs)
         checked = validate(a, spec.name)
         return fake_returns(a, checked) if fake_returns else None
 
-    register_fake(spec.name, op_fake)
-    impl(spec.name, "CPU", op_cpu)
+    reg_fake(spec.name, op_fake)
+    register_cpu(spec, op_cpu)
     if spec.functional is None:
         return
 
-    def own_outputs(ret: object) -> tuple:
-        return () if ret is None else tuple(ret) if isinstance(ret, (tuple, list)) else (ret,)
-
     def twin_cpu(*args, **kwargs):
-        a = bind(spec, args, kwargs)
-        checked = cpu_check(a, spec.functional)
-        outs = tuple(twin_outputs(a)) if twin_outputs else tuple(a[i].clone() for i in mutated)
-        b = list(a)
-        for i, out in zip(mutated, outs):
-            b[i] = out
-        return own_outputs(run(tuple(b), checked)) + outs
+        a = spec.twin_binder(args, kwargs)
+        return run_twin(spec, a, memo(spec.functional, a, first_validation), run, twin_outputs)
 
     def twin_fake(*args, **kwargs):
-        a = bind(spec, args, kwargs)
+        a = spec.twin_binder(args, kwargs)
         checked = validate(a, spec.functional)
         own = own_outputs(fake_returns(a, checked)) if fake_returns else ()
         return own + tuple(torch.empty_like(a[i]) for i in mutated)
 
-    register_fake(spec.functional, twin_fake)
-    impl(spec.functional, "CPU", twin_cpu)
-    register_functionalization(spec.name, spec.functional, spec.mutated, spec.num_leading_outputs)
+    reg_fake(spec.functional, twin_fake)
+    reg_impl(spec.functional, "CPU", twin_cpu)
+    if spec.namespace == NAMESPACE:
+        register_functionalization(spec.name, spec.functional, spec.mutated, spec.num_leading_outputs)

@@ -11,6 +11,8 @@ the buffer, so there a clone between plan and install corrupts decoding. **The C
 reference) use ``base = 0``** (records at byte 0, counts at byte ``rec_bytes``) and never look at the
 buffer address; the buffer only has to hold ``required`` bytes (plan's ``+4095`` slack is not needed).
 
+A rope width of 0 (rope tensors ``[..., 0]``) is the no-rope mode (docs/ops.md §3.3): only kv rows move.
+
 ``dst = b*(PS//sbs)*sbs + slot`` is kept exactly as on the NPU; with ``PS % selection_block_size != 0``
 (never the case in GLM) batch rows overlap in the flat pool, and the C++ kernel then runs the batch
 rows sequentially so that the result stays deterministic and equal to the reference.
@@ -41,20 +43,23 @@ SPEC = OpSpec(
     role="offload",
     summary="install the step's missed selection rows into the pool (16-way FIFO) and its metadata",
     functional="dsa_install_functional",
-    limits=shared_limits("MAX_RAW_SEQ", "MAX_TOPK", "MAX_DKV", "MAX_DR", "MAX_POOL", "WAYS", "TOPK_GRANULARITY",
+    limits=shared_limits("MAX_RAW_SEQ", "MAX_TOPK", "MAX_DKV", "MIN_DR", "MAX_DR", "MAX_POOL", "WAYS", "TOPK_GRANULARITY",
                          "MIN_SELECTION_BLOCK_SIZE", "MAX_SELECTION_BLOCK_SIZE")
     + (Limit("MAX_ID_RANGE", (192 - 12 - 8) * 1024 * 8,
              "id_to_slot width IR: the NPU kernel keeps a ceil(IR/32)*4-byte bitset in its 192 KiB UB beside "
              "~12 KiB of buffers and an 8 KiB pad (the CPU kernels do not need it; options.py enforces it)"),),
     ge=GeOp("DsaInstall", outputs=("pool_kv_cache", "pool_k_rope", "pool_ids", "id_to_slot", "lru_counter")),
     cuda_kernel="dsa_install",
+    arg_roles={"install_records": "records", "selection_kv_cache": "selection", "selection_k_rope": "selection",
+               "selection_kv_block_table": "selection_table", "pool_kv_cache": "pool", "pool_k_rope": "pool",
+               "pool_ids": "metadata", "id_to_slot": "metadata", "lru_counter": "metadata"},
 )
 OP, FUNCTIONAL_OP = SPEC.op_names
 L.define(SPEC.schema)
 L.define(SPEC.functional_schema)
 
-MAX_RAW_SEQ, MAX_TOPK, MAX_DKV, MAX_DR, TOPK_GRANULARITY, MIN_SBS, MAX_SBS = SPEC.limit_values(
-    "MAX_RAW_SEQ", "MAX_TOPK", "MAX_DKV", "MAX_DR", "TOPK_GRANULARITY", "MIN_SELECTION_BLOCK_SIZE",
+MAX_RAW_SEQ, MAX_TOPK, MAX_DKV, MIN_DR, MAX_DR, TOPK_GRANULARITY, MIN_SBS, MAX_SBS = SPEC.limit_values(
+    "MAX_RAW_SEQ", "MAX_TOPK", "MAX_DKV", "MIN_DR", "MAX_DR", "TOPK_GRANULARITY", "MIN_SELECTION_BLOCK_SIZE",
     "MAX_SELECTION_BLOCK_SIZE")
 PAYLOAD_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -139,7 +144,8 @@ def validate_dsa_install(*args: Any, op: str = OP, **kwargs: Any) -> tuple:
     )
     Dkv, Dr = pool_kv_cache.size(2), pool_k_rope.size(2)
     L.check(0 < Dkv <= MAX_DKV, op, f"pool_kv_cache dim 2 (Dkv) must be in (0, {MAX_DKV}], got {Dkv}")
-    L.check(0 < Dr <= MAX_DR, op, f"pool_k_rope dim 2 (Dr) must be in (0, {MAX_DR}], got {Dr}")
+    L.check(MIN_DR <= Dr <= MAX_DR, op, f"pool_k_rope dim 2 (Dr) must be in [{MIN_DR}, {MAX_DR}] (0: no-rope mode), "
+                                         f"got {Dr}")
     L.check(
         selection_kv_cache.size(2) == Dkv,
         op,
@@ -244,6 +250,8 @@ def reference_dsa_install(
     )
     winners = rev[last]
     for pool, sel in ((pool_kv_cache, selection_kv_cache), (pool_k_rope, selection_k_rope)):
+        if sel.size(-1) == 0:  # the no-rope mode: nothing to move (and a [-1, 0] view is undefined)
+            continue
         flat_sel = sel.reshape(-1, sel.size(-1))
         pool_flat = pool.view(-1, pool.size(-1)) if pool.is_contiguous() else None
         rows = flat_sel[src[winners]]
@@ -279,22 +287,11 @@ def reference_dsa_install(
 
 def reference_dsa_install_functional(*args, **kwargs) -> tuple[torch.Tensor, ...]:
     """Functional twin of :func:`reference_dsa_install`: returns updated clones, inputs untouched."""
-    args = list(args)
-    outs = [args[i].clone() for i in SPEC.mutated_positions]
-    for i, out in zip(SPEC.mutated_positions, outs):
-        args[i] = out
-    reference_dsa_install(*args, **kwargs)
-    return tuple(outs)
+    a = SPEC.twin_binder(args, kwargs)
+    return L.run_twin(SPEC, a, None, lambda b, _: reference_dsa_install(**dict(zip(SPEC.arg_names, b))))
 
 
-def _run_inplace(a: tuple, _checked: object = None) -> None:
-    """The CPU kernel on the bound arguments ``a`` (schema order), writing the pool and its metadata."""
-    if L.cpu_kernel_mode() == "reference":
-        reference_dsa_install(*a[:9], **dict(zip(SPEC.arg_names[9:], a[9:])), validate=False)
-        return
-    # the C++ kernel takes no selection_kv_block_table: install never reads it (docs/ops.md §4.1)
-    L.cpu_kernel(OP)(*a[:3], *a[4:])
-
-
-# CPU and fake kernels of the op and its twin, Functionalize (custom_ops/_library.py: register_twins)
-L.register_twins(SPEC, validate=lambda a, op: validate_dsa_install(*a, op=op), run=_run_inplace)
+# CPU and fake kernels of the op and its twin, Functionalize (custom_ops/_library.py: register_twins); the
+# CPU computation is csrc/dsa_install.cpp (the op's arguments) or reference_dsa_install
+L.register_twins(SPEC, validate=lambda a, op: validate_dsa_install(*a, op=op),
+                 run=L.cpu_run(SPEC, lambda **a: reference_dsa_install(**a, validate=False)))

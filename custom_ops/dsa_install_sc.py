@@ -28,11 +28,12 @@ import logging
 import torch
 
 from . import _library as L
-from ._attention_common import REF_NAMESPACE, ref_define, ref_impl, ref_register_fake
+from ._attention_common import REF_NAMESPACE, ref_define
 from ._records import decode_records
 from .dsa_install import SPEC as INSTALL_SPEC
 from .dsa_install import validate_dsa_install
 from .opspec import Limit, OpSpec
+from .plan_kind import PlanKind
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_install_sc")
 
@@ -50,6 +51,7 @@ SPEC = OpSpec(
     # dsa_install's limits (it runs dsa_install's validation) plus where the reference bits live
     limits=INSTALL_SPEC.limits + (Limit("REF_SHIFT", 4, "lru_counter bits 4..19 hold one reference bit per way"),),
     cuda_kernel="dsa_install_sc",
+    arg_roles={"plan": "plan", **INSTALL_SPEC.arg_roles},
 )
 OP = SPEC.name
 REF_SHIFT = SPEC.limit("REF_SHIFT")
@@ -84,16 +86,17 @@ def reference_dsa_install_sc(plan, install_records, selection_kv_cache, selectio
     vals = plan[:, 1].view(B, S * K).tolist()
     ctr_all = lru_counter.tolist()
     sel_kv = selection_kv_cache.reshape(-1, selection_kv_cache.size(-1))
-    sel_rope = selection_k_rope.reshape(-1, selection_k_rope.size(-1))
     kv_flat = pool_kv_cache.view(-1, pool_kv_cache.size(-1))
-    rope_flat = pool_k_rope.view(-1, pool_k_rope.size(-1))
+    Dr = selection_k_rope.size(-1)  # 0: the no-rope mode (a [-1, 0] view is undefined; nothing to move)
+    sel_rope = selection_k_rope.reshape(-1, Dr) if Dr else None
+    rope_flat = pool_k_rope.view(-1, Dr) if Dr else None
     by_b: list[list] = [[] for _ in range(B)]
     for mt, st, x, sq, pos in recs.tolist():
         by_b[mt // (S * 8)].append((st, x, sq, pos))
     for b in range(B):
         ctr = list(ctr_all[b])
         for kd, v in zip(kinds[b], vals[b]):
-            if kd == 1 and 0 <= v < PS:
+            if kd == PlanKind.POOL_HIT and 0 <= v < PS:
                 ctr[v // 16] |= 1 << (REF_SHIFT + v % 16)
         seen = set()
         for st, x, sq, pos in by_b[b]:
@@ -116,32 +119,13 @@ def reference_dsa_install_sc(plan, install_records, selection_kv_cache, selectio
             src = ((b * S + sq) * ((K + sbs - 1) // sbs) + pos // sbs) * sbs + pos % sbs
             dst = b * (PS // sbs) * sbs + slot
             kv_flat[dst] = sel_kv[src]
-            rope_flat[dst] = sel_rope[src]
+            if Dr:
+                rope_flat[dst] = sel_rope[src]
         if metadata_update == 1:
             lru_counter[b] = torch.tensor(ctr, dtype=torch.int32)
 
 
-def _fake(*args, **kwargs) -> None:
-    # The op mutates its inputs and returns nothing: the fake kernel only validates (same arguments).
-    validate_dsa_install_sc(*args, **kwargs)
-
-
-def _cpu(plan, install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-         pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter, *,
-         raw_seq=1, topk=2048, selection_block_size=128, metadata_update=1):
-    validate_dsa_install_sc(plan, install_records, selection_kv_cache, selection_k_rope, selection_kv_block_table,
-                            pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter,
-                            raw_seq, topk, selection_block_size, metadata_update)
-    if L.cpu_kernel_mode() == "reference":
-        reference_dsa_install_sc(plan, install_records, selection_kv_cache, selection_k_rope,
-                                 selection_kv_block_table, pool_kv_cache, pool_k_rope, pool_ids, id_to_slot,
-                                 lru_counter, raw_seq=raw_seq, topk=topk, selection_block_size=selection_block_size,
-                                 metadata_update=metadata_update)
-        return
-    L.cpu_op(OP)(plan, install_records, selection_kv_cache, selection_k_rope, pool_kv_cache, pool_k_rope,
-                 pool_ids, id_to_slot, lru_counter, raw_seq, topk, selection_block_size, metadata_update)
-
-
 ref_define(SPEC.schema)
-ref_register_fake(OP, _fake)
-ref_impl(OP, "CPU", _cpu)
+# CPU and fake kernels (custom_ops/_library.py: register_twins, in the offload_ref namespace); the CPU
+# computation is csrc/dsa_install_sc.cpp (the op's arguments) or reference_dsa_install_sc
+L.register_twins(SPEC, validate=lambda a, op: validate_dsa_install_sc(*a), run=L.cpu_run(SPEC, lambda **a: reference_dsa_install_sc(**a)))

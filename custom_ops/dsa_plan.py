@@ -29,6 +29,7 @@ from . import _library as L
 from ._pool import MAX_POOL, WAYS, check_pool_metadata, check_pool_size  # noqa: F401
 from ._records import MICROTASKS, records_layout
 from .opspec import GeOp, Limit, OpSpec, shared_limits
+from .plan_kind import PlanKind
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_plan")
 
@@ -47,17 +48,16 @@ SPEC = OpSpec(
     ),
     ge=GeOp("DsaPlan", outputs=("plan", "install_records", "selection_kv_actual_seq")),
     cuda_kernel="dsa_plan",
+    arg_roles={"pool_ids": "metadata", "id_to_slot": "metadata", "lru_counter": "metadata"},
 )
 OP = SPEC.name
 L.define(SPEC.schema)
 
-# Source kinds (docs/ops.md §2.4).
-INVALID, POOL_HIT, FULL_OLD_MISS, DECODE_WINDOW, FUTURE_SKIP, NEGATIVE_STOP = range(6)
-
 MAX_TOPK, MAX_RAW_SEQ, TOPK_ALIGN = SPEC.limit_values("MAX_TOPK", "MAX_RAW_SEQ", "TOPK_ALIGN")
 
-#: Callables ``f(topk, full_kv_actual_seq, pool_ids, raw_seq)`` run on every CPU ``dsa_plan`` call before
-#: planning (trace recording: ``offload_passes.trace.record.PlanRecorder``). Empty by default.
+#: Callables ``f(topk, full_kv_actual_seq, pool_ids, raw_seq)`` run on every ``dsa_plan`` call before
+#: planning (trace recording: ``offload_passes.trace.record.PlanRecorder``). Empty by default; changed only
+#: through :func:`add_plan_observer` / :func:`remove_plan_observer`.
 PLAN_OBSERVERS: list = []
 
 
@@ -185,18 +185,18 @@ def reference_dsa_plan(
     looked = id_to_slot.to(torch.int64)[b_of.unsqueeze(1), rows.clamp(0, IR - 1)]
     slot = torch.where(in_range & (looked >= 0) & (looked < PS), looked, torch.full_like(looked, -1))
 
-    kind = torch.full((R, K), FULL_OLD_MISS, dtype=torch.int64)
+    kind = torch.full((R, K), PlanKind.FULL_OLD_MISS, dtype=torch.int64)
     value = rows.clone()
-    kind = torch.where(rows > mv, torch.full_like(kind, DECODE_WINDOW), kind)
+    kind = torch.where(rows > mv, torch.full_like(kind, PlanKind.DECODE_WINDOW), kind)
     hit = (slot >= 0) & (rows <= mv)
-    kind = torch.where(hit, torch.full_like(kind, POOL_HIT), kind)
+    kind = torch.where(hit, torch.full_like(kind, PlanKind.POOL_HIT), kind)
     value = torch.where(hit, slot, value)
     future = empty | (rows > ms)
-    kind = torch.where(future, torch.full_like(kind, FUTURE_SKIP), kind)
+    kind = torch.where(future, torch.full_like(kind, PlanKind.FUTURE_SKIP), kind)
     value = torch.where(future, rows, value)
-    kind = torch.where(neg, torch.full_like(kind, NEGATIVE_STOP), kind)
+    kind = torch.where(neg, torch.full_like(kind, PlanKind.NEGATIVE_STOP), kind)
     value = torch.where(neg, rows, value)
-    kind = torch.where(stopped, torch.full_like(kind, INVALID), kind)
+    kind = torch.where(stopped, torch.full_like(kind, PlanKind.INVALID), kind)
     value = torch.where(stopped, torch.full_like(value, -1), value)
 
     plan = torch.stack([kind, value], dim=2).reshape(R * K, 2).to(torch.int32)
@@ -206,7 +206,7 @@ def reference_dsa_plan(
         plan = full
 
     words = torch.zeros(lay.required // 4, dtype=torch.int32)
-    miss = (kind == FULL_OLD_MISS).view(R * MICROTASKS, P)
+    miss = (kind == PlanKind.FULL_OLD_MISS).view(R * MICROTASKS, P)
     counts = miss.sum(1)
     cells = words[lay.rec_bytes // 4 :][: lay.microtasks * 8].view(lay.microtasks, 8)
     cells[:, 0] = counts.to(torch.int32)
@@ -225,21 +225,29 @@ def reference_dsa_plan(
     return plan, records, act_full
 
 
-def _cpu(a: tuple, _checked: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The CPU kernel on the bound arguments ``a`` (schema order)."""
-    selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter, raw_seq = a[:6]
+_run_cpu = L.cpu_run(SPEC, lambda **a: reference_dsa_plan(**a, validate=False))
+
+
+def _run(a: tuple, checked: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU computation on the bound arguments ``a`` (schema order), after the observers saw the call."""
     for observe in PLAN_OBSERVERS:
-        observe(selection_topk_indices, full_kv_actual_seq, pool_ids, raw_seq)
-    if L.cpu_kernel_mode() == "reference":
-        return reference_dsa_plan(
-            selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot, lru_counter,
-            raw_seq=raw_seq, validate=False,
-        )
-    plan, records, act = L.cpu_kernel(OP)(
-        selection_topk_indices, full_kv_actual_seq, id_to_slot, pool_ids.size(1), raw_seq
-    )
-    return plan, records, act
+        observe(a[0], a[1], a[2], a[5])
+    return _run_cpu(a, checked)
 
 
-# CPU and fake kernels (custom_ops/_library.py: register_twins; dsa_plan has no twin)
-L.register_twins(SPEC, validate=lambda a, op: validate_dsa_plan(*a[:6]), run=_cpu, fake_returns=_fake)
+def add_plan_observer(fn) -> None:
+    """Call ``fn(topk, full_kv_actual_seq, pool_ids, raw_seq)`` before every CPU (and CUDA) ``dsa_plan``."""
+    PLAN_OBSERVERS.append(fn)
+    L.set_checked_bypass(SPEC, True)  # the C++ entry would run the kernel without the observers
+
+
+def remove_plan_observer(fn) -> None:
+    """Stop calling ``fn`` (ValueError if it was not added)."""
+    PLAN_OBSERVERS.remove(fn)
+    if not PLAN_OBSERVERS:
+        L.set_checked_bypass(SPEC, False)
+
+
+# CPU and fake kernels (custom_ops/_library.py: register_twins; dsa_plan has no twin); the CPU computation
+# is csrc/dsa_plan.cpp (the op's arguments) or reference_dsa_plan
+L.register_twins(SPEC, validate=lambda a, op: validate_dsa_plan(*a), run=_run, fake_returns=_fake)

@@ -1,7 +1,8 @@
 """custom::dsa_serve / dsa_serve_functional — fill a layer's selection buffer (docs/ops.md §3).
 
 Every plan row ``q`` writes exactly one selection row: the pool row (kind 1), the full-cache row
-(kinds 2/3) or zeros (kinds 0/4/5 and out-of-range values). ``compact_layout=1`` writes flat row ``q``
+(kinds 2/3) or zeros (kinds 0/4/5 and out-of-range values). A rope width of 0 (rope tensors ``[..., 0]``) is the
+no-rope mode (docs/ops.md §3.3): only the kv rows move. ``compact_layout=1`` writes flat row ``q``
 of the selection viewed as ``[nb*sbs, D]``; ``compact_layout=0`` (legacy) writes ``selection[q, 0]``.
 
 CPU kernel: ``csrc/dsa_serve.cpp`` (byte copies of whole rows, ``at::parallel_for`` over plan rows), or
@@ -16,6 +17,7 @@ import torch
 
 from . import _library as L
 from .opspec import GeOp, Limit, OpSpec, shared_limits
+from .plan_kind import PlanKind
 
 log = logging.getLogger("offload_passes.custom_ops.dsa_serve")
 
@@ -30,7 +32,7 @@ SPEC = OpSpec(
     role="offload",
     summary="fill a layer's selection buffer from the pool, the full cache or zeros, per plan row",
     functional="dsa_serve_functional",
-    limits=shared_limits("MAX_RAW_SEQ", "MAX_TOPK", "MAX_POOL", "MAX_DKV", "MAX_DR", "TOPK_GRANULARITY",
+    limits=shared_limits("MAX_RAW_SEQ", "MAX_TOPK", "MAX_POOL", "MAX_DKV", "MIN_DR", "MAX_DR", "TOPK_GRANULARITY",
                          "MIN_SELECTION_BLOCK_SIZE", "MAX_SELECTION_BLOCK_SIZE") + (
         # csrc/dsa_serve.cpp's compact_layout=0 ("legacy") path is smaller in every dimension
         Limit("LEGACY_MAX_TOPK", 64, "topk of compact_layout=0"),
@@ -41,13 +43,12 @@ SPEC = OpSpec(
     ),
     ge=GeOp("DsaServe", outputs=("selection_kv_cache", "selection_k_rope")),
     cuda_kernel="dsa_serve",
+    arg_roles={"plan": "plan", "pool_kv_cache": "pool", "pool_k_rope": "pool", "selection_kv_cache": "selection",
+               "selection_k_rope": "selection"},
 )
 OP, FUNCTIONAL_OP = SPEC.op_names
 L.define(SPEC.schema)
 L.define(SPEC.functional_schema)
-
-#: Plan source kinds (docs/ops.md §2.4).
-KIND_INVALID, KIND_POOL_HIT, KIND_FULL_OLD_MISS, KIND_DECODE_WINDOW, KIND_FUTURE_SKIP, KIND_NEGATIVE_STOP = range(6)
 
 #: Limits of csrc/dsa_serve.cpp: compact_layout=1 ("prod") and compact_layout=0 ("legacy").
 PROD_LIMITS = {"raw_seq": SPEC.limit("MAX_RAW_SEQ"), "topk": SPEC.limit("MAX_TOPK"),
@@ -55,8 +56,9 @@ PROD_LIMITS = {"raw_seq": SPEC.limit("MAX_RAW_SEQ"), "topk": SPEC.limit("MAX_TOP
 LEGACY_LIMITS = {"raw_seq": SPEC.limit("MAX_RAW_SEQ"), "topk": SPEC.limit("LEGACY_MAX_TOPK"),
                  "pool_size": SPEC.limit("LEGACY_MAX_POOL"), "rows": SPEC.limit("LEGACY_MAX_ROWS"),
                  "batch": SPEC.limit("LEGACY_MAX_BATCH"), "full_seq": SPEC.limit("LEGACY_MAX_FULL_SEQ")}
-TOPK_GRANULARITY, MIN_SELECTION_BLOCK_SIZE, MAX_SELECTION_BLOCK_SIZE, MAX_KV_DIM, MAX_ROPE_DIM = SPEC.limit_values(
-    "TOPK_GRANULARITY", "MIN_SELECTION_BLOCK_SIZE", "MAX_SELECTION_BLOCK_SIZE", "MAX_DKV", "MAX_DR")
+TOPK_GRANULARITY, MIN_SELECTION_BLOCK_SIZE, MAX_SELECTION_BLOCK_SIZE, MAX_KV_DIM, MIN_ROPE_DIM, MAX_ROPE_DIM = (
+    SPEC.limit_values("TOPK_GRANULARITY", "MIN_SELECTION_BLOCK_SIZE", "MAX_SELECTION_BLOCK_SIZE", "MAX_DKV", "MIN_DR",
+                      "MAX_DR"))
 PAYLOAD_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -145,8 +147,8 @@ def validate_dsa_serve(*args: Any, op: str = OP, **kwargs: Any) -> None:
       lambda: f"pool_kv_cache.size(2) must equal kv dim {Dkv}, got {pool_kv_cache.size(2)} "
               f"(kv dim = full_kv_cache.size(2))")
     Dr = full_k_rope.size(2)
-    c(0 < Dr <= MAX_ROPE_DIM, op,
-      lambda: f"full_k_rope.size(2) (rope dim) must be in [1, {MAX_ROPE_DIM}], got {Dr}")
+    c(MIN_ROPE_DIM <= Dr <= MAX_ROPE_DIM, op,
+      lambda: f"full_k_rope.size(2) (rope dim) must be in [{MIN_ROPE_DIM}, {MAX_ROPE_DIM}] (0: no-rope mode), got {Dr}")
     c(pool_k_rope.size(2) == Dr, op,
       lambda: f"pool_k_rope.size(2) must equal rope dim {Dr}, got {pool_k_rope.size(2)} "
               f"(rope dim = full_k_rope.size(2))")
@@ -189,8 +191,8 @@ def reference_dsa_serve(
     kind = plan[:, 0].long()
     v = plan[:, 1].long()
     b = torch.arange(rows) // (raw_seq * topk)
-    from_pool = ((kind == KIND_POOL_HIT) & (v >= 0) & (v < PS)).unsqueeze(1)
-    from_full = (((kind == KIND_FULL_OLD_MISS) | (kind == KIND_DECODE_WINDOW)) & (v >= 0) & (v < F)).unsqueeze(1)
+    from_pool = ((kind == PlanKind.POOL_HIT) & (v >= 0) & (v < PS)).unsqueeze(1)
+    from_full = (((kind == PlanKind.FULL_OLD_MISS) | (kind == PlanKind.DECODE_WINDOW)) & (v >= 0) & (v < F)).unsqueeze(1)
     pool_row = b * PS + v.clamp(0, PS - 1)
     full_row = b * F + v.clamp(0, F - 1)
     for full, pool, sel in (
@@ -198,6 +200,8 @@ def reference_dsa_serve(
         (full_k_rope, pool_k_rope, selection_k_rope),
     ):
         D = sel.size(2)
+        if D == 0:  # the no-rope mode: nothing to move (and a [-1, 0] view is undefined)
+            continue
         f16 = full.view(torch.int16).reshape(-1, D)
         p16 = pool.view(torch.int16).reshape(-1, D)
         out = torch.where(from_pool, p16.index_select(0, pool_row),
@@ -212,9 +216,6 @@ def reference_dsa_serve(
 # CPU kernels
 # --------------------------------------------------------------------------------------------
 
-_VALIDATED = L.ValidationMemo()
-
-
 def functional_outputs(selection_kv_cache: torch.Tensor, selection_k_rope: torch.Tensor,
                        compact_layout: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The functional twin's output buffers (every kernel of the twin, CPU and CUDA, uses these)."""
@@ -226,31 +227,11 @@ def functional_outputs(selection_kv_cache: torch.Tensor, selection_k_rope: torch
     return selection_kv_cache.clone(), selection_k_rope.clone()
 
 
-def _run_in_place(a: tuple, _checked: object = None) -> None:
-    """The CPU kernel on the bound arguments ``a`` (schema order), writing the selection tensors."""
-    plan, full_kv_cache, full_k_rope, pool_kv_cache, pool_k_rope, selection_kv_cache, selection_k_rope = a[:7]
-    if L.cpu_kernel_mode() == "reference":
-        reference_dsa_serve(*a)
-        return
-    # The C++ kernel addresses rows by byte offset, so it needs dense row-major tensors; a
-    # non-contiguous selection is served into a dense temporary and copied back.
-    outs = [t if t.is_contiguous() else t.contiguous() for t in (selection_kv_cache, selection_k_rope)]
-    L.cpu_kernel(OP)(
-        plan.contiguous(), L.dense(full_kv_cache, OP, "full_kv_cache"), L.dense(full_k_rope, OP, "full_k_rope"),
-        L.dense(pool_kv_cache, OP, "pool_kv_cache"), L.dense(pool_k_rope, OP, "pool_k_rope"), outs[0], outs[1],
-        *a[7:],
-    )
-    for dst, src in zip((selection_kv_cache, selection_k_rope), outs):
-        if dst is not src:
-            dst.copy_(src)
-
-
-# CPU and fake kernels of the op and its twin, Functionalize (custom_ops/_library.py: register_twins)
+# CPU and fake kernels of the op and its twin, Functionalize (custom_ops/_library.py: register_twins); the
+# CPU computation is csrc/dsa_serve.cpp (the op's arguments) or reference_dsa_serve
 L.register_twins(
     SPEC,
     validate=lambda a, op: validate_dsa_serve(*a, op=op),
-    cpu_validate=lambda a, op: _VALIDATED(L.ValidationMemo.key(op, a[7:], a[:7]),
-                                          lambda: validate_dsa_serve(*a, op=op)),
-    run=_run_in_place,
+    run=L.cpu_run(SPEC, lambda **a: reference_dsa_serve(**a)),
     twin_outputs=lambda a: functional_outputs(a[5], a[6], a[10]),
 )

@@ -61,6 +61,8 @@ SPEC = OpSpec(
             outputs=("selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
                      "selection_kv_block_status", "selection_kv_actual_seq")),
     cuda_kernel="npu_gather_selection_kv_cache",
+    arg_roles={"selection_k_rope": "selection", "selection_kv_cache": "selection",
+               "selection_kv_block_table": "selection_table"},
 )
 OP, FUNCTIONAL_OP = SPEC.op_names
 L.define(SPEC.schema)
@@ -73,7 +75,8 @@ PAYLOAD_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
 
 @dataclass(frozen=True)
 class GatherGeometry:
-    """Sizes resolved by validation (``bsz`` after the ``<= 0 -> 64`` replacement)."""
+    """Sizes resolved by validation (``bsz`` after the ``<= 0 -> 64`` replacement; ``no_rope``: no rope bytes
+    move, the rope tensors are 1-D empty or ``[..., 0]``)."""
 
     B: int
     S: int
@@ -229,12 +232,31 @@ def validate_npu_gather_selection_kv_cache(*args: Any, op: str = OP, **kwargs: A
     for name, t in (("full_kv_actual_seq", full_kv_actual_seq), ("full_q_actual_seq", full_q_actual_seq)):
         c(t.dim() == 1 and t.size(0) == B, op,
           lambda: f"{name} must be 1-D of length B {B}, got shape {list(t.shape)}")
-    return GatherGeometry(B=B, S=S, K=K, bsz=bsz, no_rope=no_rope)
+    # no rope: the 1-D empty form (CANN's int8 mode) or a zero-width 3-D rope (docs/ops.md §1.2)
+    return GatherGeometry(B=B, S=S, K=K, bsz=bsz, no_rope=sel_rope.size(-1) == 0)
 
 
 # --------------------------------------------------------------------------------------------
 # Reference (test oracle)
 # --------------------------------------------------------------------------------------------
+
+#: The block-table errors, in the order a row is checked (the C++ kernel's order, and the kind the CUDA kernel
+#: writes into its error word, ``cuda/npu_gather_selection_kv_cache.py``).
+TABLE_SELECTION, TABLE_COLUMNS, TABLE_FULL = 1, 2, 3
+
+
+def table_error(kind: int, r: int, b: int, max_id: int, L_b: int, n_sel_blocks: int, need_blk: int,
+                fbt_cols: int, n_full_blocks: int) -> str:
+    """The message (after ``custom::<op>: ``) of a block-table entry the op would dereference out of range:
+    row ``r`` (batch row ``b``); ``max_id`` and ``L_b`` are the row's largest valid id and cache length."""
+    if kind == TABLE_SELECTION:
+        return (f"selection_kv_block_table[{r}] has an entry outside [0, {n_sel_blocks}) in its first "
+                f"{need_blk} columns")
+    if kind == TABLE_COLUMNS:
+        return (f"full_kv_block_table[{b}] has {fbt_cols} columns, too few for id {max_id} "
+                f"(full_kv_actual_seq[{b}] = {L_b})")
+    return f"full_kv_block_table[{b}] has an entry outside [0, {n_full_blocks}) for a valid id"
+
 
 def _check_tables(rows_active: list, sbt: torch.Tensor, fbt: torch.Tensor, topk2: torch.Tensor,
                   L_: torch.Tensor, geo: GatherGeometry, n_sel_blocks: int, n_full_blocks: int,
@@ -242,28 +264,21 @@ def _check_tables(rows_active: list, sbt: torch.Tensor, fbt: torch.Tensor, topk2
     """Every block-table entry the op may dereference must be in range (checked before writing)."""
     need_blk = (geo.K * geo.bsz + SBS - 1) // SBS
     for r, b, max_sel in rows_active:
-        ent = sbt[r, :need_blk]
-        bad = (ent < 0) | (ent >= n_sel_blocks)
-        L.check(
-            not bool(bad.any()), op,
-            lambda: f"selection_kv_block_table[{r}] has an entry outside [0, {n_sel_blocks}) in its first "
-                    f"{need_blk} columns",
-        )
         row = topk2[r]
         ids = row[(row >= 0) & (row <= max_sel)].long()
+        max_id = int(ids.max()) if ids.numel() else -1
+
+        def fail(kind: int) -> str:
+            return table_error(kind, r, b, max_id, int(L_[b]), n_sel_blocks, need_blk, fbt.size(1), n_full_blocks)
+
+        ent = sbt[r, :need_blk]
+        L.check(not bool(((ent < 0) | (ent >= n_sel_blocks)).any()), op, lambda: fail(TABLE_SELECTION))
         if ids.numel() == 0:
             continue
         col = ids * geo.bsz // FBS
-        L.check(
-            bool((col < fbt.size(1)).all()), op,
-            lambda: f"full_kv_block_table[{b}] has {fbt.size(1)} columns, too few for id {int(ids.max())} "
-            f"(full_kv_actual_seq[{b}] = {int(L_[b])})",
-        )
+        L.check(bool((col < fbt.size(1)).all()), op, lambda: fail(TABLE_COLUMNS))
         blk = fbt[b, col]
-        L.check(
-            bool(((blk >= 0) & (blk < n_full_blocks)).all()), op,
-            lambda: f"full_kv_block_table[{b}] has an entry outside [0, {n_full_blocks}) for a valid id",
-        )
+        L.check(bool(((blk >= 0) & (blk < n_full_blocks)).all()), op, lambda: fail(TABLE_FULL))
 
 
 def reference_npu_gather_selection_kv_cache(
@@ -447,39 +462,13 @@ def _ledger_row_small(r: int, b: int, Lr: int, max_sel: int, bsz: int, row: torc
 # CPU kernels
 # --------------------------------------------------------------------------------------------
 
-# The CPU kernels remember the geometry of signatures that passed validation.
-_VALIDATED = L.ValidationMemo()
-
-
-def _validate_cpu(a: tuple, op: str) -> GatherGeometry:
-    return _VALIDATED(L.ValidationMemo.key(op, a[10], a[:10]),
-                      lambda: validate_npu_gather_selection_kv_cache(*a, op=op))
-
-
-def _run_in_place(a: tuple, geo: GatherGeometry) -> torch.Tensor:
-    """The CPU kernel on the bound arguments ``a`` (schema order): writes the selection buffers and the
-    ledger in place, returns the actual selection lengths."""
-    sel_rope, sel_kv, sbt, status, topk, full_rope, full_kv, fbt, kv_len, q_len, bsz_arg = a
-    if L.cpu_kernel_mode() == "reference":
-        return reference_npu_gather_selection_kv_cache(*a)
-    # Dense temporaries for non-contiguous mutated tensors, copied back afterwards.
-    outs = [t if t.is_contiguous() else t.contiguous() for t in (sel_rope, sel_kv, status)]
-    act = L.cpu_kernel(OP)(
-        outs[0], outs[1], sbt.contiguous(), outs[2], topk.contiguous(), L.dense(full_rope, OP, "full_k_rope"),
-        L.dense(full_kv, OP, "full_kv_cache"), fbt.contiguous(), kv_len.contiguous(), geo.B, geo.S, geo.bsz,
-    )
-    for dst, src in zip((sel_rope, sel_kv, status), outs):
-        if dst is not src:
-            dst.copy_(src)
-    return act
-
-
-# CPU and fake kernels of the op and its twin, Functionalize (custom_ops/_library.py: register_twins). The
-# twin's outputs start from the inputs (default clones): the ledger keeps stale rows and reuses hits.
+# CPU and fake kernels of the op and its twin, Functionalize (custom_ops/_library.py: register_twins); the
+# CPU computation is csrc/npu_gather_selection_kv_cache.cpp (the op's arguments; it checks the block-table
+# entries the data makes it read) or the reference. The twin's outputs start from the inputs (default
+# clones): the ledger keeps stale rows and reuses hits.
 L.register_twins(
     SPEC,
     validate=lambda a, op: validate_npu_gather_selection_kv_cache(*a, op=op),
-    cpu_validate=_validate_cpu,
-    run=_run_in_place,
+    run=L.cpu_run(SPEC, lambda **a: reference_npu_gather_selection_kv_cache(**a)),
     fake_returns=lambda a, _geo: a[2].new_empty([a[2].size(0)], dtype=torch.int32),  # act: one per table row
 )

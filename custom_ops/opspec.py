@@ -15,7 +15,10 @@ registers from it; :data:`offload_passes.custom_ops.OP_SPECS` lists them all. Ev
   :func:`counted_names`): npugraph_ex/TorchAir reinplace registrations, TorchAir's GE ref table,
   ``passes._fx.count_ops`` keys;
 * limits: named numbers with a one-line meaning; those several ops share are defined once here
-  (:data:`SHARED_LIMITS`) and referenced by each spec that obeys them.
+  (:data:`SHARED_LIMITS`) and referenced by each spec that obeys them;
+* argument binding (:class:`Binder`, :attr:`OpSpec.binder`): a call's positional and keyword arguments in
+  schema order with the defaults filled, the one binding every kernel, converter and pass uses; a bad
+  call raises :class:`OpArgumentError` naming the op and the argument.
 
 Schema strings stay byte-identical to CANN's (``ops_def_registration.cpp``); the functional twin's
 string is derived from the in-place one and checked against CANN's in ``tests/ops/test_schemas.py``.
@@ -25,7 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Tuple
 
 from offload_passes import _compat
 
@@ -48,6 +51,7 @@ SHARED_LIMITS: Dict[str, Limit] = {lim.name: lim for lim in (
     Limit("MAX_TOPK", 2048, "top-k width K (selected ids per query token) the DSA kernels tile for"),
     Limit("MAX_RAW_SEQ", 4, "query tokens per batch row (raw_seq = 1 + next_n MTP drafts)"),
     Limit("MAX_DKV", 512, "latent KV dim (last dim of the kv caches) of plan/serve/install"),
+    Limit("MIN_DR", 0, "smallest rope dim of serve/install: 0 is the no-rope mode, rope tensors [..., 0]"),
     Limit("MAX_DR", 128, "rope dim (last dim of the k_rope caches) of serve/install"),
     Limit("MAX_POOL", 16384, "pool slots per batch row (PS); plan and install address the same pool"),
     Limit("WAYS", 16, "pool associativity: PS is split into PS/16 sets of 16 ways (one LRU counter each)"),
@@ -66,8 +70,76 @@ def shared_limits(*names: str) -> Tuple[Limit, ...]:
     return tuple(SHARED_LIMITS[n] for n in names)
 
 
+class OpArgumentError(TypeError, RuntimeError):
+    """A call whose arguments do not bind to the op's schema (too many, unknown, given twice, missing).
+
+    A ``TypeError`` (Python's error for a bad call) and a ``RuntimeError`` (every other error of our ops),
+    so either ``except`` catches it; the message names the op and the argument.
+    """
+
+
+_MISSING = object()
+
+
+class Binder:
+    """Binds a call to a schema: the arguments in schema order, defaults filled in.
+
+    Kernels take ``(*args, **kwargs)`` (the dispatcher hands keyword-only arguments by name and may leave
+    out those equal to their defaults), converters get FX node arguments, passes read graph nodes: all bind
+    here, so a bad call fails the same way everywhere (:class:`OpArgumentError`).
+    """
+
+    __slots__ = ("op", "names", "_index", "_defaults")
+
+    def __init__(self, schema: "_compat.FunctionSchema", op: str) -> None:
+        self.op = op
+        self.names: Tuple[str, ...] = tuple(a.name for a in schema.arguments)
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self._defaults = tuple(a.default_value if a.has_default_value() else _MISSING for a in schema.arguments)
+
+    def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Tuple[Any, ...]:
+        n, total = len(args), len(self.names)
+        if not kwargs and n == total:  # the dispatcher's and our own kernels' calls: nothing to do
+            return tuple(args)
+        if n > total:
+            raise OpArgumentError(f"{self.op}: {n} positional arguments, the schema takes {total}")
+        out = list(args) + [_MISSING] * (total - n)
+        for name, value in kwargs.items():
+            i = self._index.get(name)
+            if i is None:
+                raise OpArgumentError(f"{self.op}: unknown argument {name!r}; the schema's arguments are "
+                                      f"{', '.join(self.names)}")
+            if i < n:
+                raise OpArgumentError(f"{self.op}: argument {name!r} given twice (by position and by name)")
+            out[i] = value
+        for i in range(n, total):
+            if out[i] is _MISSING:
+                out[i] = self._defaults[i]
+                if out[i] is _MISSING:
+                    raise OpArgumentError(f"{self.op}: missing argument {self.names[i]!r}")
+        return tuple(out)
+
+
+_BINDERS: Dict[Tuple[str, str], Binder] = {}
+
+
+def schema_binder(schema: "_compat.FunctionSchema") -> Binder:
+    """The :class:`Binder` of any op's schema (``OpOverload._schema``), kept per schema string."""
+    key = (schema.name, str(schema))
+    b = _BINDERS.get(key)
+    if b is None:
+        op = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+        b = _BINDERS[key] = Binder(schema, op)
+    return b
+
+
 #: What an op is for; ``count_ops`` reports the ``offload`` and ``decode`` ones.
 ROLES = ("offload", "decode", "cache_write", "comm")
+
+#: What an argument is for (:attr:`OpSpec.arg_roles`): the passes and the side-stream schedule read an
+#: argument by its role, never by its position (``dsa_install_sc`` takes ``dsa_install``'s arguments after
+#: its plan).
+ARG_ROLES = ("plan", "records", "selection", "selection_table", "pool", "metadata")
 
 _ALIAS = re.compile(r"Tensor\([a-z]+!\)")
 
@@ -121,6 +193,8 @@ class OpSpec:
     ge: Optional[GeOp] = None
     #: Module of ``offload_passes.custom_ops.cuda`` holding the op's Triton (CUDA) kernels, or None.
     cuda_kernel: Optional[str] = None
+    #: Argument name -> its role (one of :data:`ARG_ROLES`), for the arguments a pass reads by role.
+    arg_roles: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -140,6 +214,12 @@ class OpSpec:
                                  f"match the schema's {n_ret} returns")
         if self.functional is not None and not self.mutated:
             raise ValueError(f"OpSpec {self.name}: a functional twin needs mutated arguments")
+        unknown = sorted(set(self.arg_roles) - set(self.arg_names))
+        if unknown:
+            raise ValueError(f"OpSpec {self.name}: arg_roles names {unknown}, not arguments of the schema")
+        bad = sorted({r for r in self.arg_roles.values() if r not in ARG_ROLES})
+        if bad:
+            raise ValueError(f"OpSpec {self.name}: arg_roles must be among {ARG_ROLES}, got {bad}")
 
     # ------------------------------------------------------------------ schema
     @cached_property
@@ -150,6 +230,16 @@ class OpSpec:
     @property
     def qualname(self) -> str:
         return f"{self.namespace}::{self.name}"
+
+    @cached_property
+    def binder(self) -> Binder:
+        """Binds a call of the op (or of its twin: same arguments) to the schema (:class:`Binder`)."""
+        return Binder(self.parsed, self.qualname)
+
+    @cached_property
+    def twin_binder(self) -> Optional[Binder]:
+        """The :attr:`binder` of the functional twin (same arguments, messages name the twin), or None."""
+        return Binder(self.parsed, self.functional_qualname) if self.functional else None
 
     @property
     def functional_qualname(self) -> Optional[str]:
@@ -169,6 +259,12 @@ class OpSpec:
         """Positions of the mutated (``Tensor(x!)``) arguments; the twin takes the same arguments."""
         return tuple(i for i, a in enumerate(self.parsed.arguments)
                      if a.alias_info is not None and a.alias_info.is_write)
+
+    def args_of(self, role: str) -> Tuple[str, ...]:
+        """The names of the arguments with ``role`` (:attr:`arg_roles`), schema order."""
+        if role not in ARG_ROLES:
+            raise KeyError(f"{self.qualname}: unknown argument role {role!r}; roles: {ARG_ROLES}")
+        return tuple(a for a in self.arg_names if self.arg_roles.get(a) == role)
 
     @property
     def mutated(self) -> Tuple[str, ...]:

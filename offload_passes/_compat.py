@@ -188,6 +188,12 @@ def detect_fake_mode(inputs: Any) -> Any:
     return f(inputs)
 
 
+def mark_static_address(t: Any) -> None:
+    """``torch._dynamo.mark_static_address``: ``t`` keeps one data pointer for its life, so Dynamo treats it
+    as a static input (what ``transformers``' ``StaticLayer`` does with its caches; ``offload_passes/hf_cache.py``)."""
+    torch._dynamo.mark_static_address(t)
+
+
 def static_fake(t: Any) -> Any:
     """A fake tensor with plain-int sizes and strides standing in for ``t`` when every symbol in them is
     already specialised (``pipeline._specialise``), else None. torch 2.8's meta of ``aten.view`` calls

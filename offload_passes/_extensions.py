@@ -7,6 +7,11 @@ Standard library only: ``setup.py`` loads this file by path, before the package 
   ``offload_cpu::<op>`` with ``TORCH_LIBRARY_FRAGMENT`` (no Python module init; loaded with
   ``torch.ops.load_library``).
 * ``trace`` simulator core: ``trace/csrc/trace_sim.cpp``, a pybind11 module (``simulate``).
+* the serving loop's KV transfer ``glm_serve::copy_blocks_`` (``models/glm/csrc/kv_transfer.cpp``, loaded by
+  ``models/glm/serve.py::load_transfer_op`` with ``torch.ops.load_library``).
+
+A JIT fallback builds into a folder per torch build (``torch_tag``), and :func:`wait_for_build_lock` keeps
+it from waiting forever on the lock file of a build that was stopped.
 
 The file names carry the torch version (``_C_torch2_13_0_cpu.cpython-311-x86_64-linux-gnu.so``): an
 editable install builds into the source folders, which one checkout shares between venvs of different
@@ -16,15 +21,20 @@ and each venv's build leaves the others' in place.
 from __future__ import annotations
 
 import importlib.machinery
+import logging
 import re
+import time
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, Optional
+
+log = logging.getLogger("offload_passes.extensions")
 
 #: -O3, OpenMP for at::parallel_for. No -std: torch adds the standard its headers need (C++17 up to
 #: torch 2.10, C++20 from 2.13; 2.14's headers refuse C++17) — see offload_passes/_compat.py.
 CPU_KERNELS_CFLAGS = ["-O3", "-fopenmp"]
 CPU_KERNELS_LDFLAGS = ["-fopenmp"]
 TRACE_SIM_CFLAGS = ["-O3"]
+KV_TRANSFER_CFLAGS = ["-O1"]
 
 #: Environment variable forcing the JIT build (``torch.utils.cpp_extension.load``) even when a prebuilt
 #: extension is installed (developers editing ``csrc/`` without reinstalling).
@@ -49,6 +59,11 @@ def cpu_kernels_name(torch_version: str) -> str:
 def trace_sim_name(torch_version: str) -> str:
     """Last component of the simulator extension's module name (``offload_passes.trace.<this>``)."""
     return f"_trace_sim_{torch_tag(torch_version)}"
+
+
+def kv_transfer_name(torch_version: str) -> str:
+    """Last component of the KV-transfer library's module name (``offload_passes.models.glm.<this>``)."""
+    return f"_kv_transfer_{torch_tag(torch_version)}"
 
 
 def ext_filename(module_name: str) -> str:
@@ -92,3 +107,35 @@ def pin_torch_in_metadata(metadata: str, torch_version: str) -> str:
         raise ValueError(f"wheel METADATA: expected one 'Requires-Dist: torch' line, found {len(hits)}")
     lines[hits[0]] = "Requires-Dist: " + torch_requirement(torch_version, binary_wheel=True)
     return "\n".join(lines)
+
+
+#: A JIT build's lock file (``torch.utils.cpp_extension``'s ``<build folder>/lock``, created when a build
+#: starts and removed when it ends) older than this was left by a build that was stopped (Ctrl-C, a killed
+#: worker): a build of these sources takes about a minute on two loaded cores.
+STALE_LOCK_S = 300.0
+
+
+def wait_for_build_lock(build_dir: Path, stale_after: float = STALE_LOCK_S, poll_s: float = 0.5,
+                        clock: Callable[[], float] = time.time,
+                        sleep: Callable[[float], None] = time.sleep) -> Optional[Path]:
+    """Before a JIT build into ``build_dir``: wait while another process's build holds the folder's lock
+    file, and remove a lock older than ``stale_after`` seconds (by its modification time; a build never
+    touches it), which torch's builder would otherwise wait on forever. Returns the path of a stale lock it
+    removed (the caller names it), else None."""
+    lock = Path(build_dir) / "lock"
+    announced = False
+    while True:
+        try:
+            age = clock() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        if age >= stale_after:
+            lock.unlink(missing_ok=True)
+            log.warning("removed the stale build lock %s (%.0f s old, more than %.0f s: left by a build that was "
+                        "stopped); building again", lock, age, stale_after)
+            return lock
+        if not announced:
+            log.warning("waiting for another process's build in %s (its lock file %s is %.0f s old; one older than "
+                        "%.0f s is taken as left by a stopped build and removed)", build_dir, lock, age, stale_after)
+            announced = True
+        sleep(poll_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -22,11 +23,13 @@ from torch import fx
 
 from . import _compat
 from .dump import Dumper
+from .hf_reorder import follow_cache_reorders
 from .lowering import LowerContext, Lowering
 from .modes import CPU_EXE_MODES, EXE_MODES, MODES, NPU_EXE_MODES, check_exe_mode, lowering_for
 from .options import OffloadOptions
 from .passes import _fx
-from .passes.rewrite import InstallHook, OffloadRefused
+from .passes.emit import InstallHook
+from .passes.refusal import OffloadRefused
 from .passes.state_inputs import state_as_inputs, static_fakes
 from .pipeline import OffloadWarning, new_graph_id, rewrite_for_offload, warn_once
 from .report import GraphReport
@@ -39,19 +42,19 @@ __all__ = ["OffloadBackend", "NpuOffloadBackend", "offload_backend", "make_offlo
            "LowerContext", "Lowering", "state_as_inputs"]
 
 #: torch.compile's ``mode`` values. They tune Inductor (and CUDA graphs for "reduce-overhead"); this backend
-#: lowers by its own ``exe_mode``, so any of them is accepted and has no effect (HF's CompileConfig passes
-#: mode="reduce-overhead" by default).
+#: lowers by its own ``exe_mode``: the mode reaches the lowering (``LowerContext.compile_mode``), which
+#: honours or refuses it (the CPU and NPU lowerings accept it with no effect, HF's CompileConfig passes
+#: mode="reduce-overhead" by default; the CUDA lowering refuses the Inductor modes).
 TORCH_COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def check_torch_mode(mode: Any) -> None:
-    """Accept torch.compile's ``mode`` (ignored: the lowering is the ``exe_mode`` option); reject anything else
-    with what to pass instead."""
+def check_torch_mode(mode: Any) -> Optional[str]:
+    """torch.compile's ``mode`` (``"default"`` is None), for the lowering; anything else is refused with what to
+    pass instead."""
     if mode not in TORCH_COMPILE_MODES:
         raise ValueError(f"dsa_offload: mode={mode!r} is not a torch.compile mode {TORCH_COMPILE_MODES[1:]}; the "
                          "backend's own lowering is the exe_mode option (make_offload_backend(exe_mode=...))")
-    if mode not in (None, "default"):
-        log.info("dsa_offload: torch.compile mode=%r has no effect (the lowering is exe_mode)", mode)
+    return None if mode == "default" else mode
 
 
 def _dynamo_frame() -> Optional[dict]:
@@ -63,6 +66,57 @@ def _dynamo_frame() -> Optional[dict]:
 MAX_REPORTS = 256
 #: how many of the newest post-reinplace graphs a backend keeps after their compiled graph is gone
 KEEP_GRAPHS = 4
+
+
+#: per Dynamo frame (a code object, ``frame_id``): the models whose compiles counted against its
+#: recompile_limit in this process, by the storage of their first parameter. Every transformers model's
+#: ``forward`` is one wrapper function (transformers/utils/generic.py), so models compiled through it
+#: share one budget; ``decorator.own_forward`` gives a model a code object of its own.
+_FRAME_MODELS: dict[int, set] = {}
+#: frames whose recompile_limit was reached by a compile of this package (frame_id -> models that shared it)
+_LIMIT_REACHED: dict[int, int] = {}
+
+
+def _model_key(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Optional[int]:
+    """The storage address of the compiled model's first parameter (what tells two models apart)."""
+    params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)] or list(gm.parameters())
+    for t in params[:1]:
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage (a fake tensor): unknown
+            return None
+    return None
+
+
+def _count_frame_compile(frame: dict, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    key = _model_key(gm, example_inputs)
+    models = _FRAME_MODELS.setdefault(frame["frame_id"], set())
+    if key is not None:
+        models.add(key)
+    frame["models"] = len(models)
+    if frame["last_allowed"]:
+        _LIMIT_REACHED[frame["frame_id"]] = len(models)
+
+
+def _recompile_limit_message(graph_id: str, frame: dict, hf: bool) -> str:
+    """What the compile that reaches Dynamo's recompile_limit says: to a Hugging Face user or to an engine,
+    and, when several models compiled through the same code object, that they share the budget."""
+    head = (f"{graph_id}: Dynamo's recompile_limit ({frame['recompile_limit']}) is reached for this frame (compile "
+            f"#{frame['frame_compile_id'] + 1}): calls with new shapes will run the model unmodified, without the "
+            "offload.")
+    shared = frame.get("models", 1)
+    if shared > 1:
+        why = (f" The limit counts compiles per code object, and {shared} models compiled in this process share this "
+               "one" + (" (every transformers model's forward is one wrapper function, transformers/utils/generic.py)"
+                        if hf else "") + ": give each model its own with offload_passes.decorator.own_forward(model) "
+               "(offload(model) does), or raise torch._dynamo.config.recompile_limit (docs/hf.md).")
+    elif hf:
+        why = (" Reuse one StaticCache (fixed max_cache_len: one decode graph per batch size) or raise "
+               "torch._dynamo.config.recompile_limit (docs/hf.md).")
+    else:
+        why = (" An engine compiles one graph per batch bucket and cache geometry: keep their number under the limit "
+               "or raise torch._dynamo.config.recompile_limit (docs/new-requests.md).")
+    return head + why
 
 
 # ---------------------------------------------------------------------------------- the backend
@@ -101,6 +155,23 @@ class _Compiled:
         if self.report is not None and b.cold_resets != (self.report.cold_resets or 0):
             self.report.cold_resets = b.cold_resets
         return out
+
+
+def _no_graph_message() -> str:
+    """What reading the state of a backend that compiled nothing says: the generic fact, then only the causes
+    that can apply in this process (a Hugging Face ``generate()`` loaded; a recompile limit reached)."""
+    msg = ("backend.state is None: this dsa_offload backend has compiled no graph yet (the first call of the "
+           "compiled model compiles; module_state(model) / offload_state are empty until then).")
+    if _LIMIT_REACHED:
+        msg += (" Dynamo's recompile_limit was reached in this process for a code object that "
+                + ("several models share" if max(_LIMIT_REACHED.values()) > 1 else "a model uses")
+                + ": a model compiled through it afterwards runs unmodified and never reaches this backend "
+                "(offload_passes.decorator.own_forward gives a model its own).")
+    if "transformers.generation.utils" in sys.modules:  # only where Hugging Face generate() is in use
+        msg += (" Hugging Face: torch.compile(model).generate() compiles nothing (torch's compiled wrapper hands "
+                "generate() to the original model); use offload(model).generate(...), model.forward = "
+                "torch.compile(model.forward, backend=...) or generate(compile_config=...) (docs/hf.md)")
+    return msg
 
 
 def _bump_versions(tensors: Sequence[Any]) -> None:
@@ -158,10 +229,7 @@ class OffloadBackend:
     def state(self) -> Optional[OffloadState]:
         """The state of the most recently run rewritten graph (of its last call's caches)."""
         if not self.reports:
-            warn_once(("no_graph", id(self)), "this dsa_offload backend has compiled no graph yet. Note that "
-                      "torch.compile(model).generate() compiles nothing: torch's compiled wrapper hands generate() "
-                      "to the original model; use offload(model).generate(...), model.forward = "
-                      "torch.compile(model.forward, backend=...) or generate(compile_config=...) (docs/hf.md)")
+            warn_once(("no_graph", id(self)), _no_graph_message())
         b = self._last() if self._last is not None else None
         st = b.last_state if b is not None else None
         if st is None:
@@ -182,7 +250,6 @@ class OffloadBackend:
         return self
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
-        check_torch_mode(kwargs.pop("mode", None))
         return self.compile(gm, example_inputs, **kwargs)
 
     def final_graph(self, graph_id: Optional[str] = None) -> Optional[fx.Graph]:
@@ -200,7 +267,9 @@ class OffloadBackend:
 
     # -- compile --------------------------------------------------------------------------
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
-        """Rewrite (every mode alike), bind the state, record / dump the report, lower per mode."""
+        """Rewrite (every mode alike), bind the state, record / dump the report, lower per mode.
+        ``kwargs``: what Dynamo passes; torch.compile's ``mode`` goes to the lowering, which honours or refuses it."""
+        compile_mode = check_torch_mode(kwargs.pop("mode", None))
         t_start = time.perf_counter()
         graph_id = new_graph_id()
         dump_dir = self.options.resolved_dump_dir
@@ -211,15 +280,14 @@ class OffloadBackend:
         gm, state, report = rewrite_for_offload(gm, example_inputs, opts, hook, graph_id,
                                                 state_from_caches=self.lowering.state_from_caches)
         report.dynamo = _dynamo_frame()
+        if report.dynamo is not None:
+            _count_frame_compile(report.dynamo, gm, example_inputs)
         if report.dynamo is not None and report.dynamo["last_allowed"] and (report.rewritten or report.dense):
             # past this compile Dynamo runs the frame as it is (no graph, no offload) for any shape its guards
             # reject, and says so once in its own log; the user hears it from us too
-            msg = (f"{graph_id}: Dynamo's recompile_limit ({report.dynamo['recompile_limit']}) is reached for this "
-                   f"frame (compile #{report.dynamo['frame_compile_id'] + 1}): calls with new shapes (batch size, "
-                   "max_cache_len) will run the model unmodified, without the offload. Reuse one StaticCache "
-                   "(fixed max_cache_len) or raise torch._dynamo.config.recompile_limit (docs/hf.md)")
+            msg = _recompile_limit_message(graph_id, report.dynamo, report.frontend == "hf" or bool(report.hf))
             log.warning(msg)
-            warn_once(("recompile_limit", report.dynamo["frame_id"]), msg)
+            warn_once(("recompile_limit", graph_id), msg)  # the last allowed compile: once per frame
         self.lowering.after_rewrite(gm, state, report, opts, hook)
         binder = None
         bump: list[int] = []
@@ -227,14 +295,17 @@ class OffloadBackend:
             if dumper:
                 dumper.graph(graph_id, "rewrite", gm)
             gm, example_inputs, binder = self._bind(gm, example_inputs, state, graph_id)
+            binder.frontend = report.frontend or "recipe"
             report.state_per_caches = binder.input_names is not None
             report.cold_resets = 0  # counted by the binder (a pattern that keeps the pools cold)
+            if report.frontend == "hf":  # beam search moves every cache row each step: the pools follow
+                follow_cache_reorders()
         elif MODES[opts.exe_mode].platform != "cpu":
             bump = _fx.mutated_placeholders(gm)
         self.reports.append(report)
         if dumper:  # before lowering too: a lowering that stops (no CANN here) leaves the report
             dumper.report(report.to_dict())
-        ctx = LowerContext(graph_id, opts, state, report, dumper, dict(kwargs))
+        ctx = LowerContext(graph_id, opts, state, report, dumper, dict(kwargs), compile_mode)
         timings = report.timings
         t_lower = time.perf_counter()
         fn = self.lowering.lower(gm, example_inputs, ctx)
@@ -305,11 +376,12 @@ def backend_for_options(options: Optional[Mapping] = None) -> Any:
 
 def dsa_offload_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[Mapping] = None,
                         **kw: Any) -> Callable:
-    """Entry point of ``torch.compile(m, backend="dsa_offload", options={...})``."""
-    check_torch_mode(kw.pop("mode", None))
+    """Entry point of ``torch.compile(m, backend="dsa_offload", options={...})``; torch.compile's ``mode``
+    reaches the lowering as with a backend instance."""
+    mode = check_torch_mode(kw.pop("mode", None))
     opts = dict(options or {})
     opts.update(kw)
-    return backend_for_options(opts)(gm, example_inputs)
+    return backend_for_options(opts)(gm, example_inputs, mode=mode)
 
 
 def offload_compile_config(*, fullgraph: bool = False, dynamic: Optional[bool] = None, **options: Any) -> Any:

@@ -23,9 +23,12 @@ tensors. Verified on CPU: the placement decisions; only a GPU can confirm the re
 The recipe model's own writes of new KV rows into host caches (prefill, re-fill, decode) go through
 ``offload_ref::npu_mla_prolog_cache_write_``, whose CUDA kernel stores through the pinned address
 (``custom_ops/cuda/cache_write.py``); an ATen ``index_put_`` of device rows into a host tensor is refused by
-torch and by Dynamo. HF ``StaticCache.update`` into host caches is not supported (docs/cuda.md).
+torch and by Dynamo. A Hugging Face model's host KV is ``offload_passes.hf_cache.HostStaticCache``, whose
+update writes through ``offload_ref::static_cache_write_`` the same way; a plain ``StaticCache`` writes with
+``index_copy_`` and is refused by :func:`place_full_caches` (its plan is still reported, for the bytes).
 :func:`host_pinned` pins without a transient copy and without the pinned allocator's power-of-two rounding;
-:func:`raise_device_errors` reports what device-side checks flagged (the guards of the ``cuda`` mode).
+:func:`raise_device_errors` reports what device-side checks flagged (the guards of the ``cuda`` mode);
+:func:`before_host_write` orders a host-side write into pinned caches after the kernels that use them.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from .custom_ops.cuda._common import raise_device_errors  # noqa: E402  (re-expo
 log = logging.getLogger("offload_passes.cuda")
 
 __all__ = ["Placement", "plan_placement", "place_full_caches", "kv_bytes", "require_cuda", "raise_device_errors",
-           "host_pinned", "release_host", "host_bytes_per_token", "HOST", "DEVICE"]
+           "host_pinned", "release_host", "host_bytes_per_token", "before_host_write", "HOST", "DEVICE"]
 
 HOST, DEVICE = "host", "device"
 #: recipe-form attention buffers: the full caches (host) and what the offload adds beside them (device)
@@ -111,7 +114,10 @@ def _targets(obj: Any) -> List[tuple]:
                              "Hugging Face model pass its StaticCache")
         return out
     if _is_static_cache(obj):
+        host_cache = _host_kv(obj)
         for i, layer in enumerate(obj.layers):
+            if host_cache and not _host_kv(layer):
+                continue  # a HostStaticCache's other layers (sliding windows, ...) stay as transformers made them
             for a in HF_FULL + HF_DEVICE:
                 t = getattr(layer, a, None)
                 if not isinstance(t, torch.Tensor):
@@ -123,6 +129,12 @@ def _targets(obj: Any) -> List[tuple]:
         return out
     raise TypeError(f"plan_placement: expected a recipe-form model (torch.nn.Module) or a transformers "
                     f"StaticCache, got {type(obj).__name__}")
+
+
+def _host_kv(obj: Any) -> bool:
+    """``obj`` is an ``offload_passes.hf_cache`` host-KV cache or layer (they say so: ``host_kv = True``;
+    ``hf_cache`` imports this module, not the other way round)."""
+    return getattr(type(obj), "host_kv", False) is True
 
 
 def plan_placement(obj: Any) -> List[Placement]:
@@ -220,11 +232,24 @@ def place_full_caches(obj: Any, device: Union[str, torch.device, None] = None) -
     ``torch.compile``: the backend's state (pools, metadata) is then allocated beside the selection
     buffers, on the device. Returns the plan applied.
     """
+    if _is_static_cache(obj) and not _host_kv(obj):
+        raise TypeError(f"place_full_caches: a transformers {type(obj).__name__} writes its rows with index_copy_, "
+                        "which torch (and Dynamo, tracing it) refuse for a host cache with device rows; build "
+                        "offload_passes.hf_cache.HostStaticCache(model.config, max_cache_len, batch_size=..., "
+                        "device=..., dtype=...) instead (docs/hf.md, Host KV)")
     require_cuda("place_full_caches")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     if dev.type != "cuda":
         raise ValueError(f"place_full_caches: device must be a CUDA device, got {dev}")
     targets = _targets(obj)
+    if _is_static_cache(obj):  # a HostStaticCache's layers: counters with the device tensors (their update reads them)
+        for owner in {id(o): o for o, *_ in targets}.values():
+            for a in ("cumulative_length", "indexer_cumulative_length"):
+                if isinstance(getattr(owner, a, None), torch.Tensor):
+                    setattr(owner, a, getattr(owner, a).to(dev))
+            owner.device = dev
+            if getattr(owner, "indexer_keys", None) is not None:
+                owner.indexer_device = dev
     for owner, attr, name, where in targets:
         t = getattr(owner, attr)
         if where == HOST:
@@ -238,3 +263,16 @@ def place_full_caches(obj: Any, device: Union[str, torch.device, None] = None) -
     b = kv_bytes(plan)
     log.info("full caches pinned on the host: %.1f MiB; device caches: %.1f MiB", b[HOST] / 2 ** 20, b[DEVICE] / 2 ** 20)
     return plan
+
+
+def before_host_write(device: Union[str, torch.device]) -> None:
+    """Wait until every kernel launched on ``device`` so far has finished, before the host itself writes into
+    pinned caches those kernels read or write (a row reset, a reorder, a synthetic fill): ``dsa_serve`` reads
+    missed rows and the cache-write kernels store rows through the same addresses, asynchronously, on any
+    stream of the device. Nothing to wait for on a CPU device, without a CUDA driver or before the first
+    CUDA call. Not for a captured region (a synchronisation); writes inside a step go through the
+    cache-write kernels on the stream instead."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize(dev)
+        log.debug("host write into pinned caches: waited for %s", dev)

@@ -26,16 +26,35 @@ backend are process state, not module state). ``state_dict()`` holds the wrapped
 """
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 from torch import nn
 
 from .backend import OffloadBackend, make_offload_backend
+from .hf_reorder import cache_tensors
 from .state import OffloadState, module_state
 
 #: Options ``make_offload_backend`` takes beside ``OffloadOptions`` (the NPU lowerings').
 _NPU_KW = ("compiler_config", "npu_options", "side_stream")
+
+
+def own_forward(model: nn.Module) -> Any:
+    """``model.forward`` as a function with a code object of its own, to compile instead of
+    ``model.forward``: Dynamo counts its ``recompile_limit`` per code object, and every transformers
+    model's ``forward`` is one wrapper function (transformers/utils/generic.py), so models compiled through
+    it share one budget and a third model may run unmodified. ``torch.compile(own_forward(model),
+    backend=...)`` compiles the same code, counted for this model alone (``offload(model)`` does this)."""
+    bound = model.forward
+    f = getattr(bound, "__func__", None)
+    if not isinstance(f, types.FunctionType):
+        raise TypeError(f"own_forward: model.forward must be a method defined in Python, got {type(bound).__name__}")
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__kwdefaults__ = f.__kwdefaults__
+    g.__dict__.update(f.__dict__)
+    g.__qualname__, g.__doc__, g.__module__ = f.__qualname__, f.__doc__, f.__module__
+    return types.MethodType(g, bound.__self__)
 
 
 def _rebuild_options(backend: OffloadBackend, options: dict) -> dict:
@@ -79,7 +98,8 @@ class OffloadedModule(_ExposesOffload, nn.Module):
         self._offload_rebuild = _rebuild_options(backend, options or {})
         self._compiled = torch.compile(module, backend=backend)
         # generate() (HF GenerationMixin) calls the module's forward: compiled per call, see generate()
-        self._compiled_forward = torch.compile(module.forward, backend=backend) if hasattr(module, "generate") \
+        # its own code object: its recompiles do not count against other models' (own_forward)
+        self._compiled_forward = torch.compile(own_forward(module), backend=backend) if hasattr(module, "generate") \
             else None
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -111,7 +131,7 @@ class OffloadedModule(_ExposesOffload, nn.Module):
         super().__setstate__(state)
         self.offload_backend = make_offload_backend(**self._offload_rebuild)
         self._compiled = torch.compile(self.module, backend=self.offload_backend)
-        self._compiled_forward = torch.compile(self.module.forward, backend=self.offload_backend) \
+        self._compiled_forward = torch.compile(own_forward(self.module), backend=self.offload_backend) \
             if hasattr(self.module, "generate") else None
 
     def _offload_target(self) -> nn.Module:
@@ -163,13 +183,7 @@ def static_cache_state(cache: Any) -> OffloadState:
     """The offload state bound to a Hugging Face ``StaticCache`` (``generate(..., return_dict_in_generate=True)
     .past_key_values``): its pools and counters, every group whose caches are this cache's layers. Empty when
     no rewritten graph ran on it."""
-    tensors = []
-    for layer in getattr(cache, "layers", ()):
-        for name in ("keys", "values", "indexer_keys"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                tensors.append(t)
-    return module_state(_CacheTensors(tensors))
+    return module_state(_CacheTensors(cache_tensors(cache)))
 
 
 def offload(target: Any = None, /, **options: Any) -> Any:

@@ -25,10 +25,15 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ._cli import EXIT_CHECK_FAILED, EXIT_OK, ArgumentParser, UsageError, run_cli, writable_dir, writable_file
+from ._cli import (EXIT_CHECK_FAILED, EXIT_OK, ArgumentParser, UsageError, int_arg, parse_ints, read_config, run_cli,
+                   writable_dir, writable_file)
 from .demo_common import (  # noqa: F401  (the schema and helpers are part of demo's interface)
     ATTN_TOL, DIFF_MEASURES, DIFF_OUTPUTS, LOGITS_TOL, MAX_THREADS, RESULT_KEYS, check_threads, max_diffs,
     op_counts, per_output, result, set_threads)
+
+
+#: the sections a model config yaml holds (models/glm/config.py; the HF runner's yaml has the same two)
+CONFIG_SECTIONS = ("model_config", "runner_config")
 
 
 def unmodified_host_rows(topk_steps: list, lengths: list, groups: list, S: int) -> int:
@@ -137,10 +142,11 @@ def run(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: O
 def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: Optional[int] = None,
               next_n: int = 3, batch: int = 4, seed: int = 0, threads: int = 1, unannounced: bool = False,
               on_step: Optional[Any] = None, max_seconds: float = 0.0, buckets: Sequence[int] = (),
-              arrival: float = 1.0) -> dict:
+              arrival: float = 1.0, update_ledger: bool = True) -> dict:
     """The serving loop (``models/glm/serve.py``: continuous batching on the cache manager's block tables,
     a C++ KV transfer that moves no version counter, varying MTP acceptance) with the unmodified model and
-    the compiled one (``OffloadState.move_rows`` on every batch change) side by side; ``unannounced`` adds
+    the compiled one (the engine adapter, ``engine.EngineAdapter``: ``OffloadState.move_rows`` on every
+    batch change) side by side; ``unannounced`` adds
     a third lane compiled the same way that is told nothing (per-row in-graph signals only).
 
     The static-batch comparison on the same trace: every request's recorded top-k (what the compiled
@@ -149,9 +155,12 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     would hit on exactly these requests. ``on_step(i, server)`` runs after each step (the soak samples
     memory there); ``max_seconds`` > 0 stops after that wall time (``steps`` then says how many ran).
     ``buckets``: batch sizes below ``batch`` compiled as batch buckets over the same caches
-    (``serve.bucket_model``); ``arrival`` < 1 lets the running count vary so they are used."""
+    (``serve.bucket_model``); ``arrival`` < 1 lets the running count vary so they are used.
+    ``update_ledger=False``: both compiled lanes without the ledger update (the NPU modes' default)."""
     from . import models
     from .backend import make_offload_backend
+    from .custom_ops.plan_kind import NUM_PLAN_KINDS, PlanKind
+    from .engine import EngineAdapter
     from .models.glm.serve import Lane, Server, ServeConfig, bucket_model
     from .state import module_state
     from .trace.format import Trace
@@ -165,7 +174,8 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     ref = models.build(config, **over)
     comp = models.build(config, **over)
     pm = models.build(config, **dict(over, batch_size=1)).model
-    opts: dict[str, Any] = {"exe_mode": mode, "pa_block_size": r.pa_block_size, "next_n": r.next_n}
+    opts: dict[str, Any] = {"exe_mode": mode, "pa_block_size": r.pa_block_size, "next_n": r.next_n,
+                            "update_ledger": update_ledger}
     if pool_size is not None:
         opts["pool_size"] = pool_size
     backend = make_offload_backend(**opts)
@@ -181,8 +191,8 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
 
     ref_buckets = bucket_lanes(ref.model, "inductor" if mode == "inductor" else None)
     lanes = [Lane(ref.model, ref_fn, None, ref_buckets),
-             Lane(comp.model, torch.compile(comp.model, backend=backend),
-                  lambda src: module_state(comp.model).move_rows(src), bucket_lanes(comp.model, backend))]
+             Lane(comp.model, torch.compile(comp.model, backend=backend), buckets=bucket_lanes(comp.model, backend),
+                  engine_step=EngineAdapter(comp.model).step)]
     backend2 = None
     if unannounced:
         comp2 = models.build(config, **over)
@@ -196,7 +206,7 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     IR = None
     ptrs: dict[int, int] = {}
     live: dict[int, list] = {}  # request id -> its steps: ([G, S, K] top-k, length)
-    kinds = np.zeros(6, dtype=np.int64)
+    kinds = np.zeros(NUM_PLAN_KINDS, dtype=np.int64)  # plan-kind counts of the static replay
     replayed = [True]
 
     def replay(steps_of: list) -> None:
@@ -249,8 +259,8 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     tot = st.totals()
     out = {"config": config, "mode": mode, "steps": steps, "steps_requested": steps_requested, "B": batch,
            "S": srv.S, "K": K,
-           "pool_size": backend.options.resolved_pool_size, "rewritten": bool(rep.get("rewritten")),
-           "paged": [bool(g.get("paged")) for g in rep.get("groups", [])],
+           "pool_size": backend.options.resolved_pool_size, "update_ledger": update_ledger,
+           "rewritten": bool(rep.get("rewritten")), "paged": [bool(g.get("paged")) for g in rep.get("groups", [])],
            "requests_finished": srv.finished, "requests_admitted": srv.next_rid, "batch_changes": srv.batch_changes,
            "hits": tot["hits"], "misses": tot["misses"], "window": tot["window"],
            "hit_rate": rate(tot["hits"], tot["misses"]), "max_abs_diff": diffs[0],
@@ -258,9 +268,10 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     if small:
         out["buckets"] = {str(b): n for b, n in srv.bucket_steps.items()}  # steps per batch bucket
     if replayed[0] and steps:
-        out["static"] = {"hits": int(kinds[1]), "misses": int(kinds[2]), "window": int(kinds[3]),
-                         "hit_rate": rate(int(kinds[1]), int(kinds[2]))}
-        out["hit_ratio_vs_static"] = tot["hits"] / int(kinds[1]) if kinds[1] else 0.0
+        hits, misses = int(kinds[PlanKind.POOL_HIT]), int(kinds[PlanKind.FULL_OLD_MISS])
+        out["static"] = {"hits": hits, "misses": misses, "window": int(kinds[PlanKind.DECODE_WINDOW]),
+                         "hit_rate": rate(hits, misses)}
+        out["hit_ratio_vs_static"] = tot["hits"] / hits if hits else 0.0
         out["hit_rate_points_vs_static"] = 100.0 * (out["hit_rate"] - out["static"]["hit_rate"])
     if backend2 is not None:
         st2 = module_state(lanes[2].model)
@@ -297,7 +308,10 @@ def _save_trace(recorder, state, config: str, path: str) -> str:
 
     if state is None:
         raise RuntimeError("--record-trace: the graph was not rewritten, no dsa_plan ran")
-    return str(save_trace(recorder.trace_for(state, config), path))
+    try:
+        return str(save_trace(recorder.trace_for(state, config), path))
+    except OSError as e:  # the folder was checked before the run; the write itself can still fail
+        raise UsageError(f"--record-trace {path!r}: {e.strerror or e}") from None
 
 
 def _summary(o: dict) -> str:
@@ -334,19 +348,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="--model hf: attn_implementation")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="--model hf: model dtype (bfloat16 enables the offload ops)")
-    p.add_argument("--steps", type=int, default=64, help="decode steps (default 64)")
+    p.add_argument("--steps", type=int_arg("--steps", 1), default=64, help="decode steps (default 64)")
     p.add_argument("--mode", choices=("eager", "inductor"), default="eager")
-    p.add_argument("--pool-size", type=int, default=None, help="pool slots per batch row (default 8192 / 16384)")
-    p.add_argument("--next-n", type=int, default=None, help="MTP tokens (S = 1 + next_n)")
+    p.add_argument("--pool-size", type=int_arg("--pool-size"), default=None,
+                   help="pool slots per batch row (default 8192 / 16384)")
+    p.add_argument("--next-n", type=int_arg("--next-n"), default=None, help="MTP tokens (S = 1 + next_n)")
     p.add_argument("--dump-dir", default=None, help="write graphs and report.json here")
     p.add_argument("--record-trace", default=None, metavar="TRACE.npz",
                    help="write the compiled run's top-k trace (replay with offload-sim)")
     p.add_argument("--replacement-policy", choices=("fifo", "second_chance"), default="fifo",
                    help="pool replacement (second_chance: the opt-in CPU kernel, not on the NPU)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=int_arg("--threads"), default=1,
                    help=f"torch CPU threads, at most os.cpu_count() = {MAX_THREADS} (0 = torch default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--world", type=int, default=1, metavar="N",
+    p.add_argument("--world", type=int_arg("--world"), default=1, metavar="N",
                    help="spawn N ranks (gloo, loopback) of the recipe's multi-rank layout and compare every rank "
                         "with its own unmodified model (offload_passes/demo_world.py; --model glm)")
     p.add_argument("--serve", action="store_true",
@@ -367,8 +382,6 @@ def _main(a: argparse.Namespace) -> int:
     from .options import OffloadOptions
 
     # bad input is found before anything is built or compiled (exit 2, one line)
-    if a.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {a.steps}")
     check_threads(a.threads)
     if a.next_n is not None and not 0 <= a.next_n <= 3:
         raise UsageError(f"--next-n must be in [0, 3] (S = 1 + next_n <= 4), got {a.next_n}")
@@ -378,6 +391,9 @@ def _main(a: argparse.Namespace) -> int:
         writable_dir(a.dump_dir, "--dump-dir")
     if a.record_trace:
         writable_file(a.record_trace, "--record-trace")
+    if a.config is not None and (os.path.splitext(a.config)[1] or os.path.exists(a.config)):
+        # a path, not a preset: a readable yaml with the model's sections, never a silent default
+        read_config(a.config, "--config", CONFIG_SECTIONS)
     _check_config_fits_model(a.model, a.config)
     if a.serve and (a.world != 1 or a.model != "glm"):
         raise UsageError("--serve applies to --model glm on one process (no --world)")
@@ -418,17 +434,11 @@ def _main(a: argparse.Namespace) -> int:
 
 
 def parse_buckets(text: str, batch: int) -> list[int]:
-    """``--buckets "2,4"`` -> ``[2, 4]``; every size in ``[1, batch]`` (``batch``: the serving loop's rows)."""
+    """``--buckets "2,4"`` (any order) -> ``[2, 4]``; every size in ``[1, batch]`` (``batch``: the serving
+    loop's rows)."""
     if not text:
         return []
-    try:
-        sizes = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--buckets must be comma-separated batch sizes, got {text!r}") from None
-    bad = [b for b in sizes if not 1 <= b <= batch]
-    if bad:
-        raise UsageError(f"--buckets sizes must be in [1, {batch}] (the serving loop's batch), got {bad}")
-    return sorted(set(sizes))
+    return sorted(set(parse_ints(text, "--buckets", 1, batch)))
 
 
 def check_arrival(arrival: float) -> None:
@@ -456,10 +466,8 @@ def _check_config_fits_model(model: str, config: Optional[str]) -> None:
         raise UsageError(f"--config {config!r} is a recipe-form preset (--model glm); --model hf takes "
                          f"{hf_presets} or an HF yaml (model_config + runner_config)")
     if os.path.splitext(config)[1] and os.path.isfile(config):
-        import yaml
-
-        data = yaml.safe_load(open(config)) or {}
-        rc = data.get("runner_config", {}) if isinstance(data, dict) else {}
+        data = read_config(config, "--config", CONFIG_SECTIONS)
+        rc = data.get("runner_config", {})
         bad = sorted(set(rc) - set(hf.RUNNER_KEYS)) if isinstance(rc, dict) else []
         if bad:
             raise UsageError(f"--config {config!r} is not an HF config: runner_config keys {bad} are unknown to "

@@ -5,10 +5,11 @@
 DSA sites owns the graph. Preconditions, refusals and ``strict``, state allocation, the shared rewrite core
 (``passes/rewrite.py``: guards, new-request invalidation, plan / serve / install, ``replacement_policy``,
 ``install_hook``) and the report exist once, here; a front-end adds only what its protocol declares
-(``frontends.FrontEnd``: detection, screening, preconditions, emission, what a refusal leaves). The passes
-are direct calls in order (:func:`_run`), each inside :func:`timed` (``report.timings[<pass>_s]``, a debug
-log line); Python's cyclic GC is paused while they run (``passes/_fx.paused_gc``: a full sweep of the
-compiler's heap is never charged to a pass at random).
+(``frontends/protocol.py::FrontEnd``: detection, screening, preconditions, emission, what a refusal
+leaves). :func:`_run` does the passes, direct calls in order, each inside :func:`timed`
+(``report.timings[<pass>_s]``, a debug log line), and asks ``outcome.decide`` what the graph becomes
+(rewritten, partial, dense, refused) from the facts they found; Python's cyclic GC is paused while they
+run (``passes/_fx.paused_gc``: a full sweep of the compiler's heap is never charged to a pass at random).
 """
 from __future__ import annotations
 
@@ -17,18 +18,22 @@ import itertools
 import logging
 import time
 import warnings
+from dataclasses import replace
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import fx
 
 from .options import OffloadOptions
+from .outcome import Facts, Verdict, decide
 from .passes import _fx
-from .passes.frontends import FRONT_ENDS, Detection, FrontEnd, PartialRefusal
-from .passes.group import group
-from .passes.preconditions import PreconditionReport
-from .passes.refusal import Refusal
-from .passes.rewrite import InstallHook, OffloadRefused, rewrite
+from .passes.emit import InstallHook
+from .passes.frontends import FRONT_ENDS
+from .passes.frontends.protocol import Detection, FrontEnd
+from .passes.group import Group, GroupReport, group
+from .passes.preconditions import GroupGeometry, PreconditionReport
+from .passes.refusal import OffloadRefused, Refusal
+from .passes.rewrite import rewrite
 from .passes.state_build import build_state
 from .report import GraphReport
 from .state import OffloadState
@@ -113,62 +118,50 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
     report.ops["after"] = report.ops["before"]
     if fe is None:
         # no front-end owns the graph: the last one's detection summary, the first one's pass list
-        report.detect = cand.detect_summary(det)
+        report.detect = cand.summarise(det).detect
         report.passes = _passes(FRONT_ENDS[0])
         log.debug("%s: no DSA site in the graph; passing it through", graph_id)
         return gm, None, report
     report.frontend = fe.name
     report.passes = _passes(fe)
-    report.detect = fe.detect_summary(det)
-    extras = report.hf = fe.report_extras(det)
+    report.detect, extras = fe.summarise(det)
+    report.hf = extras
     with timed(report, "group"):
         grp = group(det)
-    partial = fe.on_offload_refusal is PartialRefusal.SPARSE_WITHOUT_OFFLOAD
-    blocking, quiet = fe.screen(det)
-    if blocking:
-        detail = fe.dense_by_design(gm, det, blocking)
-        if detail is not None:
-            report.dense = {"reason": "prefill", "detail": detail}
-            log.info("%s: %s", graph_id, detail)
-            return gm, None, report
-    if quiet and not blocking:
-        report.refusals = [r.to_dict() for r in quiet]
-        report.dense = {"reason": quiet[0].reason, "detail": quiet[0].detail}
-        log.info("%s: %s", graph_id, "; ".join(r.detail for r in quiet))
-        return gm, None, report
-    if not blocking:
+    offload_on = opts.enable_offload and opts.shared_indexer_offload
+    facts = Facts(fe.on_offload_refusal, fe.screen(gm, det), offload_on, tuple(g.group_id for g in grp.groups))
+    pr = PreconditionReport([], [])
+    if facts.rewritable:
         # Dynamo's dynamic shapes: the sites' sizes (B, S, T, K, ...) become concrete here, with guards
         # (docs/hf.md "Dynamic shapes"): the offload state, its selection buffers and the ops' limits are
         # per geometry, so the rewritten graph is static and Dynamo recompiles for another geometry.
         spec = _specialise(det)
         if spec:
             report.specialised = spec
-    offload_on = opts.enable_offload and opts.shared_indexer_offload
-    pr = PreconditionReport([], [])
-    if offload_on and not blocking:
-        with timed(report, "plan"):
-            pr = fe.check_preconditions(gm, grp, example_inputs, opts)
+        if offload_on:
+            with timed(report, "plan"):
+                pr = fe.check_preconditions(gm, grp, example_inputs, opts)
+            facts = replace(facts, offload_refusals=tuple(pr.refusals), group_refusals=pr.by_group(grp),
+                            by_design=pr.by_design)
     report.groups = [p.to_dict() for p in pr.groups]
-    refusals: list[Refusal] = list(blocking)
-    if not offload_on and not partial:
-        refusals.insert(0, Refusal("disabled", "enable_offload / shared_indexer_offload is off in the config"))
-    offload_refusals = list(pr.refusals)
-    if blocking or (offload_refusals and not partial) or (refusals and not partial):
-        refusals += offload_refusals
-        report.refusals = [r.to_dict() for r in refusals]
-        _refuse(graph_id, refusals, opts.strict, "DSA offload not applied", "compiling the graph unmodified")
+    out = decide(facts)
+    if out.dense is not None:
+        report.dense = {"reason": out.dense[0], "detail": out.dense[1]}
+    if out.note is not None:
+        log.info("%s: %s", graph_id, out.note)
+    if out.verdict.unmodified:
+        if out.refusals:
+            report.refusals = [r.to_dict() for r in out.refusals]
+        if out.warn:
+            _refuse(graph_id, out.refusals, opts.strict, "DSA offload not applied", "compiling the graph unmodified")
         return gm, None, report
-    if offload_refusals:  # a partial refusal: the front-end's rewrite stays, without the offload
+    if out.verdict is Verdict.PARTIAL:  # the front-end's rewrite stays, without the offload in some groups
         if extras is not None:
-            extras["offload_refusals"] = [r.to_dict() for r in offload_refusals]
-        detail = fe.sparse_by_design(det, offload_refusals)
-        if detail is not None:
-            report.dense = {"reason": "prefill", "detail": detail}
-            log.info("%s: %s", graph_id, detail)
-        else:
-            _refuse(graph_id, offload_refusals, opts.strict,
+            extras["offload_refusals"] = [r.to_dict() for r in out.offload_refusals]
+        if out.warn:
+            _refuse(graph_id, out.offload_refusals, opts.strict,
                     f"shared-indexer offload not applied to the {fe.name} graph", "sparse attention only")
-    plans = pr.groups if offload_on else []
+    plans = [p for p in pr.groups if p.group_id in out.offload_groups]
     state = None
     if plans:
         with timed(report, "alloc"):
@@ -176,10 +169,7 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
     with timed(report, "rewrite"):
         rr = rewrite(gm, fe, grp, plans, state, opts.update_ledger, install_hook, in_graph_guards, True,
                      opts.replacement_policy)
-    if not rr.offload:
-        report.groups = [{"group_id": g.group_id, "owner_layer": g.owner.layer, "layers": g.layers,
-                          "topk_node": g.producer.name, "K": g.owner.dims["K"], "S": g.owner.dims["S"],
-                          "B": g.owner.dims["B"]} for g in grp.groups]
+    report.groups = _group_rows(grp, plans if rr.offload else [])
     report.rewritten = True
     report.sites = [s.to_dict() for s in rr.sites]
     report.layer_nodes = {"before": rr.layer_nodes_before, "after": rr.layer_nodes_after}
@@ -193,6 +183,19 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
     log.info("%s: %s form: rewrote %d DSA layers in %d groups %s%s", graph_id, fe.name, len(rr.sites),
              len(grp.groups), [g.layers for g in grp.groups], "" if rr.offload else " (sparse attention, no offload)")
     return gm, state, report
+
+
+def _group_rows(grp: GroupReport, plans: Sequence[GroupGeometry]) -> list[dict]:
+    """``GraphReport.groups`` of a rewritten graph: an offloaded group's geometry; a group rewritten without
+    the offload (the HF form's sparse attention) its layers and sizes."""
+    geo = {p.group_id: p for p in plans}
+    return [geo[g.group_id].to_dict() if g.group_id in geo else _sparse_row(g) for g in grp.groups]
+
+
+def _sparse_row(g: Group) -> dict:
+    d = g.owner.dims  # only the HF form rewrites a group without the offload; its sites carry their sizes
+    return {"group_id": g.group_id, "owner_layer": g.owner.layer, "layers": g.layers, "topk_node": g.producer.name,
+            "K": d["K"], "S": d["S"], "B": d["B"]}
 
 
 def _specialise(det: Detection) -> dict:

@@ -3,9 +3,9 @@
 Per layer ``l``: ``pool_kv [B, PS, Dkv]``, ``pool_rope [B, PS, Dr]`` (KV dtype). Per group ``g``:
 ``pool_ids [B, PS]`` (-1), ``id_to_slot [B, IR]`` (-1), ``lru_counter [B, PS/16]`` (0) int32, and
 ``stats [2, 7]`` int64 written *in the graph* every step: row 0 = this step's plan-kind counts
-(kinds 0..5, then 1 for the step), row 1 = the running sum. hits = kind 1, misses = kind 2,
-window = kind 3; host rows read = (misses + window) × layers of the group (every layer serves the
-same plan from its own host cache). ``seen_len [B]`` int32: each row's cache length at the previous
+(``custom_ops/plan_kind.py``, kinds 0..5, then 1 for the step), row 1 = the running sum. hits =
+POOL_HIT, misses = FULL_OLD_MISS, window = DECODE_WINDOW; host rows read = (misses + window) × layers
+of the group (every layer serves the same plan from its own host cache). ``seen_len [B]`` int32: each row's cache length at the previous
 step; ``external_write [1]`` int32: set by the host when the full caches were written outside the graph
 since the last step (version counters). Paged groups also keep ``seen_table [B, maxblk]`` int32, each
 row's block table at the previous step. The graph uses them to invalidate new requests' rows; the host
@@ -26,23 +26,89 @@ shared group, see :meth:`GroupPools.grow`).
 from __future__ import annotations
 
 import logging
+import numbers
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from .custom_ops.plan_kind import NUM_PLAN_KINDS, PlanKind
+
 log = logging.getLogger("offload_passes.state")
 
-KIND_HIT, KIND_MISS, KIND_WINDOW = 1, 2, 3
-STATS_WIDTH = 7  # kinds 0..5 + step count
+STATS_WIDTH = NUM_PLAN_KINDS + 1  # the plan kinds' counts + the step count
+
+#: what an announcement takes as row indices (``row_indices``)
+ROW_FORMS = "a list, tuple or range of ints, or a 1-D integer tensor or numpy array (any device)"
+
+
+def row_indices(value: Any, where: str, arg: str, lo: int, hi: Optional[int], limit: str,
+                sets: bool = True) -> list[int]:
+    """``value`` as a list of ints, each in ``[lo, hi)`` (``hi`` None: no upper limit known yet).
+
+    Accepted: a list, tuple or range of Python / numpy ints (and, with ``sets``, a set: order-free row
+    lists), a 1-D integer tensor on any device, a 1-D integer numpy array. Refused with a ``TypeError``
+    naming ``where``, ``arg`` and the accepted forms: a bool mask (a mask is not a row list), floats (a
+    float is not an index, 2.0 included), strings, mappings, iterators and generators (they cannot be
+    checked without being consumed), scalars, None. ``ValueError``: a tensor or array that is not 1-D, an
+    entry outside ``[lo, hi)`` (the message carries ``limit``, what the bound is)."""
+    forms = ROW_FORMS.replace("list, tuple or range of ints", "list, tuple, range or set of ints") if sets \
+        else ROW_FORMS
+    bound = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
+
+    def refuse(what: str) -> TypeError:
+        return TypeError(f"{where}: {arg} must be {forms}, each in {bound} ({limit}); got {what}")
+
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+        dt = getattr(value, "dtype", None)
+        if dt is None or getattr(value, "ndim", None) is None:
+            raise refuse(f"{type(value).__name__} {value!r}")
+        is_bool = dt == torch.bool if isinstance(value, torch.Tensor) else str(dt) == "bool"
+        is_int = (not dt.is_floating_point and not dt.is_complex) if isinstance(value, torch.Tensor) \
+            else str(dt).startswith(("int", "uint"))
+        if is_bool:
+            raise refuse(f"a bool mask {type(value).__name__} of shape {list(value.shape)} (a mask is not a row "
+                         f"list: pass its row indices, e.g. mask.nonzero().flatten())")
+        if not is_int:
+            raise refuse(f"a {type(value).__name__} of dtype {dt}")
+        if value.ndim != 1:
+            raise ValueError(f"{where}: {arg} must be 1-D (one entry per row), got shape {list(value.shape)}")
+        items = [int(x) for x in value.tolist()]
+    elif isinstance(value, (list, tuple, range)) or (sets and isinstance(value, (set, frozenset))):
+        items = []
+        for x in value:
+            if isinstance(x, bool) or type(x).__name__ in ("bool_", "bool"):
+                raise refuse(f"{type(value).__name__} holding the bool {x!r} (a mask is not a row list: pass its "
+                             f"row indices)")
+            if not isinstance(x, numbers.Integral):
+                raise refuse(f"{type(value).__name__} holding {type(x).__name__} {x!r}")
+            items.append(int(x))
+    else:
+        what = f"{type(value).__name__}"
+        if isinstance(value, (int, float, str, bytes)) or value is None:
+            what += f" {value!r}" + (f" (one row: pass [{value}])" if isinstance(value, int) and
+                                     not isinstance(value, bool) else "")
+        raise refuse(what)
+    bad = [x for x in items if x < lo or (hi is not None and x >= hi)]
+    if bad:
+        raise ValueError(f"{where}: {arg} entries must be in {bound} ({limit}), got {bad}")
+    return items
+
+
+def _rows_limit(held: int, cap: Optional[int]) -> str:
+    """What bounds an announcement's rows, for its error messages."""
+    if cap is None or cap <= held:
+        return f"the batch: the {held} rows of the offload state"
+    return (f"the {held} rows held, or up to {cap} for a larger batch bucket whose graph has not run yet "
+            f"(the full caches' blocks)")
 
 
 class GroupPools:
     """The tensors of one IndexShare group on one set of full caches (shared by every graph serving them)."""
 
     __slots__ = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external_write", "pools", "ran",
-                 "versions", "flagged", "seen_table", "announced", "gen", "__weakref__")
+                 "versions", "flagged", "seen_table", "announced", "expect", "max_rows", "gen", "__weakref__")
 
     def __init__(self, B: int, PS: int, IR: int, dims: Sequence[tuple[int, int, torch.dtype]],
                  device: torch.device, table_cols: int = 0) -> None:
@@ -65,6 +131,12 @@ class GroupPools:
         # begin_request / move_rows since the last step: the engine named every row it wrote outside the
         # graph, so an outside write seen by the version counters invalidates only those rows
         self.announced = False
+        # an announcement that named rows past the ones held (a batch bucket whose graph has not bound yet):
+        # (what, rows, exact), checked against the batch of the next graph that binds (StateBinder.state_for)
+        self.expect: Optional[tuple[str, int, bool]] = None
+        # how far an announcement may grow a shared group (StateRegistry.bind sets it: the full caches'
+        # blocks, every batch row holds blocks of its own); None: private state, never grown
+        self.max_rows: Optional[int] = None
         self.ran = False  # has served a step (a fresh group holds nothing that could be stale)
         self.versions: Optional[tuple] = None  # the full caches' version counters after the last step
         self.flagged = False  # external_write was set for the coming step
@@ -270,9 +342,9 @@ class OffloadState:
             s = g.stats.tolist()
             entry = {"group_id": g.group_id, "layers": list(g.layers)}
             for key, row in (("step", s[0]), ("total", s[1])):
-                hits, misses, window = row[KIND_HIT], row[KIND_MISS], row[KIND_WINDOW]
+                hits, misses, window = row[PlanKind.POOL_HIT], row[PlanKind.FULL_OLD_MISS], row[PlanKind.DECODE_WINDOW]
                 entry[key] = {"hits": hits, "misses": misses, "window": window,
-                              "host_rows_read": (misses + window) * len(g.layers), "steps": row[6]}
+                              "host_rows_read": (misses + window) * len(g.layers), "steps": row[NUM_PLAN_KINDS]}
             out.append(entry)
         return out
 
@@ -290,11 +362,19 @@ class OffloadState:
     def reset(self, rows: Optional[Iterable[int]] = None, counters: Optional[bool] = None) -> None:
         """Forget cached rows: all of them, or only batch ``rows`` (rows that start a new request).
 
-        A full reset also clears the counters (``counters`` overrides); a row reset keeps them.
+        ``rows``: row indices in ``[0, B)`` as :func:`row_indices` accepts them (a list, tuple, range or
+        set of ints, or a 1-D integer tensor / numpy array on any device; a bool mask is refused). A full
+        reset also clears the counters (``counters``: None, True or False overrides); a row reset keeps
+        them. Bad input raises ``TypeError`` / ``ValueError`` before anything changes.
         """
+        if counters is not None and not isinstance(counters, bool):
+            raise TypeError(f"OffloadState.reset: counters must be None, True or False, got "
+                            f"{type(counters).__name__} {counters!r}")
+        idx = None if rows is None else row_indices(rows, "OffloadState.reset", "rows", 0, self.B or None,
+                                                     f"the batch B={self.B}")
         if not self.groups:  # nothing compiled yet: nothing cached
             return
-        if rows is None:
+        if idx is None:
             # every row of the shared tensors, not only this graph's: "nothing cached" must hold for the
             # caches as a whole (versions = None trusts every row), whichever batch bucket asks
             for sg in self._shared_groups():
@@ -303,21 +383,19 @@ class OffloadState:
                 self.reset_counters()
             self.resets += 1
             return
-        self._reset_rows(rows, self.B)
+        self._reset_rows(idx)
         if counters:
             self.reset_counters()
 
     @torch.no_grad()
-    def _reset_rows(self, rows: Iterable[int], limit: int) -> None:
-        idx = sorted({int(r) for r in rows})
-        for r in idx:
-            if not 0 <= r < limit:
-                raise RuntimeError(f"reset: rows must be in [0, B={limit}), got {r}")
-        if not idx:
-            return
-        t = torch.tensor(idx, dtype=torch.long)
+    def _reset_rows(self, idx: Sequence[int]) -> None:
+        """Empty rows ``idx`` (validated, in range) of every shared group; rows a group does not hold yet
+        (a batch bucket not bound yet) hold nothing."""
         for sg in self._shared_groups():
-            i = t.to(sg.pool_ids.device)
+            rows = sorted({r for r in idx if r < sg.rows})
+            if not rows:
+                continue
+            i = torch.tensor(rows, dtype=torch.long, device=sg.pool_ids.device)
             sg.pool_ids[i] = -1
             sg.id_to_slot[i] = -1
             sg.lru_counter[i] = 0
@@ -333,20 +411,40 @@ class OffloadState:
                 out.append(g.shared)
         return out
 
+    def _limits(self) -> tuple[int, Optional[int]]:
+        """(rows every shared group holds now, how far an announcement may name rows: the shared groups'
+        ``max_rows`` when all can grow, else the rows held)."""
+        groups = self._shared_groups()
+        held = min(sg.rows for sg in groups)
+        caps = [sg.max_rows for sg in groups]
+        return held, (min(caps) if all(c is not None for c in caps) else held)
+
     @torch.no_grad()
     def begin_request(self, rows: Iterable[int]) -> None:
         """The engine's per-step announcement: batch ``rows`` start new requests, and they are **every** row
         whose full KV was written outside the compiled decode graph since the previous step (a prefill, a
         KV transfer, any write, with or without version counters). Their pool rows are forgotten at once;
         an outside write the version counters show then invalidates only these rows, not the batch
-        (docs/new-requests.md, "The engine's contract"). ``rows`` may be empty (nothing new)."""
-        self._announce(rows, self.B)
+        (docs/new-requests.md, "The engine's contract"). ``rows`` may be empty (nothing new).
 
-    def _announce(self, rows: Iterable[int], limit: int) -> None:
-        if self.groups:
-            self._reset_rows(rows, limit)
+        ``rows``: as :func:`row_indices` accepts them (a bool mask is refused), each in ``[0, B)``; on a
+        shared state (the CPU modes) a row past the ones held so far is accepted for a larger batch bucket
+        whose graph has not run yet, and checked against the batch of the next graph that runs."""
+        where = "OffloadState.begin_request"
+        if not self.groups:  # nothing compiled yet: nothing cached; the form is still checked
+            row_indices(rows, where, "rows", 0, None, "the batch")
+            return
+        held, cap = self._limits()
+        idx = row_indices(rows, where, "rows", 0, cap, _rows_limit(held, cap))
+        self._reset_rows(idx)
+        self._announce(where, (max(idx) + 1) if idx and max(idx) >= held else 0, exact=False)
+
+    def _announce(self, where: str, past: int, exact: bool) -> None:
+        """Mark every shared group announced; ``past`` > 0: the announcement named that many rows, more than
+        a group held, to be checked against the next graph's batch (``exact``: equal to it, else at most)."""
         for sg in self._shared_groups():
             sg.announced = True
+            sg.expect = (where, past, exact) if past else None
 
     @torch.no_grad()
     def move_rows(self, src: Sequence[int]) -> None:
@@ -355,28 +453,43 @@ class OffloadState:
         rows with ``-1`` start cold. Like :meth:`begin_request`, it names every row written outside the
         graph: only the ``-1`` rows may have been (docs/new-requests.md). ``src`` is as long as the next
         step's batch; with batch buckets it may be shorter than the shared state's rows (the largest
-        bucket): the rows past it hold no request and are emptied."""
-        src = [int(x) for x in src]
-        if not self.groups:  # nothing compiled yet: nothing cached
+        bucket): the rows past it hold no request and are emptied. Longer than the rows held (a larger
+        bucket whose graph has not run yet; shared state only): the shared state grows to it at once, and
+        the next graph that runs must have exactly ``len(src)`` rows.
+
+        ``src``: a list, tuple or range of ints, or a 1-D integer tensor / numpy array (any device); each
+        entry in ``[-1, rows)`` (the rows of the previous step), no row twice. Bad input raises
+        ``TypeError`` / ``ValueError`` naming the limit before anything changes."""
+        where = "OffloadState.move_rows"
+        if not self.groups:  # nothing compiled yet: nothing cached; the form is still checked
+            row_indices(src, where, "src", -1, None, "the rows of the previous step", sets=False)
             return
-        rows = min(sg.rows for sg in self._shared_groups())
-        if not 1 <= len(src) <= rows:
-            raise RuntimeError(f"move_rows: src must have one entry per batch row of the next step, at most "
-                               f"{rows} (the rows of the shared state), got {len(src)}")
-        bad = [x for x in src if not -1 <= x < rows]
-        if bad:
-            raise RuntimeError(f"move_rows: src entries must be in [-1, {rows}), got {bad}")
-        kept = [x for x in src if x >= 0]
+        held, cap = self._limits()
+        full_src = row_indices(src, where, "src", -1, held, f"the {held} rows of the offload state: the rows of "
+                               "the previous step; -1: a new request", sets=False)
+        if not 1 <= len(full_src) <= cap:
+            raise ValueError(f"{where}: src must have one entry per batch row of the next step, 1 to {cap} "
+                             f"({_rows_limit(held, cap)}), got {len(full_src)}")
+        kept = [x for x in full_src if x >= 0]
         if len(set(kept)) != len(kept):
-            raise RuntimeError(f"move_rows: a request cannot move to two rows, got src={src}")
+            dup = sorted({x for x in kept if kept.count(x) > 1})
+            raise ValueError(f"{where}: src names row(s) {dup} twice: a request cannot move to two rows")
+        n = len(full_src)
+        groups = self._shared_groups()
+        if n > held:  # a larger batch bucket next: its rows exist before its graph binds
+            for sg in groups:
+                sg.grow(n)
+        rows = max(n, held)
         # a smaller batch bucket next: the rows past it hold no request (emptied, never trusted)
-        full = src + [-1] * (rows - len(src))
-        if full != list(range(rows)):
+        full = full_src + [-1] * (rows - n)
+        if any(x >= 0 and x != b for b, x in enumerate(full)):  # some request moves (-1 rows: emptied below)
             idx = torch.tensor([max(x, 0) for x in full], dtype=torch.long)
-            for sg in self._shared_groups():
+            for sg in groups:
+                i = idx.to(sg.pool_ids.device)
                 for t in sg.per_row():
-                    t[:rows].copy_(t[:rows][idx.to(t.device)])
-        self._announce([b for b, x in enumerate(full) if x < 0], rows)
+                    t[:rows].copy_(t[:rows][i])
+        self._reset_rows([b for b, x in enumerate(full) if x < 0])
+        self._announce(where, n if n > held else 0, exact=True)
 
     @torch.no_grad()
     def reset_counters(self) -> None:
@@ -495,6 +608,7 @@ class StateRegistry:
             sg = ref() if ref is not None else None
             if sg is None:
                 sg = GroupPools(lay.B, lay.pool_size, lay.id_range, lay.dims, dev, lay.table_cols)
+                sg.max_rows = max(lay.B, min(int(t.size(0)) for t in cs)) if cs else None
                 self._shared[skey] = weakref.ref(sg)
                 for t in cs:
                     self._watch(_owner(t), skey)
@@ -546,6 +660,58 @@ class StateRegistry:
             log.info("%s: its caches were served by other offload state since its last run; its pools "
                      "were reset (cold start)", state.graph_id)
         return reset
+
+    def serves(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether some offload state ran on caches among ``tensors`` (by the tensors that own them)."""
+        owners = {id(_owner(t)) for t in tensors}
+        return any(k[0] in owners for keys in list(self._seen.values()) for k in keys)
+
+    @torch.no_grad()
+    def follow_rows(self, old: Sequence[torch.Tensor], new: Sequence[torch.Tensor], src: Sequence[int]) -> int:
+        """Full caches ``old[i]`` were replaced by ``new[i]`` (same shapes), whose row ``b`` holds what row
+        ``src[b]`` of ``old[i]`` held: a beam-search reorder (``hf_reorder``). Every group state that served
+        exactly caches among ``old`` (and still holds them) follows: its rows are gathered by ``src`` (a row
+        may be taken twice, two beams from one), it is found by the new caches from now on, and their
+        version counters count as its own (the reorder is no outside write: the pools moved with it). Row
+        lists of another length (the batch changed) are not followed: the new caches start cold. Returns
+        how many groups followed."""
+        by_key = {cache_key(t): n for t, n in zip(old, new)}
+        idx = torch.tensor(list(src), dtype=torch.long)
+        moved = 0
+        for sg, keys in list(self._seen.items()):
+            if not keys or not all(k in by_key for k in keys) or sg.rows != len(src):
+                continue
+            claim = self._claims.get(keys[0])
+            if claim is None or claim() is not sg:
+                continue  # superseded: another state served these caches since
+            new_t = [by_key[k] for k in keys]
+            if any(tuple(t.shape) != k[2] for t, k in zip(new_t, keys)):
+                continue
+            for t in sg.per_row():
+                t.copy_(t[idx.to(t.device)])
+            new_keys = tuple(cache_key(t) for t in new_t)
+            ref = weakref.ref(sg)
+            for skey, r in list(self._shared.items()):
+                if r() is sg and skey[0] == keys:
+                    nkey = (new_keys,) + skey[1:]
+                    self._shared[nkey] = ref
+                    for t in new_t:
+                        self._watch(_owner(t), nkey)
+            # the graphs' states of the old caches are the states of the new ones (the old entries die with
+            # the old tensors, and with them the last strong reference to the group)
+            for bkey, st in list(self._bindings.items()):
+                if keys in bkey[1]:
+                    nb = (bkey[0], tuple(new_keys if gk == keys else gk for gk in bkey[1]))
+                    self._bindings[nb] = st
+                    for t in new_t:
+                        self._watch(_owner(t), nb)
+            for k, t in zip(new_keys, new_t):
+                self._claims[k] = ref
+                self._watch(_owner(t), ("claim", k))
+            self._seen[sg] = new_keys
+            sg.versions = cache_versions(new_t)
+            moved += 1
+        return moved
 
     def current_groups(self, owner_ids: set) -> list[tuple[tuple, GroupPools]]:
         """Group tensors that ran on caches owned by tensors all in ``owner_ids`` (ids) and still hold
@@ -634,6 +800,25 @@ def _check_outside_writes(sg: GroupPools, caches: Sequence[torch.Tensor], graph_
         log.debug("%s: full caches written outside the graph since its last step: invalidating every row", graph_id)
 
 
+def _check_expected_rows(g: GroupState, graph_id: str) -> None:
+    """An announcement that named more rows than its state held (``GroupPools.expect``) must fit the batch of
+    the graph that runs next: ``move_rows`` exactly, ``begin_request`` at most. Checked once, before the
+    step."""
+    exp = g.shared.expect
+    if exp is None:
+        return
+    g.shared.expect = None
+    where, rows, exact = exp
+    if (rows == g.B) if exact else (rows <= g.B):
+        return
+    g.shared.announced = False  # a refused announcement is void: the version-counter fallback applies again
+    if exact:
+        raise ValueError(f"{where}: src had {rows} entries, but the next step ran {graph_id}, a graph of batch "
+                         f"{g.B}: src must have one entry per row of the next step's batch")
+    raise ValueError(f"{where}: rows named row {rows - 1}, but the next step ran {graph_id}, a graph of batch {g.B}: "
+                     f"rows must be in [0, {g.B})")
+
+
 @torch.no_grad()
 def after_step(sg: GroupPools, caches: Sequence[torch.Tensor]) -> None:
     """After the group's graph ran: remember the caches' versions (its own cache writes included) and
@@ -688,6 +873,9 @@ class StateBinder:
         # case: module buffers) skip computing the keys; a view that died never matches
         self._last_caches: list = []
         self._last_keys: Optional[tuple] = None
+        # calls in a row that found new, empty pools (caches that are new tensors at every call)
+        self.fresh_streak = 0
+        self.frontend = "recipe"  # whose advice its warnings give (set by the backend: "recipe" | "hf")
 
     def caches(self, args: Sequence[Any]) -> list[list[torch.Tensor]]:
         return [[args[v] if kind == "arg" else v for kind, v in refs] for refs in self.cache_refs]
@@ -711,6 +899,9 @@ class StateBinder:
             st = self._initial
         else:
             st = self.registry.bind(self.graph_id, self.layouts, caches, keys)
+        for g in st.groups:
+            _check_expected_rows(g, self.graph_id)
+        self._note_fresh(st)
         if self.registry.activate(st, caches, keys):
             self.cold_resets += 1
             if self.cold_resets == 2:
@@ -727,6 +918,25 @@ class StateBinder:
         self._last = weakref.ref(st)
         self.calls += 1
         return st
+
+    #: calls in a row on new, empty pools after which the binder says the pools never warm up
+    FRESH_WARN_AFTER = 3
+
+    def _note_fresh(self, st: OffloadState) -> None:
+        """Say once when the caches are new tensors at every call: their state is new and empty each time,
+        so every step is cold (a cache that replaces its tensors between steps; beam search in a transformers
+        cache whose reorder ``hf_reorder`` does not see)."""
+        fresh = self.calls > 0 and any(not g.shared.ran for g in st.groups)
+        self.fresh_streak = self.fresh_streak + 1 if fresh else 0
+        if self.fresh_streak != self.FRESH_WARN_AFTER:
+            return
+        advice = ("A Hugging Face cache whose tensors transformers replaces between steps cannot be followed, except "
+                  "the StaticCache's beam-search reorder (docs/hf.md)." if self.frontend == "hf" else
+                  "Hand the compiled model the same cache tensors (or views of them) every step, and tell it how "
+                  "rows moved with OffloadState.move_rows (docs/new-requests.md).")
+        log.warning("%s: its full caches were new tensors on each of the last %d calls, so their offload pools "
+                    "started empty every time: correct, but the offload gains nothing. %s", self.graph_id,
+                    self.fresh_streak, advice)
 
     def extra_inputs(self, args: Sequence[Any]) -> list[torch.Tensor]:
         st = self.state_for(args)

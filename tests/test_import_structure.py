@@ -1,12 +1,13 @@
 """No import circles among the package's modules.
 
 Read from the source with ``ast`` (nothing is imported): an edge ``a -> b`` for every import statement
-of ``a`` but those under ``if TYPE_CHECKING:``. An import inside a function counts too: deferring an
-import to call time hides a circle from Python, not from a reader, who still cannot understand one module
-without the other. ``from p import m`` where ``p.m`` is a module is an edge to ``p.m``; to ``p``
-otherwise. An edge to one of the module's own parent packages does not count (a package's registry read
-by its submodule: ``custom_ops/cuda`` reads ``custom_ops.OP_SPECS``): importing a submodule runs its
-parents first anyway. Installed names follow setup.py (``custom_ops/`` is ``offload_passes.custom_ops``).
+of ``a``, wherever it stands. An import inside a function or under ``if TYPE_CHECKING:`` counts too:
+deferring an import to call time or to the type checker hides a circle from Python, not from a reader,
+who still cannot understand one module without the other. ``from p import m`` where ``p.m`` is a module
+is an edge to ``p.m``; to ``p`` otherwise. An edge to one of the module's own parent packages does not
+count (a package's registry read by its submodule: ``custom_ops/cuda`` reads ``custom_ops.OP_SPECS``):
+importing a submodule runs its parents first anyway. Installed names follow setup.py (``custom_ops/`` is
+``offload_passes.custom_ops``).
 """
 from __future__ import annotations
 
@@ -34,21 +35,11 @@ def modules() -> dict[str, tuple[Path, bool]]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(node: ast.AST):
-    """Every import statement below ``node``, except under ``if TYPE_CHECKING:``."""
-    for child in ast.iter_child_nodes(node):
+    """Every import statement below ``node`` (module level, in functions, under ``if TYPE_CHECKING:``)."""
+    for child in ast.walk(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
-        elif isinstance(child, ast.If) and _is_type_checking(child.test):
-            for stmt in child.orelse:
-                yield from _imports(ast.Module(body=[stmt], type_ignores=[]))
-        else:
-            yield from _imports(child)
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -125,12 +116,30 @@ def test_a_lazy_import_is_an_edge(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from . import b\n")
     (pkg / "b.py").write_text("def f():\n    from .a import x\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     monkeypatch.setattr(__import__(__name__), "PACKAGE_FOLDERS", {"offload_passes": "offload_passes"})
     g = import_graph()
-    assert g["offload_passes.b"] == {"offload_passes.a"} and g["offload_passes.c"] == set()
+    assert g["offload_passes.b"] == {"offload_passes.a"}
     assert cycles(g) == [["offload_passes.a", "offload_passes.b"]]
+
+
+def test_a_type_level_import_is_an_edge(tmp_path, monkeypatch):
+    """A circle closed only under ``if TYPE_CHECKING:`` (a protocol module naming a type of a module that
+    imports it) is a circle: the checker finds it."""
+    pkg = tmp_path / "offload_passes"
+    (pkg / "passes").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "passes" / "__init__.py").write_text("")
+    (pkg / "passes" / "protocol.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                "    from .core import Ctx\n")
+    (pkg / "passes" / "core.py").write_text("from .protocol import FrontEnd\n")
+    (pkg / "passes" / "leaf.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from . import core\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    monkeypatch.setattr(__import__(__name__), "PACKAGE_FOLDERS", {"offload_passes": "offload_passes"})
+    g = import_graph()
+    assert g["offload_passes.passes.protocol"] == {"offload_passes.passes.core"}
+    assert g["offload_passes.passes.leaf"] == {"offload_passes.passes.core"}
+    assert cycles(g) == [["offload_passes.passes.core", "offload_passes.passes.protocol"]]
 
 
 def test_no_import_circles():
@@ -157,6 +166,17 @@ def test_front_ends_and_lowerings_are_packages():
     g = import_graph()
     front_ends = {m for m in g["offload_passes.passes.frontends"] if m.startswith("offload_passes.passes.frontends.")}
     assert {"offload_passes.passes.frontends.recipe", "offload_passes.passes.frontends.hf"} <= front_ends
+
+
+def test_the_seam_between_front_ends_and_the_core():
+    """The front-end registry imports only the front-ends and their protocol; the protocol and the emission
+    helpers import no front-end; the shared passes import nothing from ``passes/frontends/``."""
+    g = import_graph()
+    fe = "offload_passes.passes.frontends"
+    assert g[fe] == {f"{fe}.recipe", f"{fe}.hf", f"{fe}.protocol"}, g[fe]
+    for mod in (f"{fe}.protocol", "offload_passes.passes.emit", "offload_passes.passes.preconditions",
+                "offload_passes.passes.group", "offload_passes.passes.refusal"):
+        assert not {m for m in g[mod] if m == fe or m.startswith(fe + ".")}, (mod, g[mod])
 
 
 def test_the_top_level_holds_entry_points_and_the_core():

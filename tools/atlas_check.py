@@ -86,15 +86,15 @@ def _csv(value: str, allowed: Sequence[str], flag: str, ap: argparse.ArgumentPar
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    from offload_passes._cli import ArgumentParser, UsageError, writable_file
+    from offload_passes._cli import ArgumentParser, UsageError, int_arg, writable_file
 
     # one-line errors (exit 2): an Atlas owner pastes the message back, not argparse's usage block
     ap = ArgumentParser(prog="offload-atlas-check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(PRESETS), help=f"comma-separated presets (default {','.join(PRESETS)})")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated NPU modes from {MODES}")
-    ap.add_argument("--steps", type=int, default=8, help="measured decode steps per case (default 8)")
-    ap.add_argument("--warmup", type=int, default=2, help="steps run before timing; the first compiles (default 2)")
-    ap.add_argument("--pool-size", type=int, default=None, help="pool slots per row (default: backend default 8192)")
+    ap.add_argument("--steps", type=int_arg("--steps", 1), default=8, help="measured decode steps per case (default 8)")
+    ap.add_argument("--warmup", type=int_arg("--warmup", 1), default=2, help="steps run before timing; the first compiles (default 2)")
+    ap.add_argument("--pool-size", type=int_arg("--pool-size", 16), default=None, help="pool slots per row (default: backend default 8192)")
     ap.add_argument("--device", default="npu:0")
     ap.add_argument("--tol", type=float, default=2e-2, help="max |logits - unmodified| to pass (default 2e-2)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model / runner overrides")
@@ -116,8 +116,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.models = _csv(args.models, _known_presets(), "--models", ap)
     args.modes = _csv(args.modes, MODES, "--modes", ap)
-    if args.steps < 1 or args.warmup < 1:
-        ap.error(f"--steps and --warmup must be >= 1, got steps={args.steps} warmup={args.warmup}")
+    if args.pool_size is not None:
+        from offload_passes.options import OffloadOptions
+
+        try:  # the backend's own check (a multiple of 16, the limit)
+            OffloadOptions(pool_size=args.pool_size)
+        except ValueError as e:
+            ap.error(f"--pool-size: {e}")
     if not math.isfinite(args.tol):  # nan passes `tol <= 0` and then fails every case after the whole run
         ap.error(f"--tol must be a finite number > 0, got {args.tol}")
     if args.tol <= 0:
@@ -130,7 +135,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(f"--recipe: {args.recipe!r} is not a directory (a cann-recipes-infer checkout)")
     if args.cann_ops is not None and not os.path.exists(args.cann_ops):
         ap.error(f"--cann-ops: {args.cann_ops!r} does not exist")
-    args.overrides = _parse_overrides(args.set, ap)
+    if args.cann_ops is not None and not (os.path.isdir(args.cann_ops) or os.path.isfile(args.cann_ops)):
+        ap.error(f"--cann-ops: {args.cann_ops!r} is neither a file nor a directory (a FIFO, a socket or a device)")
+    args.overrides = _parse_overrides(args.set, args.models, ap)
     return args
 
 
@@ -143,15 +150,32 @@ def _known_presets() -> List[str]:
         return list(PRESETS)
 
 
-def _parse_overrides(items: Sequence[str], ap: argparse.ArgumentParser) -> Dict[str, Any]:
+def _parse_overrides(items: Sequence[str], presets: Sequence[str], ap: argparse.ArgumentParser) -> Dict[str, Any]:
+    """``--set KEY=VALUE`` pairs (values read as yaml scalars), each key a model or runner key and each value
+    one it accepts, checked on every preset's config before anything runs (``--dry-run`` too): the
+    config's own errors name the key and the limit."""
     import yaml
 
     out = {}
     for it in items:
-        if "=" not in it:
+        k, eq, v = it.partition("=")
+        if not eq or not k.strip():
             ap.error(f"--set expects KEY=VALUE, got {it!r}")
-        k, v = it.split("=", 1)
-        out[k] = yaml.safe_load(v)
+        try:
+            out[k.strip()] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            ap.error(f"--set {it!r}: the value is not a yaml scalar ({' '.join(str(e).split())})")
+    if out:
+        from offload_passes import models
+
+        for preset in presets:
+            if preset not in models.list_presets():
+                continue  # a preset of this tool's own (PRESETS) that the model package does not ship
+            try:
+                models.load_config(preset, **out)
+            except (ValueError, TypeError) as e:
+                ap.error(f"--set: {' '.join(str(e).split())} (preset {preset!r}; --set takes model / runner keys, "
+                         f"the pool size is --pool-size)")
     return out
 
 

@@ -55,7 +55,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from offload_passes._cli import UsageError, finite, run_cli
+from offload_passes._cli import ArgumentParser, UsageError, finite, int_arg, run_cli
+from offload_passes.custom_ops._pool import WAYS, id_range_for, pool_size_problem
 
 try:  # package import (console script) or flat import (python tools/capacity_plan.py)
     from .capacity_plan_model import WEIGHT_KEYS, ModelShape, list_presets, load_model_shape
@@ -69,8 +70,6 @@ PROG = "offload-capacity"
 ALIAS = "offload-plan"
 
 GiB = 1 << 30
-MIN_ID_RANGE = 131072       # _DSA_MIN_ID_RANGE in the recipe (docs/ops.md §7)
-SET_WAYS = 16               # 16-way set-associative pool
 INT32 = 4
 
 
@@ -125,12 +124,12 @@ class Budget:
         if not self.pool_sizes:
             raise ValueError("pool_sizes must name at least one pool size")
         for ps in self.pool_sizes:
-            if not isinstance(ps, int) or ps <= 0 or ps > 16384 or ps % SET_WAYS \
-                    or (ps // SET_WAYS) & (ps // SET_WAYS - 1):
-                raise ValueError(f"pool_size must be a multiple of 16 in (0, 16384] with a power-of-two "
-                                 f"set count (dsa_plan limits), got {ps}")
-            if ps % self.pa_block_size:
-                raise ValueError(f"pool_size must be divisible by pa_block_size {self.pa_block_size}, got {ps}")
+            if not isinstance(ps, int):
+                raise ValueError(f"pool_size must be an integer, got {ps!r}")
+            # the ops' pool rule, with the selection block size the plan assumes (pa_block_size)
+            problem = pool_size_problem(ps, self.pa_block_size)
+            if problem is not None:
+                raise ValueError(f"pool_size {problem[0]} (dsa_plan / dsa_install limits), got {problem[1]}")
 
 
 @dataclass
@@ -265,7 +264,7 @@ def plan(shape: ModelShape, budget: Budget, batch: int | None = None,
     groups = shape.groups
     D = shape.kv_lora_rank + shape.qk_rope_head_dim
     ctx = _align(b.context_len, BS)
-    IR = max(MIN_ID_RANGE, ctx)
+    IR = id_range_for(ctx)
 
     out = Plan(model={
         "name": shape.name, "source": shape.source, "num_hidden_layers": shape.num_hidden_layers,
@@ -311,7 +310,7 @@ def plan(shape: ModelShape, budget: Budget, batch: int | None = None,
     pools = {}
     for PS in b.pool_sizes:
         pool_layer = PS * D * b.kv_dtype_bytes
-        meta_group = (PS + IR + PS // SET_WAYS) * INT32
+        meta_group = (PS + IR + PS // WAYS) * INT32
         pools[PS] = (pool_layer, meta_group)
         out.per_request[f"pool_{PS}_per_layer"] = pool_layer
         out.per_request[f"pool_{PS}_all_layers"] = pool_layer * shape.num_hidden_layers
@@ -320,7 +319,7 @@ def plan(shape: ModelShape, budget: Budget, batch: int | None = None,
         req += [
             Step(f"pool {PS} / layer", f"pool_size {PS} * {D} * {b.kv_dtype_bytes} B", pool_layer),
             Step(f"pool {PS}, all layers (MTP: gather)", f"{shape.num_hidden_layers} * {pool_layer}", pool_layer * shape.num_hidden_layers),
-            Step(f"pool {PS} metadata / group", f"(pool_ids {PS} + id_to_slot {IR} + lru {PS // SET_WAYS}) * 4 B", meta_group),
+            Step(f"pool {PS} metadata / group", f"(pool_ids {PS} + id_to_slot {IR} + lru {PS // WAYS}) * 4 B", meta_group),
             Step(f"pool {PS} metadata, all groups", f"{len(groups)} * {meta_group}", meta_group * len(groups)),
         ]
     out.sections["per request"] = req
@@ -452,33 +451,38 @@ def render(p: Plan) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     d = Budget()
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(  # one-line errors, exit 2 (offload_passes/_cli.py)
         prog=PROG,
         description="KV capacity planner: per-request KV bytes and the largest batch with and without KV offload.")
     ap.add_argument("--config", default="glm-5.2",
                     help="built-in glm-5.2 (full size), a preset (models/configs/<name>.yaml) or a yaml path "
                          "with HF glm_moe_dsa keys")
-    ap.add_argument("--devices", type=int, default=d.devices)
-    ap.add_argument("--ranks-per-device", type=int, default=d.ranks_per_device)
+    ap.add_argument("--devices", type=int_arg("--devices", 1), default=d.devices)
+    ap.add_argument("--ranks-per-device", type=int_arg("--ranks-per-device", 1), default=d.ranks_per_device)
     ap.add_argument("--hbm-gib", type=float, default=d.hbm_per_device_gib, help="HBM per device (GiB)")
     ap.add_argument("--host-gib", type=float, default=d.host_mem_per_device_gib,
                     help="host memory for offloaded KV per device (GiB); default unbounded")
-    ap.add_argument("--context", type=int, default=d.context_len, help="tokens cached per request")
-    ap.add_argument("--next-n", type=int, default=None, help="MTP draft tokens (default: config next_n, else 3)")
-    ap.add_argument("--pool-size", type=int, action="append", default=None,
+    ap.add_argument("--context", type=int_arg("--context", 1), default=d.context_len,
+                    help="tokens cached per request")
+    ap.add_argument("--next-n", type=int_arg("--next-n", 0), default=None,
+                    help="MTP draft tokens (default: config next_n, else 3)")
+    ap.add_argument("--pool-size", type=int_arg("--pool-size"), action="append", default=None,
                     help="pool entries per layer; repeat for several (default: 8192 and 16384, the recipe's two)")
-    ap.add_argument("--block-size", type=int, default=None, help="pa_block_size (default: config, else 128)")
-    ap.add_argument("--kv-bytes", type=int, default=d.kv_dtype_bytes)
-    ap.add_argument("--indexer-bytes", type=int, default=d.indexer_dtype_bytes)
-    ap.add_argument("--indexer-scale-bytes", type=int, default=d.indexer_scale_bytes)
+    ap.add_argument("--block-size", type=int_arg("--block-size", 1), default=None,
+                    help="pa_block_size (default: config, else 128)")
+    ap.add_argument("--kv-bytes", type=int_arg("--kv-bytes", 1), default=d.kv_dtype_bytes)
+    ap.add_argument("--indexer-bytes", type=int_arg("--indexer-bytes", 1), default=d.indexer_dtype_bytes)
+    ap.add_argument("--indexer-scale-bytes", type=int_arg("--indexer-scale-bytes", 0),
+                    default=d.indexer_scale_bytes)
     ap.add_argument("--weight-bytes", type=float, default=d.weight_bytes)
     ap.add_argument("--weights-gib", type=float, default=None, help="weights per rank (GiB), replaces the estimate")
     ap.add_argument("--weights-like", default=None,
                     help="estimate weights from this config's dims instead (e.g. glm-5.2 for the CPU-sized glm-5.2-78l)")
     ap.add_argument("--reserve-gib", type=float, default=d.reserve_gib_per_rank,
                     help="per-rank HBM for activations / comm buffers / workspace (GiB)")
-    ap.add_argument("--prefill-mini-batch", type=int, default=d.prefill_mini_batch)
-    ap.add_argument("--batch", type=int, default=None, help="also check whether this global batch fits")
+    ap.add_argument("--prefill-mini-batch", type=int_arg("--prefill-mini-batch", 1), default=d.prefill_mini_batch)
+    ap.add_argument("--batch", type=int_arg("--batch", 1), default=None,
+                    help="also check whether this global batch fits")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     ap.add_argument("--list-presets", action="store_true")
     ap.add_argument("--what-if", action="store_true",
@@ -516,7 +520,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:  # flat import (python tools/capacity_plan.py)
             import capacity_plan_whatif as whatif
         return whatif.main(argv)
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a one-line parse error (exit 2) from _cli.ArgumentParser
+        return int(e.code or 0)
     if args.list_presets:
         print("\n".join(list_presets()) or "(no presets installed)")
         return 0
@@ -536,19 +543,11 @@ def _check_args(args: argparse.Namespace) -> None:
         if v is not None and v > args.hbm_gib:
             raise UsageError(f"--{name.replace('_', '-')} must be <= --hbm-gib ({args.hbm_gib:g} GiB per device), "
                              f"got {v:g}")
-    for name in ("devices", "ranks_per_device", "context", "kv_bytes", "indexer_bytes", "prefill_mini_batch"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("indexer_scale_bytes",):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("block_size", "batch"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    # integer flags: parsed and range-checked by their type (_cli.int_arg)
     for ps in args.pool_size or ():
-        if ps < 16 or ps % 16:
-            raise UsageError(f"--pool-size must be a positive multiple of 16, got {ps}")
+        problem = pool_size_problem(ps)
+        if problem is not None:
+            raise UsageError(f"--pool-size {problem[0]} (dsa_plan / dsa_install limits), got {problem[1]}")
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -21,6 +21,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from offload_passes._cli import readable_file
+
 log = logging.getLogger("offload_passes.tools.capacity_plan")
 
 #: Keys the KV arithmetic cannot do without.
@@ -195,10 +197,14 @@ def load_model_shape(config: str) -> ModelShape:
         if not path.is_file():
             have = ", ".join(list_presets()) or "none installed"
             raise ValueError(f"--config {config!r}: not a yaml file and not a preset (presets: {have})")
-    if not path.is_file():
-        raise ValueError(f"--config {config!r}: file not found")
+    readable_file(path, "--config")  # a directory, a FIFO, a missing file: named, never read
     try:
         doc = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"--config {config!r}: not valid yaml ({e})") from None
-    return shape_from_mapping(doc or {}, name=path.stem, source=str(path))
+    if not doc:  # an empty config is a mistake, not the defaults
+        raise ValueError(f"--config {config!r} is empty: give HF glm_moe_dsa keys (model_config / runner_config "
+                         f"sections or flat keys)")
+    if not isinstance(doc, dict):
+        raise ValueError(f"--config {config!r}: the top level must be a mapping, got a {type(doc).__name__}")
+    return shape_from_mapping(doc, name=path.stem, source=str(path))

@@ -38,6 +38,8 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
+from offload_passes.custom_ops._pool import pool_size_problem
+
 log = logging.getLogger("offload_passes.tools.capacity_plan_whatif")
 
 #: name -> (value, unit, public source)
@@ -536,16 +538,6 @@ def render_trace(o: dict) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive comma-separated integers, got {text!r}")
-    return vals
-
-
 #: CLI limits (the synthetic traces are generated per context: a context of 1e11 would allocate terabytes)
 MAX_CONTEXT = 1 << 20
 MAX_SEEDS = 16
@@ -557,23 +549,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     ap = _cli.ArgumentParser(prog="offload-capacity --what-if", description=__doc__.split("\n\n")[0])
     ap.add_argument("--what-if", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--batches", type=_ints, default=[64, 128, 192], help="global batches (32 ranks)")
-    ap.add_argument("--pools", type=_ints, default=[4096, 8192, 16384])
+    ap.add_argument("--batches", type=_cli.ints_arg("--batches", 1), default=[64, 128, 192],
+                    help="global batches (32 ranks)")
+    ap.add_argument("--pools", type=_cli.ints_arg("--pools", 1), default=[4096, 8192, 16384])
     ap.add_argument("--policies", default="sa_fifo,sa_clock,sa_lru,lru,min_per_set,belady")
-    ap.add_argument("--contexts", type=_ints, default=[65536])
+    ap.add_argument("--contexts", type=_cli.ints_arg("--contexts", 1), default=[65536])
     ap.add_argument("--mode", choices=("ge_graph", "npugraph_ex"), default="ge_graph")
-    ap.add_argument("--seeds", type=int, default=2, help="traces per trace model")
-    ap.add_argument("--steps", type=int, default=1152, help="measured steps per trace (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=None,
+    ap.add_argument("--seeds", type=_cli.int_arg("--seeds"), default=2, help="traces per trace model")
+    ap.add_argument("--steps", type=_cli.int_arg("--steps"), default=1152,
+                    help="measured steps per trace (after --warmup)")
+    ap.add_argument("--warmup", type=_cli.int_arg("--warmup"), default=None,
                     help="steps left out of every hit rate (default: 384 for the ensemble, 0 with --trace)")
     ap.add_argument("--models", default=None, help="trace models of the ensemble (default: all)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--trace", default=None,
                     help="a recorded trace (offload-demo --record-trace, offload-trace record) or synth spec: "
                          "predict the latency of --policy with --pool on it instead of the ensemble study")
-    ap.add_argument("--pool", type=int, default=8192, help="with --trace: pool slots per batch row")
+    ap.add_argument("--pool", type=_cli.int_arg("--pool"), default=8192, help="with --trace: pool slots per batch row")
     ap.add_argument("--policy", default="sa_fifo", help="with --trace: replacement policy")
-    ap.add_argument("--batch", type=int, default=128, help="with --trace: global batch (32 ranks)")
+    ap.add_argument("--batch", type=_cli.int_arg("--batch"), default=128, help="with --trace: global batch (32 ranks)")
     ap.add_argument("--fifo8k-hit", type=float, default=None,
                     help="with --trace: the real SA-FIFO 8K hit rate (default: the trace's)")
     ap.add_argument("--anchored", default=None, metavar="STUDY_JSON",
@@ -632,9 +626,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if b > MAX_BATCH:
             ap.error(f"--batches must be <= {MAX_BATCH}, got {b}")
     for ps in a.pools:
-        # every policy runs on every pool: the set-associative ones need 16 x a power of two
-        if ps > 16384 or ps % 16 or (ps // 16) & (ps // 16 - 1):
-            ap.error(f"--pools must be 16 x a power of two, at most 16384 (dsa_plan limits), got {ps}")
+        # every policy runs on every pool, as the ops would hold it (custom_ops/_pool.py)
+        problem = pool_size_problem(ps)
+        if problem is not None:
+            ap.error(f"--pools {problem[0]} (dsa_plan / dsa_install limits), got {problem[1]}")
     try:
         o = what_if(a.batches, a.pools, pols, a.contexts, a.mode, a.seeds, a.steps, a.warmup, which)
     except NonPhysicalFit as e:
@@ -654,8 +649,9 @@ def _main_trace(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         ap.error(f"--policy: {a.policy} is not a pool replacement policy (no pool, or prefetches beyond demand)")
     if not 1 <= a.batch <= MAX_BATCH:
         ap.error(f"--batch must be in [1, {MAX_BATCH}], got {a.batch}")
-    if a.pool <= 0 or a.pool > 16384:
-        ap.error(f"--pool must be in [1, 16384] (dsa_plan limits), got {a.pool}")
+    problem = pool_size_problem(a.pool)
+    if problem is not None:
+        ap.error(f"--pool {problem[0]} (dsa_plan / dsa_install limits), got {problem[1]}")
     for name, v in (("--fifo8k-hit", a.fifo8k_hit), ("--fifo16k-hit", a.fifo16k_hit)):
         if v is not None and not 0.0 <= v <= 1.0:
             ap.error(f"{name} must be a hit rate in [0, 1], got {v}")

@@ -24,7 +24,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
-from offload_passes._cli import ArgumentParser, UsageError, run_cli, writable_file
+from offload_passes._cli import ArgumentParser, UsageError, int_arg, run_cli, writable_file
 from offload_passes.passes.producers import TOPK_PRODUCERS
 
 from .inspect_dump_report import Dump, DumpError, GraphDump, layer_ranges, load_dump, summarize
@@ -211,9 +211,9 @@ def _parser() -> argparse.ArgumentParser:
                                  description="Inspect an offload_passes dump directory (report.json + per-pass graphs).")
     ap.add_argument("dump_dir", metavar="DUMP_DIR")
     ap.add_argument("--graph", default=None, help="graph id (default: every graph in the summary; the largest for --layer/pictures)")
-    ap.add_argument("--layer", type=int, default=None, help="show layer N's subgraph before and after")
+    ap.add_argument("--layer", type=int_arg("--layer", 0), default=None, help="show layer N's subgraph before and after")
     ap.add_argument("--diff", action="store_true", help="with --layer: unified diff instead of side by side")
-    ap.add_argument("--width", type=int, default=None,
+    ap.add_argument("--width", type=int_arg("--width"), default=None,
                     help=f"with --layer: total width of the side-by-side view, in [{MIN_WIDTH}, {MAX_WIDTH}] "
                          "(default: the terminal's)")
     ap.add_argument("--svg", type=Path, default=None, help="write the group picture as SVG (needs graphviz 'dot')")

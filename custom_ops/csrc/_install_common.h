@@ -49,8 +49,8 @@ struct Sizes {
   int64_t stride, rec_bytes, cap;
 };
 
-// Shape guards, kept in C++ too (the Python wrappers validate all limits first) so that a direct call can
-// never access memory out of bounds. `op` prefixes every message; `plan` (second chance only, else null)
+// Shape guards, kept in C++ too (the ops' limits are validated once per call signature first,
+// csrc/_entry.cpp) so that a direct call can never access memory out of bounds. `op` prefixes every message; `plan` (second chance only, else null)
 // adds its own two checks.
 inline Sizes check_install(const char* op, const at::Tensor* plan, const at::Tensor& records,
                            const at::Tensor& sel_kv, const at::Tensor& sel_rope, const at::Tensor& pool_kv,
@@ -174,7 +174,7 @@ void install_rows(const Sizes& z, const at::Tensor& records_in, const at::Tensor
             const int64_t src = ((b * S + sq) * blocks_per_row + pos / sbs) * sbs + pos % sbs;
             const int64_t dst = b * pool_row_base + slot;
             std::memcpy(pkv + dst * Dkv * esz, skv + src * Dkv * esz, Dkv * esz);
-            std::memcpy(prp + dst * Dr * esz, srp + src * Dr * esz, Dr * esz);
+            if (Dr) std::memcpy(prp + dst * Dr * esz, srp + src * Dr * esz, Dr * esz);  // Dr = 0: no-rope mode
           }
         }
       }

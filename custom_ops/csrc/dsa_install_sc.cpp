@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "_install_common.h"
+#include "plan_kind.h"
 
 namespace {
 
@@ -20,7 +21,8 @@ using namespace offload_install;
 constexpr int32_t kRefShift = 4;
 
 void dsa_install_sc_cpu(const at::Tensor& plan_in, const at::Tensor& records_in, const at::Tensor& sel_kv_in,
-                        const at::Tensor& sel_rope_in, const at::Tensor& pool_kv_arg,
+                        const at::Tensor& sel_rope_in, const at::Tensor& /*selection_kv_block_table*/,
+                        const at::Tensor& pool_kv_arg,
                         const at::Tensor& pool_rope_arg, const at::Tensor& pool_ids_arg,
                         const at::Tensor& id_to_slot_arg, const at::Tensor& lru_arg, int64_t raw_seq,
                         int64_t topk, int64_t sbs, int64_t metadata_update) {
@@ -34,7 +36,7 @@ void dsa_install_sc_cpu(const at::Tensor& plan_in, const at::Tensor& records_in,
   auto mark_hits = [pl, SK, PS](int64_t b, int32_t* counters) {
     const int32_t* prow = pl + b * SK * 2;
     for (int64_t q = 0; q < SK; ++q) {
-      if (prow[2 * q] != 1) continue;
+      if (prow[2 * q] != offload_plan_kind::kPoolHit) continue;
       const int64_t slot = prow[2 * q + 1];
       if (slot < 0 || slot >= PS) continue;
       counters[slot / kWays] |= int32_t{1} << (kRefShift + slot % kWays);
@@ -60,9 +62,9 @@ void dsa_install_sc_cpu(const at::Tensor& plan_in, const at::Tensor& records_in,
 
 TORCH_LIBRARY_FRAGMENT(offload_cpu, m) {
   m.def("dsa_install_sc(Tensor plan, Tensor install_records, Tensor selection_kv_cache, "
-        "Tensor selection_k_rope, Tensor(a!) pool_kv_cache, Tensor(b!) pool_k_rope, Tensor(c!) pool_ids, "
-        "Tensor(d!) id_to_slot, Tensor(e!) lru_counter, int raw_seq, int topk, int selection_block_size, "
-        "int metadata_update) -> ()");
+        "Tensor selection_k_rope, Tensor selection_kv_block_table, Tensor(a!) pool_kv_cache, "
+        "Tensor(b!) pool_k_rope, Tensor(c!) pool_ids, Tensor(d!) id_to_slot, Tensor(e!) lru_counter, "
+        "int raw_seq=1, int topk=2048, int selection_block_size=128, int metadata_update=1) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(offload_cpu, CPU, m) { m.impl("dsa_install_sc", &dsa_install_sc_cpu); }

@@ -1,5 +1,6 @@
-// CPU kernel of custom::dsa_plan (docs/ops.md §2). Registered as offload_cpu::dsa_plan; the Python
-// wrapper validates all limits first. Work items are the (b, s) query rows, run with at::parallel_for;
+// CPU kernel of custom::dsa_plan (docs/ops.md §2). Registered as offload_cpu::dsa_plan with the op's own
+// arguments (plus `grain`); csrc/_entry.cpp runs it as the op's CPU kernel once a call signature passed
+// validation (custom_ops/dsa_plan.py). Work items are the (b, s) query rows, run with at::parallel_for;
 // each row writes only its own plan rows, its own actual_seq entry and its own 8 microtask slabs/counts,
 // so the result does not depend on the thread split.
 //
@@ -13,19 +14,24 @@
 #include <cstdint>
 #include <tuple>
 
+#include "plan_kind.h"
+
 namespace {
 
 constexpr int64_t kPage = 4096;
 constexpr int64_t kMicrotasks = 8;
 constexpr int64_t kWays = 16;
 
-enum Kind : int32_t { kInvalid = 0, kPoolHit = 1, kFullOldMiss = 2, kDecodeWindow = 3, kFutureSkip = 4, kNegativeStop = 5 };
+using namespace offload_plan_kind;
 
 inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dsa_plan_cpu(
-    const at::Tensor& topk_in, const at::Tensor& seq_in, const at::Tensor& id_to_slot_in,
-    int64_t pool_size, int64_t raw_seq, int64_t grain) {
+    const at::Tensor& topk_in, const at::Tensor& seq_in, const at::Tensor& pool_ids,
+    const at::Tensor& id_to_slot_in, const at::Tensor& /*lru_counter: shape-checked only*/, int64_t raw_seq,
+    int64_t /*group_id*/, int64_t /*owner_layer*/, int64_t /*group_kind*/, int64_t grain) {
+  TORCH_CHECK(pool_ids.dim() == 2, "offload_cpu::dsa_plan: pool_ids must be [B, PS]");
+  const int64_t pool_size = pool_ids.size(1);
   // Shape guards kept here too so that a direct call can never index out of bounds.
   TORCH_CHECK(topk_in.scalar_type() == at::kInt && seq_in.scalar_type() == at::kInt &&
                   id_to_slot_in.scalar_type() == at::kInt,
@@ -139,8 +145,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dsa_plan_cpu(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(offload_cpu, m) {
-  m.def("dsa_plan(Tensor selection_topk_indices, Tensor full_kv_actual_seq, Tensor id_to_slot, "
-        "int pool_size, int raw_seq, int grain=0) -> (Tensor, Tensor, Tensor)");
+  m.def("dsa_plan(Tensor selection_topk_indices, Tensor full_kv_actual_seq, Tensor pool_ids, "
+        "Tensor id_to_slot, Tensor lru_counter, int raw_seq=1, int group_id=0, int owner_layer=0, "
+        "int group_kind=0, int grain=0) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(offload_cpu, CPU, m) { m.impl("dsa_plan", &dsa_plan_cpu); }

@@ -7,8 +7,8 @@
 // moves are byte copies (bf16, fp16, int8; rope skipped in the 1-D empty "no-rope" mode).
 //
 // Every block-table entry that could be dereferenced is range-checked in a serial pre-pass, before
-// anything is written, with the same messages as the reference. The Python wrapper validates the
-// user-facing limits; the structural checks below keep direct calls memory-safe.
+// anything is written, with the same messages as the reference. The user-facing limits are validated once
+// per call signature (csrc/_entry.cpp); the structural checks below keep direct calls memory-safe.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -16,6 +16,7 @@
 namespace {
 
 constexpr int64_t kSmallTopk = 32;
+constexpr int64_t kDefaultBlockSize = 64;  // replaces selection_topk_block_size <= 0 (DEFAULT_BLOCK_SIZE)
 constexpr int64_t kPrefetchAhead = 8;  // ids ahead whose full-cache rows are prefetched
 const char* kOp = "custom::npu_gather_selection_kv_cache: ";
 
@@ -278,21 +279,16 @@ void ledger_row_small(const Ctx& c, Scratch& w, int64_t r, int64_t b, int64_t Lr
 }
 
 void check_index(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.is_contiguous(), kOp, name,
-              " must be a contiguous CPU int32 tensor");
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt, kOp, name, " must be a CPU int32 tensor");
 }
 
-at::Tensor gather_cpu(at::Tensor& sel_rope, at::Tensor& sel_kv, const at::Tensor& sbt, at::Tensor& status,
-                      const at::Tensor& topk, const at::Tensor& full_rope, const at::Tensor& full_kv,
-                      const at::Tensor& fbt, const at::Tensor& kv_len, int64_t B, int64_t S, int64_t bsz) {
-  check_index(sbt, "selection_kv_block_table");
-  check_index(status, "selection_kv_block_status");
-  check_index(topk, "selection_topk_indices");
-  check_index(fbt, "full_kv_block_table");
-  check_index(kv_len, "full_kv_actual_seq");
-  TORCH_CHECK(sel_kv.dim() == 3 && full_kv.dim() == 3 && sel_kv.is_contiguous() && full_kv.is_contiguous() &&
-                  sel_kv.device().is_cpu() && full_kv.device().is_cpu(),
-              kOp, "kv caches must be contiguous 3-D CPU tensors");
+// The kernel on dense tensors; B, S, bsz resolved by the caller.
+at::Tensor gather_dense(const at::Tensor& sel_rope, const at::Tensor& sel_kv, const at::Tensor& sbt,
+                        const at::Tensor& status, const at::Tensor& topk, const at::Tensor& full_rope,
+                        const at::Tensor& full_kv, const at::Tensor& fbt, const at::Tensor& kv_len, int64_t B,
+                        int64_t S, int64_t bsz) {
+  TORCH_CHECK(sel_kv.dim() == 3 && full_kv.dim() == 3 && sel_kv.device().is_cpu() && full_kv.device().is_cpu(),
+              kOp, "kv caches must be 3-D CPU tensors");
   const at::ScalarType dt = sel_kv.scalar_type();
   TORCH_CHECK(full_kv.scalar_type() == dt && sel_rope.scalar_type() == dt && full_rope.scalar_type() == dt,
               kOp, "payload dtypes differ");
@@ -301,11 +297,10 @@ at::Tensor gather_cpu(at::Tensor& sel_rope, at::Tensor& sel_kv, const at::Tensor
     TORCH_CHECK(sel_rope.numel() == 0 && full_rope.dim() == 1 && full_rope.numel() == 0, kOp,
                 "no-rope mode needs both rope tensors 1-D empty");
   } else {
-    TORCH_CHECK(sel_rope.dim() == 3 && full_rope.dim() == 3 && sel_rope.is_contiguous() &&
-                    full_rope.is_contiguous() && sel_rope.size(0) == sel_kv.size(0) &&
+    TORCH_CHECK(sel_rope.dim() == 3 && full_rope.dim() == 3 && sel_rope.size(0) == sel_kv.size(0) &&
                     sel_rope.size(1) == sel_kv.size(1) && full_rope.size(0) == full_kv.size(0) &&
                     full_rope.size(1) == full_kv.size(1) && full_rope.size(2) == sel_rope.size(2),
-                kOp, "rope tensors must be contiguous 3-D and match the kv caches");
+                kOp, "rope tensors must be 3-D and match the kv caches");
   }
   TORCH_CHECK(full_kv.size(2) == sel_kv.size(2), kOp, "kv dims differ");
   TORCH_CHECK(B > 0 && S > 0 && bsz > 0, kOp, "B, S and bsz must be positive");
@@ -339,7 +334,7 @@ at::Tensor gather_cpu(at::Tensor& sel_rope, at::Tensor& sel_kv, const at::Tensor
   c.n_pay = 0;
   c.pay[c.n_pay++] = {static_cast<char*>(sel_kv.data_ptr()), static_cast<const char*>(full_kv.data_ptr()),
                       sel_kv.size(2) * es};
-  if (!no_rope && sel_rope.size(2) > 0) {
+  if (!no_rope && sel_rope.size(2) > 0) {  // a zero-width 3-D rope is the no-rope mode too (docs/ops.md §1.2)
     c.pay[c.n_pay++] = {static_cast<char*>(sel_rope.data_ptr()), static_cast<const char*>(full_rope.data_ptr()),
                         sel_rope.size(2) * es};
   }
@@ -360,15 +355,51 @@ at::Tensor gather_cpu(at::Tensor& sel_rope, at::Tensor& sel_kv, const at::Tensor
   return act;
 }
 
+// The op's own arguments (csrc/_entry.cpp runs this as the op's CPU kernel once a call signature passed
+// validation, custom_ops/npu_gather_selection_kv_cache.py). B and S come from the top-k (BSND) or the full
+// block table (TND), bsz <= 0 means 64, as in validation; full_q_actual_seq is not read (docs/ops.md §1.4).
+// Strided arguments go through dense copies; the mutated ones are copied back after the kernel.
+at::Tensor gather_cpu(const at::Tensor& sel_rope_arg, const at::Tensor& sel_kv_arg, const at::Tensor& sbt,
+                      const at::Tensor& status_arg, const at::Tensor& topk, const at::Tensor& full_rope,
+                      const at::Tensor& full_kv, const at::Tensor& fbt, const at::Tensor& kv_len,
+                      const at::Tensor& /*full_q_actual_seq*/, int64_t selection_topk_block_size) {
+  check_index(sbt, "selection_kv_block_table");
+  check_index(status_arg, "selection_kv_block_status");
+  check_index(topk, "selection_topk_indices");
+  check_index(fbt, "full_kv_block_table");
+  check_index(kv_len, "full_kv_actual_seq");
+  TORCH_CHECK(topk.dim() == 3 || topk.dim() == 4, kOp, "selection_topk_indices must be 3-D or 4-D");
+  TORCH_CHECK(fbt.dim() == 2 && fbt.size(0) > 0, kOp, "full_kv_block_table must be 2-D with rows");
+  int64_t B, S;
+  if (topk.dim() == 4) {
+    B = topk.size(0);
+    S = topk.size(1);
+  } else {
+    B = fbt.size(0);
+    TORCH_CHECK(topk.size(0) % B == 0, kOp, "selection_topk_indices.size(0) must be a multiple of B");
+    S = topk.size(0) / B;
+  }
+  const int64_t bsz = selection_topk_block_size > 0 ? selection_topk_block_size : kDefaultBlockSize;
+  const at::Tensor sel_rope = sel_rope_arg.contiguous(), sel_kv = sel_kv_arg.contiguous(),
+                   status = status_arg.contiguous();
+  at::Tensor act = gather_dense(sel_rope, sel_kv, sbt.contiguous(), status, topk.contiguous(),
+                                full_rope.contiguous(), full_kv.contiguous(), fbt.contiguous(), kv_len.contiguous(),
+                                B, S, bsz);
+  if (!sel_rope.is_same(sel_rope_arg)) sel_rope_arg.copy_(sel_rope);
+  if (!sel_kv.is_same(sel_kv_arg)) sel_kv_arg.copy_(sel_kv);
+  if (!status.is_same(status_arg)) status_arg.copy_(status);
+  return act;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(offload_cpu, m) {
   m.def(
       "npu_gather_selection_kv_cache(Tensor(a!) selection_k_rope, Tensor(b!) selection_kv_cache, "
-      "Tensor selection_kv_block_table, Tensor(d!) selection_kv_block_status, "
+      "Tensor(c!) selection_kv_block_table, Tensor(d!) selection_kv_block_status, "
       "Tensor selection_topk_indices, Tensor full_k_rope, Tensor full_kv_cache, "
-      "Tensor full_kv_block_table, Tensor full_kv_actual_seq, int batch, int seq, "
-      "int selection_topk_block_size) -> Tensor");
+      "Tensor full_kv_block_table, Tensor full_kv_actual_seq, Tensor full_q_actual_seq, "
+      "int selection_topk_block_size=64) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(offload_cpu, CPU, m) {

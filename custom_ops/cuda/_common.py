@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import Callable
 
 import torch
 
@@ -95,15 +96,24 @@ def host_operand(t: torch.Tensor, op: str, name: str) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ device error flags
 
-#: Error words kernels set through :func:`error_flags` (one int32 word each). ``ERR_GUARD`` holds the
-#: largest code (:func:`guard_code`) of an in-graph guard of the ``cuda`` mode that failed.
+#: Error words kernels set through :func:`error_flags`. ``ERR_GUARD`` holds the largest code
+#: (:func:`guard_code`) of an in-graph guard of the ``cuda`` mode that failed; ``ERR_GATHER_TABLE`` starts a
+#: record of :data:`GATHER_TABLE_WORDS` words (a block-table entry the baseline gather would dereference out
+#: of range: ``cuda/npu_gather_selection_kv_cache.py``, whose module registers how the record reads).
 ERR_CACHE_INDEX = 0
 ERR_GUARD = 1
-ERR_WORDS = 8
+ERR_CACHE_POSITION = 2
+ERR_GATHER_TABLE = 3
+GATHER_TABLE_WORDS = 9
+ERR_WORDS = 16
 _ERR_TEXT = {
     ERR_CACHE_INDEX: ("offload_ref::npu_mla_prolog_cache_write_", "cache_index had values outside [0, rows): "
                       "those rows were not written"),
+    ERR_CACHE_POSITION: ("offload_ref::static_cache_write_", "cache_position had values outside [0, T): "
+                         "those positions were not written"),
 }
+#: first word of a multi-word error record -> (its words, the message of a record whose first word is set)
+_RECORDS: dict = {}
 _FLAGS: dict = {}
 _GUARD_MSGS: list = []
 
@@ -115,11 +125,16 @@ def guard_code(msg: str) -> int:
     return _GUARD_MSGS.index(msg) + 1
 
 
+def error_record(first: int, words: int, message: Callable[[list], str]) -> None:
+    """Words ``[first, first + words)`` of the error flags hold one record; ``message(record)`` is its text."""
+    _RECORDS[first] = (words, message)
+
+
 def error_flags(device: torch.device) -> torch.Tensor:
-    """The ``int32 [ERR_WORDS]`` error words kernels on ``device`` set (``atomic_max`` to 1) instead of a
-    device-side assert, which would lose the CUDA context. On a CUDA device they live in pinned host memory
-    written over UVA: :func:`raise_device_errors` reads them with no copy and no synchronisation, so the
-    check is legal between graph replays. Allocated once per device (a stable address for captures)."""
+    """The ``int32 [ERR_WORDS]`` error words kernels on ``device`` set (``atomic_max`` to 1, or a record)
+    instead of a device-side assert, which would lose the CUDA context. On a CUDA device they live in pinned
+    host memory written over UVA: :func:`raise_device_errors` reads them with no copy and no synchronisation,
+    so the check is legal between graph replays. Allocated once per device (a stable address for captures)."""
     key = str(device)
     f = _FLAGS.get(key)
     if f is None:
@@ -137,12 +152,21 @@ def raise_device_errors() -> None:
     msgs = []
     for key, f in _FLAGS.items():
         words = f.tolist()
-        for code, v in enumerate(words):
+        code = 0
+        while code < len(words):
+            v = words[code]
+            if code in _RECORDS:
+                n, message = _RECORDS[code]
+                if v:
+                    msgs.append(f"{message(words[code:code + n])} (on {key}; checked on the device, reported on the host)")
+                code += n
+                continue
             if v and code == ERR_GUARD:
                 msgs.append(f"{_GUARD_MSGS[v - 1]} (on {key}; checked on the device, reported on the host)")
             elif v:
                 op, text = _ERR_TEXT.get(code, (f"error word {code}", "set by a kernel"))
                 msgs.append(f"{op} on {key}: {text}")
+            code += 1
         if any(words):
             f.zero_()
     if msgs:
@@ -151,76 +175,49 @@ def raise_device_errors() -> None:
 
 # ------------------------------------------------------------------------------ one registration per op
 
-#: op -> signatures (ints, and shape / stride / dtype / device of every tensor) that passed validation
-_VALIDATED: dict = {}
-_VALIDATED_MAX = 1024
-
-
-def _signature(op: str, a: tuple) -> tuple:
-    return (op,) + tuple((tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor)
-                         else x if isinstance(x, (int, float, bool, str, type(None))) else id(x) for x in a)
-
-
-def validated(op: str, a: tuple, validate) -> object:
-    """``validate(a, op)``, skipped for a signature that passed before (what it returned is remembered).
-
-    The op validations (``validate_<op>`` in ``custom_ops/<op>.py``) read shapes, dtypes, layouts and the
-    int arguments only, all part of the signature, so a signature that passed passes again; this keeps
-    their Python cost out of every launch after the first (and out of CUDA-graph capture after the warm-up,
-    ``offload_passes/lowering/cuda_graphs.py``). Failures are never stored."""
-    key = _signature(op, a)
-    try:
-        return _VALIDATED[key]
-    except KeyError:
-        pass
-    out = validate(a, op)
-    if len(_VALIDATED) >= _VALIDATED_MAX:
-        _VALIDATED.clear()
-    _VALIDATED[key] = out
-    return out
-
-
 class CudaOp:
     """The CUDA kernels of one op and its functional twin, written once against the op's schema.
 
     ``spec``: the op's ``OpSpec``. ``validate(a, op)``: the op's checks on the bound arguments ``a``
-    (``custom_ops/_library.py`` ``bind``: schema order, defaults filled in); its result is handed to
+    (``OpSpec.binder``: schema order, defaults filled in), and whatever the launch needs that depends on
+    the call signature only (block sizes, grids, strides); it runs once per signature
+    (``_library.ValidationMemo``, the CPU kernels' memo) and what it returns is handed to
     ``launch(a, checked)``, which writes the mutated arguments of ``a`` in place and returns the op's own
-    outputs (None when the schema returns none). ``twin_outputs(a)``: the buffers the twin writes instead of
-    the mutated arguments (default clones). :meth:`run` / :meth:`run_functional` take the arguments as the
-    schema does (positional or by name); :meth:`register` adds them as the ops' CUDA kernels.
+    outputs (None when the schema returns none). Checks that read tensor data run in the kernels and set an
+    error word (:func:`error_flags`), never a host synchronisation. ``twin_outputs(a)``: the buffers the twin
+    writes instead of the mutated arguments (default clones; ``_library.run_twin``). :meth:`run` /
+    :meth:`run_functional` take the arguments as the schema does (positional or by name); :meth:`register`
+    adds them as the ops' CUDA kernels.
     """
 
     def __init__(self, spec, validate, launch, twin_outputs=None):
-        self.spec, self.validate, self.launch, self.twin_outputs = spec, validate, launch, twin_outputs
-
-    def _bind(self, args: tuple, kwargs: dict) -> tuple:
         from .. import _library as L
 
-        return L.bind(self.spec, args, kwargs)
+        self.spec, self.launch, self.twin_outputs = spec, launch, twin_outputs
+        self._memo = L.ValidationMemo()
+        self._run_twin = L.run_twin
+
+        def first_validation(a: tuple, op: str) -> object:
+            checked = validate(a, op)
+            L.warn_strided(op, spec, a)  # the launchers copy strided tensors on every call
+            return checked
+
+        self.validate = first_validation
 
     def run(self, *args, **kwargs):
-        a = self._bind(args, kwargs)
-        return self.launch(a, validated(self.spec.name, a, self.validate))
+        a = self.spec.binder(args, kwargs)
+        return self.launch(a, self._memo(self.spec.name, a, self.validate))
 
     def run_functional(self, *args, **kwargs) -> tuple:
         spec = self.spec
-        a = self._bind(args, kwargs)
-        checked = validated(spec.functional, a, self.validate)
-        outs = tuple(self.twin_outputs(a)) if self.twin_outputs else tuple(a[i].clone() for i in spec.mutated_positions)
-        b = list(a)
-        for i, out in zip(spec.mutated_positions, outs):
-            b[i] = out
-        own = self.launch(tuple(b), checked)
-        own = () if own is None else tuple(own) if isinstance(own, (tuple, list)) else (own,)
-        return own + outs
+        a = spec.twin_binder(args, kwargs)
+        return self._run_twin(spec, a, self._memo(spec.functional, a, self.validate), self.launch, self.twin_outputs)
 
     def register(self) -> list:
         """CUDA kernels of the op and its twin (skipped where one is already registered)."""
         from .. import _library as L
-        from .._attention_common import REF_NAMESPACE, ref_impl
 
-        impl = ref_impl if self.spec.namespace == REF_NAMESPACE else L.impl
+        impl = L._registrars(self.spec.namespace)[0]
         pairs = [(self.spec.name, self.run)]
         if self.spec.functional is not None:
             pairs.append((self.spec.functional, self.run_functional))

@@ -22,21 +22,26 @@ records layout. The C++ kernel walks a batch row's records in order; here the wo
    sequence number (``2g`` eviction, ``2g+1`` claim, ``g`` payload) per destination.
 4. ``_apply_kernel``: only the winning write of each destination is performed (one writer per address).
 
-``metadata_update=0`` runs steps 1-4 on a private copy of the counters and writes the payload only.
+``metadata_update=0`` runs steps 1-4 on a private copy of the counters and writes the payload only. A
+zero-width rope (the no-rope mode, docs/ops.md §3.3) is skipped at compile time (``HAS_ROPE``). The launch
+constants of a call signature are computed once, with its validation (:func:`prepare`, ``_common.CudaOp``).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from .. import dsa_install as M
 from .._records import records_layout
 from ._common import COPY_TILE, CudaOp, bits, commit, int32_words, next_pow2, out_buffer, require_triton
+from ._kinds import POOL_HIT
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
 
 OP, FUNCTIONAL_OP = M.OP, M.FUNCTIONAL_OP
-WAYS = 16
+WAYS = M.WAYS  # the pool associativity (custom_ops/_pool.py)
 
 
 @triton.jit
@@ -89,7 +94,7 @@ def _ref_kernel(plan_ptr, ref_ptr, rows, SK, NS, PS, BLOCK_Q: tl.constexpr):
     qm = q < rows
     kd = tl.load(plan_ptr + 2 * q, mask=qm, other=0)
     v = tl.load(plan_ptr + 2 * q + 1, mask=qm, other=-1)
-    hit = qm & (kd == 1) & (v >= 0) & (v < PS)
+    hit = qm & (kd == POOL_HIT) & (v >= 0) & (v < PS)
     b = q // SK
     tl.atomic_and(ref_ptr + b * NS + v // 16, ~(1 << (v % 16)), mask=hit)
 
@@ -193,7 +198,7 @@ def _apply_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr
                   skv_ptr, srp_ptr, pkv_ptr, prp_ptr,
                   MT, S, IR, stride_w, cap, pool_row_base, blocks_per_row, sbs, Dkv, Dr,
                   UPDATE: tl.constexpr, BLOCK_CAP: tl.constexpr, BLOCK_DKV: tl.constexpr,
-                  BLOCK_DR: tl.constexpr, LANES: tl.constexpr):
+                  BLOCK_DR: tl.constexpr, LANES: tl.constexpr, HAS_ROPE: tl.constexpr):
     # LANES x BLOCK_DKV is the copy tile: sized by the launcher (COPY_TILE), not by the record capacity
     b, g, slot, inst, st, x, sq, pos = _install_lane(words_ptr, log_slot_ptr, MT, S, stride_w, cap, BLOCK_CAP, LANES)
     if UPDATE:
@@ -209,22 +214,63 @@ def _apply_kernel(words_ptr, log_slot_ptr, log_old_ptr, win_i2s_ptr, win_dst_ptr
     d = tl.arange(0, BLOCK_DKV)[None, :]
     m = win[:, None] & (d < Dkv)
     tl.store(pkv_ptr + dst[:, None] * Dkv + d, tl.load(skv_ptr + src[:, None] * Dkv + d, mask=m), mask=m)
-    e = tl.arange(0, BLOCK_DR)[None, :]
-    m = win[:, None] & (e < Dr)
-    tl.store(prp_ptr + dst[:, None] * Dr + e, tl.load(srp_ptr + src[:, None] * Dr + e, mask=m), mask=m)
+    if HAS_ROPE:
+        e = tl.arange(0, BLOCK_DR)[None, :]
+        m = win[:, None] & (e < Dr)
+        tl.store(prp_ptr + dst[:, None] * Dr + e, tl.load(srp_ptr + src[:, None] * Dr + e, mask=m), mask=m)
+
+
+class Launch(NamedTuple):
+    """What a call signature of an install fixes (computed once per signature with the validation)."""
+
+    B: int
+    S: int
+    K: int
+    PS: int
+    NS: int
+    IR: int
+    sbs: int
+    lay: object  # _records.RecordsLayout
+    cap: int  # record slots per microtask (lay.cap)
+    MT: int  # microtasks (lay.microtasks)
+    block_q: int  # plan rows per program of the second-chance pass
+    sizes: tuple  # the -1-filled scratch arrays (see launch)
+    block_cap: int
+    mpp: int
+    grid: tuple
+    block_dkv: int
+    block_dr: int
+    lanes: int
+    has_rope: bool  # Dr > 0
+
+
+def prepare(pool_kv_cache: torch.Tensor, pool_k_rope: torch.Tensor, id_to_slot: torch.Tensor, raw_seq: int,
+            topk: int, selection_block_size: int, second_chance: bool) -> Launch:
+    """The launch constants of an install signature (validated arguments)."""
+    B, PS = pool_kv_cache.size(0), pool_kv_cache.size(1)
+    S, K, NS, IR = raw_seq, topk, PS // WAYS, id_to_slot.size(1)
+    lay = records_layout(B, S, K)
+    n_log = lay.microtasks * lay.cap
+    block_cap = next_pow2(lay.cap)
+    mpp = max(1, min(8, 1024 // block_cap))  # microtasks per program of the record-parallel kernels
+    Dr = pool_k_rope.size(2)
+    block_dkv, block_dr = next_pow2(pool_kv_cache.size(2)), next_pow2(Dr)
+    # The copy kernel's own lanes per program: a [lanes, BLOCK_DKV] tile of at most COPY_TILE elements
+    lanes = max(1, min(mpp * block_cap, COPY_TILE // max(block_dkv, block_dr)))
+    sizes = (B * IR, n_log, n_log, B * IR, B * PS, B * NS if second_chance else 0)
+    return Launch(B, S, K, PS, NS, IR, selection_block_size, lay, lay.cap, lay.microtasks,
+                  min(1024, next_pow2(B * S * K)), sizes, block_cap, mpp, (triton.cdiv(lay.microtasks, mpp),),
+                  block_dkv, block_dr, lanes, Dr > 0)
 
 
 def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache, pool_k_rope, pool_ids,
-           id_to_slot, lru_counter, raw_seq: int, topk: int, selection_block_size: int, metadata_update: int,
-           plan=None) -> None:
+           id_to_slot, lru_counter, metadata_update: int, cfg: Launch, plan=None) -> None:
     """Run the kernels on validated arguments. ``plan`` given: second-chance victims (``dsa_install_sc``).
 
     Launches: one fill of the scratch, [``_ref_kernel``], ``_first_kernel``, ``_cand_kernel``, the device
     sort, ``_assign_kernel``, ``_keys_kernel``, ``_apply_kernel`` (tests/cuda/test_install_launches.py)."""
-    B, PS = pool_kv_cache.size(0), pool_kv_cache.size(1)
-    S, K, sbs, NS, IR = raw_seq, topk, selection_block_size, PS // WAYS, id_to_slot.size(1)
-    lay = records_layout(B, S, K)
-    cap, MT = lay.cap, lay.microtasks
+    B, S, K, PS, NS, IR, sbs, lay = cfg.B, cfg.S, cfg.K, cfg.PS, cfg.NS, cfg.IR, cfg.sbs, cfg.lay
+    cap, MT = cfg.cap, cfg.MT
     dev = pool_kv_cache.device
     words = int32_words(install_records, lay.required)
     bufs = [out_buffer(t) for t in (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter)]
@@ -232,55 +278,55 @@ def launch(install_records, selection_kv_cache, selection_k_rope, pool_kv_cache,
     update = metadata_update == 1
     if not update:  # private counters and pool ids: the metadata stays bit-identical
         lru, pid = lru.clone(), pid.clone()
-    skv, srp = selection_kv_cache.contiguous(), selection_k_rope.contiguous()
+    skv = selection_kv_cache.contiguous()
+    # a zero-width rope (the no-rope mode) is never addressed: the kv tensors stand in for its pointers
+    srp, prp_k = (selection_k_rope.contiguous(), prp) if cfg.has_rope else (skv, pkv)
     sc = plan is not None
     # Every -1-initialised scratch array in one allocation and one fill: the first-occurrence words (stored
     # as INT32_MAX - g, atomic_max), the install log, the winners, and the inverted reference bits.
-    n_log = MT * cap
-    sizes = [B * IR, n_log, n_log, B * IR, B * PS, B * NS if sc else 0]
-    scratch = torch.full((sum(sizes),), -1, dtype=torch.int32, device=dev)
-    first, log_slot, log_old, win_i2s, win_dst, ref = scratch.split(sizes)
+    scratch = torch.full((sum(cfg.sizes),), -1, dtype=torch.int32, device=dev)
+    first, log_slot, log_old, win_i2s, win_dst, ref = scratch.split(cfg.sizes)
     if sc:  # reference bits per (row, set), one pass over the plan
-        rows_q = plan.size(0)
-        block_q = min(1024, next_pow2(rows_q))
+        rows_q, block_q = B * S * K, cfg.block_q  # plan rows (validated)
         _ref_kernel[(triton.cdiv(rows_q, block_q),)](plan.contiguous(), ref, rows_q, S * K, NS, PS, BLOCK_Q=block_q)
     else:
         ref = log_slot  # unused pointer when FIFO
-    block_cap = next_pow2(cap)
     common = dict(stride_w=lay.stride // 4, cap=cap)
-    mpp = max(1, min(8, 1024 // block_cap))  # microtasks per program of the record-parallel kernels
-    grid = (triton.cdiv(MT, mpp),)
+    grid, block_cap, mpp = cfg.grid, cfg.block_cap, cfg.mpp
     _first_kernel[grid](words, first, MT, S, K, IR, NS, cnt_w=lay.rec_bytes // 4, BLOCK_CAP=block_cap, MPP=mpp,
                         **common)
-    key = torch.empty(n_log, dtype=torch.int32, device=dev)
+    key = torch.empty(MT * cap, dtype=torch.int32, device=dev)
     _cand_kernel[grid](words, first, key, MT, S, K, IR, NS, cnt_w=lay.rec_bytes // 4, sentinel=B * NS,
                        BLOCK_CAP=block_cap, MPP=mpp, **common)
     # Per-(b, set) install lists in record order: a stable device sort, no host synchronisation
     sorted_key, order = torch.sort(key, stable=True)
-    _assign_kernel[(B, NS)](words, sorted_key, order, n_log, lru, pid, ref, log_slot, log_old, S, K, NS, PS,
+    _assign_kernel[(B, NS)](words, sorted_key, order, MT * cap, lru, pid, ref, log_slot, log_old, S, K, NS, PS,
                             SECOND_CHANCE=sc, UPDATE=update, **common)
     base = (PS // sbs) * sbs  # NPU destination formula: dst = b*(PS//sbs)*sbs + slot
     _keys_kernel[grid](words, log_slot, log_old, win_i2s, win_dst, MT, S, IR, pool_row_base=base, UPDATE=update,
                        BLOCK_CAP=block_cap, MPP=mpp, **common)
-    Dkv, Dr = pkv.size(2), prp.size(2)
-    # The copy kernel's own lanes per program: a [lanes, BLOCK_DKV] tile of at most COPY_TILE elements
-    block_dkv, block_dr = next_pow2(Dkv), next_pow2(Dr)
-    lanes = max(1, min(mpp * block_cap, COPY_TILE // max(block_dkv, block_dr)))
-    _apply_kernel[(triton.cdiv(MT * block_cap, lanes),)](
-        words, log_slot, log_old, win_i2s, win_dst, i2s, bits(skv), bits(srp), bits(pkv), bits(prp), MT, S, IR,
-        pool_row_base=base, blocks_per_row=(K + sbs - 1) // sbs, sbs=sbs, Dkv=Dkv, Dr=Dr, UPDATE=update,
-        BLOCK_CAP=block_cap, BLOCK_DKV=block_dkv, BLOCK_DR=block_dr, LANES=lanes, **common)
+    _apply_kernel[(triton.cdiv(MT * block_cap, cfg.lanes),)](
+        words, log_slot, log_old, win_i2s, win_dst, i2s, bits(skv), bits(srp), bits(pkv), bits(prp_k), MT, S, IR,
+        pool_row_base=base, blocks_per_row=(K + sbs - 1) // sbs, sbs=sbs, Dkv=pkv.size(2), Dr=prp.size(2),
+        UPDATE=update, BLOCK_CAP=block_cap, BLOCK_DKV=cfg.block_dkv, BLOCK_DR=cfg.block_dr, LANES=cfg.lanes,
+        HAS_ROPE=cfg.has_rope, **common)
     targets = (pool_kv_cache, pool_k_rope, pool_ids, id_to_slot, lru_counter)
     for dst, buf in zip(targets if update else targets[:2], bufs):
         commit(dst, buf)
 
 
-def _launch_bound(a: tuple, _checked: object = None) -> None:
+def _validate(a: tuple, op: str) -> Launch:
+    """``validate_dsa_install`` and the launch constants of the signature."""
+    M.validate_dsa_install(*a, op=op)
+    return prepare(a[4], a[5], a[7], a[9], a[10], a[11], second_chance=False)
+
+
+def _launch_bound(a: tuple, cfg: Launch) -> None:
     """:func:`launch` on the op's bound arguments (schema order; ``selection_kv_block_table`` unread)."""
-    launch(*a[:3], *a[4:9], *a[9:13])
+    launch(*a[:3], *a[4:9], a[12], cfg)
 
 
 #: ``custom::dsa_install`` / ``dsa_install_functional`` on CUDA (``_common.CudaOp``: bound once, validated once
 #: per signature with the CPU kernel's own checks)
-KERNELS = CudaOp(M.SPEC, lambda a, op: M.validate_dsa_install(*a, op=op), _launch_bound)
+KERNELS = CudaOp(M.SPEC, _validate, _launch_bound)
 run, run_functional, register = KERNELS.run, KERNELS.run_functional, KERNELS.register

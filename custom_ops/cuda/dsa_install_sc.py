@@ -14,11 +14,17 @@ from ._common import CudaOp
 OP = M.OP
 
 
-def _launch_bound(a: tuple, _checked: object = None) -> None:
+def _validate(a: tuple, op: str) -> I.Launch:
+    """``validate_dsa_install_sc`` and the launch constants of the signature."""
+    M.validate_dsa_install_sc(*a)
+    return I.prepare(a[5], a[6], a[8], a[10], a[11], a[12], second_chance=True)
+
+
+def _launch_bound(a: tuple, cfg: I.Launch) -> None:
     """The install kernels on the op's bound arguments (schema order: ``plan`` first, the table unread)."""
-    I.launch(*a[1:4], *a[5:10], *a[10:14], plan=a[0])
+    I.launch(*a[1:4], *a[5:10], a[13], cfg, plan=a[0])
 
 
 #: ``offload_ref::dsa_install_sc`` on CUDA (``_common.CudaOp``: bound once, validated once per signature)
-KERNELS = CudaOp(M.SPEC, lambda a, op: M.validate_dsa_install_sc(*a), _launch_bound)
+KERNELS = CudaOp(M.SPEC, _validate, _launch_bound)
 run, register = KERNELS.run, KERNELS.register

@@ -12,11 +12,14 @@ program.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import dsa_plan as M
 from .._records import records_layout
 from ._common import CudaOp, next_pow2, require_triton
+from ._kinds import DECODE_WINDOW, FULL_OLD_MISS, FUTURE_SKIP, INVALID, NEGATIVE_STOP, POOL_HIT
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -52,22 +55,22 @@ def _plan_kernel(topk_ptr, lens_ptr, i2s_ptr, plan_ptr, words_ptr, act_ptr,
     looked = tl.load(i2s_ptr + b.to(tl.int64) * IR + x, mask=in_range, other=-1)
     sl = tl.where(in_range & (looked >= 0) & (looked < PS), looked, -1)
 
-    kind = tl.where(x > mv, 3, 2)                      # DECODE_WINDOW / FULL_OLD_MISS
+    kind = tl.where(x > mv, DECODE_WINDOW, FULL_OLD_MISS)
     value = x
     hit = (sl >= 0) & (x <= mv)
-    kind = tl.where(hit, 1, kind)                      # POOL_HIT
+    kind = tl.where(hit, POOL_HIT, kind)
     value = tl.where(hit, sl, value)
-    kind = tl.where(empty | (x > ms), 4, kind)         # FUTURE_SKIP (value = id)
+    kind = tl.where(empty | (x > ms), FUTURE_SKIP, kind)  # value = the id
     value = tl.where(empty | (x > ms), x, value)
-    kind = tl.where(neg, 5, kind)                      # NEGATIVE_STOP (value = the negative id)
+    kind = tl.where(neg, NEGATIVE_STOP, kind)          # value = the negative id
     value = tl.where(neg, x, value)
-    kind = tl.where(stopped, 0, kind)                  # INVALID
+    kind = tl.where(stopped, INVALID, kind)
     value = tl.where(stopped, -1, value)
     out = plan_ptr + (r.to(tl.int64) * K + k) * 2
     tl.store(out, kind, mask=pm)
     tl.store(out + 1, value, mask=pm)
 
-    miss = pm & (kind == 2)
+    miss = pm & (kind == FULL_OLD_MISS)
     missi = miss.to(tl.int32)
     rank = tl.cumsum(missi, 1) - missi
     mt = (r * 8 + m).to(tl.int64)                      # [8, 1]
@@ -89,32 +92,44 @@ def _plan_kernel(topk_ptr, lens_ptr, i2s_ptr, plan_ptr, words_ptr, act_ptr,
     tl.store(act_ptr + r, actual)
 
 
-def launch(selection_topk_indices, full_kv_actual_seq, id_to_slot, PS: int, raw_seq: int):
+class _Launch(NamedTuple):
+    """What a call signature fixes (computed once per signature with the validation)."""
+
+    R: int
+    S: int
+    K: int
+    PS: int
+    lay: object  # _records.RecordsLayout
+    block_p: int
+    block_k: int
+
+
+def _validate(a: tuple, op: str) -> _Launch:
+    """The op's checks (``validate_dsa_plan``) and the launch constants of the signature."""
+    B, S, K, PS, _ = M.validate_dsa_plan(*a)
+    return _Launch(B * S, S, K, PS, records_layout(B, S, K), next_pow2(K // 8), next_pow2(K))
+
+
+def launch(a: tuple, cfg: _Launch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the kernel on validated arguments; returns ``(plan, install_records, selection_kv_actual_seq)``."""
-    topk = selection_topk_indices.contiguous()
-    B, S, K = topk.size(0), raw_seq, topk.size(-1)
-    R, P, NS = B * S, K // 8, PS // 16
-    lay = records_layout(B, S, K)
-    dev = topk.device
+    selection_topk_indices, full_kv_actual_seq, pool_ids, id_to_slot = a[:4]
+    for observe in M.PLAN_OBSERVERS:  # host hooks (offload_passes/trace/record.py), as the CPU kernel calls them
+        observe(selection_topk_indices, full_kv_actual_seq, pool_ids, a[5])
+    R, K, lay = cfg.R, cfg.K, cfg.lay
+    dev = selection_topk_indices.device
     plan = torch.empty((R * K, 2), dtype=torch.int32, device=dev)
     records = torch.zeros(lay.alloc, dtype=torch.int8, device=dev)
     act = torch.empty(R, dtype=torch.int32, device=dev)
     words = records[: lay.required].view(torch.int32)  # byte 0 of a fresh allocation: aligned
     i2s = id_to_slot.contiguous()
     _plan_kernel[(R,)](
-        topk, full_kv_actual_seq.contiguous(), i2s, plan, words, act,
-        S, K, P, i2s.size(1), PS, NS, lay.stride // 4, lay.rec_bytes // 4,
-        BLOCK_P=next_pow2(P), BLOCK_K=next_pow2(K),
+        selection_topk_indices.contiguous(), full_kv_actual_seq.contiguous(), i2s, plan, words, act,
+        cfg.S, K, K // 8, i2s.size(1), cfg.PS, cfg.PS // 16, lay.stride // 4, lay.rec_bytes // 4,
+        BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k,
     )
     return plan, records, act
 
 
-def _launch_bound(a: tuple, _checked: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    for observe in M.PLAN_OBSERVERS:  # host hooks (offload_passes/trace/record.py), as the CPU kernel calls them
-        observe(a[0], a[1], a[2], a[5])
-    return launch(a[0], a[1], a[3], a[2].size(1), a[5])
-
-
 #: ``custom::dsa_plan`` on CUDA (``_common.CudaOp``: bound once, validated once per signature)
-KERNELS = CudaOp(M.SPEC, lambda a, op: M.validate_dsa_plan(*a[:6]), _launch_bound)
+KERNELS = CudaOp(M.SPEC, _validate, launch)
 run, register = KERNELS.run, KERNELS.register

@@ -4,7 +4,10 @@
 A row ``r = b*S + s`` owns its ledger row (``selection_kv_block_status[r]``), its ``selection_kv_actual_seq``
 entry and the selection blocks its block-table row names, so rows never share a written address (GLM's
 selection table is the identity; a table that maps two rows onto the same block gives undefined content on
-every backend, as documented in the op module). Three launches:
+every backend, as documented in the op module). First the block-table checks (``_check_kernel``, one program
+per row, and ``_report_kernel``: every entry the op would dereference, the C++ kernel's checks in its
+order; a failure writes nothing and leaves an error record the host raises later, with the C++ kernel's
+message), then three launches:
 
 1. ``_ledger_kernel`` (one program per row): the C++ kernel's ledger logic, vectorised over the K
    positions. Valid ids are compacted with a prefix sum; each id is matched against the old ledger (the
@@ -18,18 +21,19 @@ every backend, as documented in the op module). Three launches:
 3. ``_swap_kernel`` (K <= 32 only, any ``bsz``: ``bsz``-token blocks): the maximum (possibly partial) block
    swaps to position ``n - 1`` after the copies, exactly as the C++ kernel.
 
-Block-table bounds: every entry the op would dereference is checked before anything is written, with
-the C++ kernel's messages (the reference's ``_check_tables`` runs on the host: on a GPU this is one
-device-to-host synchronisation per call, so this op, which only the *unmodified* model uses, cannot be
-captured in a CUDA graph; the offload graph replaces it by ``dsa_serve``).
+Block-table bounds are checked on the device, so the op needs no host synchronisation and a CUDA graph can
+capture it; the error surfaces at the next ``raise_device_errors`` (the ``cuda`` mode's lowered step calls it
+before every step).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .. import _library as L
 from .. import npu_gather_selection_kv_cache as M
-from ._common import COPY_TILE, CudaOp, bits, commit, next_pow2, out_buffer, require_triton
+from ._common import (COPY_TILE, ERR_GATHER_TABLE, GATHER_TABLE_WORDS, CudaOp, bits, commit, error_flags,
+                      error_record, next_pow2, out_buffer, require_triton)
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -38,19 +42,76 @@ OP, FUNCTIONAL_OP = M.OP, M.FUNCTIONAL_OP
 
 
 @triton.jit
-def _ledger_kernel(sbt_ptr, status_ptr, topk_ptr, fbt_ptr, len_ptr, act_ptr,
+def _check_kernel(sbt_ptr, topk_ptr, fbt_ptr, len_ptr, fail_ptr, maxid_ptr, bad_ptr,
+                  S, K, bsz, FBS, sbt_cols, fbt_cols, need_blk, n_sel, n_full,
+                  BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr):
+    """One program per row: the first block-table check the row fails (``M.TABLE_*`` in the C++ kernel's
+    order, 0 if none) into ``fail[r]``, the row's largest valid id into ``maxid[r]``, and the largest kind
+    into the call's ``bad`` word (the other kernels then write nothing)."""
+    r = tl.program_id(0)
+    b = r // S
+    s = r % S
+    Lb = tl.load(len_ptr + b)
+    Lr = Lb - (S - 1 - s)
+    active = (Lb > 0) & (Lr > 0)
+    # an empty row reads no table entry: no column of its selection table, no valid id (-1 limits)
+    max_sel = tl.where(active, (Lr + bsz - 1) // bsz - 1, -1)
+    r64 = r.to(tl.int64)
+    j = tl.arange(0, BLOCK_J)
+    jm = j < tl.where(active, need_blk, 0)
+    e = tl.load(sbt_ptr + r64 * sbt_cols + j, mask=jm, other=0)
+    sel_bad = tl.sum((jm & ((e < 0) | (e >= n_sel))).to(tl.int32), 0) > 0
+    k = tl.arange(0, BLOCK_K)
+    x = tl.load(topk_ptr + r64 * K + k, mask=k < K, other=-1)
+    valid = (k < K) & (x >= 0) & (x <= max_sel)
+    col = (x.to(tl.int64) * bsz) // FBS
+    in_cols = valid & (col < fbt_cols)
+    cols_bad = tl.sum((valid & (col >= fbt_cols)).to(tl.int32), 0) > 0
+    ent = tl.load(fbt_ptr + b.to(tl.int64) * fbt_cols + col, mask=in_cols, other=0)
+    ent_bad = tl.sum((in_cols & ((ent < 0) | (ent >= n_full))).to(tl.int32), 0) > 0
+    kind = tl.where(sel_bad, 1, tl.where(cols_bad, 2, tl.where(ent_bad, 3, 0)))
+    tl.store(fail_ptr + r, kind)
+    tl.store(maxid_ptr + r, tl.max(tl.where(valid, x, -1), 0))
+    tl.atomic_max(bad_ptr, kind)
+
+
+@triton.jit
+def _report_kernel(fail_ptr, maxid_ptr, len_ptr, err_ptr, R, S, n_sel, need_blk, fbt_cols, n_full,
+                   BLOCK_R: tl.constexpr):
+    """One program: the call's first failing row (row order, as the C++ kernel raises) as the error record
+    ``[kind, r, b, max_id, L[b], n_sel, need_blk, fbt_cols, n_full]``, unless a record is already there (the
+    first failure since the host last read the words stays)."""
+    rr = tl.arange(0, BLOCK_R)
+    f = tl.load(fail_ptr + rr, mask=rr < R, other=0)
+    first = tl.min(tl.where(f > 0, rr, BLOCK_R), 0)
+    if first < R:
+        if tl.load(err_ptr) == 0:
+            b = first // S
+            tl.store(err_ptr + 1, first)
+            tl.store(err_ptr + 2, b)
+            tl.store(err_ptr + 3, tl.load(maxid_ptr + first))
+            tl.store(err_ptr + 4, tl.load(len_ptr + b))
+            tl.store(err_ptr + 5, n_sel)
+            tl.store(err_ptr + 6, need_blk)
+            tl.store(err_ptr + 7, fbt_cols)
+            tl.store(err_ptr + 8, n_full)
+            tl.store(err_ptr, tl.load(fail_ptr + first))
+
+
+@triton.jit
+def _ledger_kernel(sbt_ptr, status_ptr, topk_ptr, fbt_ptr, len_ptr, act_ptr, bad_ptr,
                    ids_ptr, keep_ptr, kept_ptr, moved_ptr, free_ptr, srt_ptr, cp_ptr, cpn_ptr, swap_ptr,
                    S, K, bsz, SBS, FBS, sbt_cols, fbt_cols,
                    SMALL: tl.constexpr, BLOCK_K: tl.constexpr, LOG_K: tl.constexpr):
     """One program per row: the ledger, and the row's copy list (``cp``: destination, source, length per
-    id still to write; the copies run in ``_copy_kernel``)."""
+    id still to write; the copies run in ``_copy_kernel``). Nothing when the call's tables failed a check."""
     r = tl.program_id(0)
     b = r // S
     s = r % S
     Lb = tl.load(len_ptr + b)
     Lr = Lb - (S - 1 - s)
     tl.store(swap_ptr + r.to(tl.int64) * 4 + 3, 0)
-    if (Lb > 0) & (Lr > 0):
+    if (Lb > 0) & (Lr > 0) & (tl.load(bad_ptr) == 0):
         max_sel = (Lr + bsz - 1) // bsz - 1
         r64 = r.to(tl.int64)
         k = tl.arange(0, BLOCK_K)
@@ -212,70 +273,94 @@ def _swap_kernel(skv_ptr, srp_ptr, swap_ptr, bsz, Dkv, Dr,
             tl.store(srp_ptr + a_off * Dr + e2, rlast, mask=e2 < bsz * Dr)
 
 
-def _active_rows(topk, kv_len, B: int, S: int, bsz: int) -> list:
-    """``(r, b, max_sel)`` of the non-empty rows (the rows whose tables the op dereferences)."""
-    lens = kv_len.tolist()
-    out = []
-    for r in range(B * S):
-        b, s = divmod(r, S)
-        Lr = lens[b] - (S - 1 - s)
-        if lens[b] > 0 and Lr > 0:
-            out.append((r, b, (Lr + bsz - 1) // bsz - 1))
-    return out
+class _Launch(NamedTuple):
+    """What a call signature fixes (computed once per signature with the validation)."""
+
+    geo: "M.GatherGeometry"
+    R: int
+    block_k: int
+    small: bool
+    block_ekv: int
+    block_er: int
+    has_rope: bool
+    need_blk: int
+    block_j: int
+    ch: int
 
 
-def launch(sel_rope, sel_kv, sbt, status, topk, full_rope, full_kv, fbt, kv_len, geo: "M.GatherGeometry"):
-    """Run the kernel on validated arguments (in place); returns ``selection_kv_actual_seq``."""
-    B, S, K, bsz = geo.B, geo.S, geo.K, geo.bsz
-    R = B * S
-    topk2 = topk.contiguous().reshape(R, K)
+def _validate(a: tuple, op: str) -> _Launch:
+    """The op's checks (``validate_npu_gather_selection_kv_cache``) and the launch constants of the signature."""
+    geo = M.validate_npu_gather_selection_kv_cache(*a, op=op)
+    sel_rope, sel_kv = a[0], a[1]
+    K, bsz, R = geo.K, geo.bsz, geo.B * geo.S
+    has_rope = not geo.no_rope
+    small = K <= M.SMALL_TOPK
+    tokens = bsz if small else 1
+    block_ekv = next_pow2(tokens * sel_kv.size(2))
+    need_blk = (K * bsz + sel_kv.size(1) - 1) // sel_kv.size(1)
+    return _Launch(geo, R, next_pow2(K), small, block_ekv, next_pow2(tokens * (sel_rope.size(2) if has_rope else 1)),
+                   has_rope, need_blk, next_pow2(need_blk),
+                   max(1, min(64, next_pow2(K), COPY_TILE // block_ekv)))  # list entries per [CH, E] tile
+
+
+def launch(a: tuple, cfg: _Launch) -> torch.Tensor:
+    """Run the kernels on validated arguments (in place); returns ``selection_kv_actual_seq``.
+
+    The block-table entries the op dereferences are checked on the device first (``_check_kernel``): a bad
+    entry writes nothing and leaves an error record that ``_common.raise_device_errors`` (``offload_passes.
+    cuda.raise_device_errors``) raises with the C++ kernel's message; no host synchronisation."""
+    sel_rope, sel_kv, sbt, status, topk, full_rope, full_kv, fbt, kv_len = a[:9]
+    geo, R = cfg.geo, cfg.R
+    S, K, bsz = geo.S, geo.K, geo.bsz
+    topk2 = topk.contiguous()
     sbt_c, fbt_c, len_c = sbt.contiguous(), fbt.contiguous(), kv_len.contiguous()
-    full_kv_d = L.dense(full_kv, OP, "full_kv_cache")
-    full_rope_d = L.dense(full_rope, OP, "full_k_rope")
-    # Same pre-pass (and messages) as the C++ kernel: before anything is written.
-    M._check_tables(_active_rows(topk2, len_c, B, S, bsz), sbt_c, fbt_c, topk2, len_c, geo, sel_kv.size(0),
-                    full_kv.size(0), full_kv.size(1), sel_kv.size(1), OP)
+    full_kv_d = full_kv.contiguous()
     outs = [out_buffer(t) for t in (sel_rope, sel_kv, status)]
     dev = sel_kv.device
-    block_k = next_pow2(K)
-    # scratch: the -1-filled int32 words (ids, keep, kept, moved, free, per-row list length) in one fill;
-    # the int64 words (sorted pairs, copy lists, swaps) are written before they are read
-    words = torch.full((5 * R * K + R,), -1, dtype=torch.int32, device=dev)
-    ids, keep, kept, moved, free, cpn = words.split([R * K] * 5 + [R])
+    block_k = cfg.block_k
+    # scratch: the -1-filled int32 words (ids, keep, kept, moved, free, per-row list length, the table checks'
+    # kinds and largest ids, the call's bad word) in one fill; the int64 words (sorted pairs, copy lists,
+    # swaps) are written before they are read
+    words = torch.full((5 * R * K + 3 * R + 1,), -1, dtype=torch.int32, device=dev)
+    ids, keep, kept, moved, free, cpn, fail, maxid, bad = words.split([R * K] * 5 + [R, R, R, 1])
     wide = torch.empty((R * block_k + 3 * R * K + 4 * R,), dtype=torch.int64, device=dev)
     srt, cp, swap = wide.split([R * block_k, 3 * R * K, 4 * R])
     act = torch.zeros(sbt.size(0), dtype=torch.int32, device=dev)
-    has_rope = not geo.no_rope and sel_rope.size(2) > 0
+    n_sel, n_full, sbt_cols, fbt_cols = sel_kv.size(0), full_kv.size(0), sbt_c.size(1), fbt_c.size(1)
+    _check_kernel[(R,)](sbt_c, topk2, fbt_c, len_c, fail, maxid, bad, S, K, bsz, full_kv.size(1), sbt_cols,
+                        fbt_cols, cfg.need_blk, n_sel, n_full, BLOCK_K=block_k, BLOCK_J=cfg.block_j)
+    _report_kernel[(1,)](fail, maxid, len_c, error_flags(dev)[ERR_GATHER_TABLE:], R, S, n_sel, cfg.need_blk,
+                         fbt_cols, n_full, BLOCK_R=next_pow2(R))
     Dkv = sel_kv.size(2)
-    Dr = sel_rope.size(2) if has_rope else 1
-    rope_sel = bits(outs[0]) if has_rope else bits(outs[1])    # unused pointers in no-rope mode
-    rope_full = bits(full_rope_d) if has_rope else bits(full_kv_d)
-    small = K <= M.SMALL_TOPK
-    tokens = bsz if small else 1
-    block_ekv, block_er = next_pow2(tokens * Dkv), next_pow2(tokens * Dr)
+    Dr = sel_rope.size(2) if cfg.has_rope else 1
+    rope_sel = bits(outs[0]) if cfg.has_rope else bits(outs[1])    # unused pointers in no-rope mode
+    rope_full = bits(full_rope.contiguous()) if cfg.has_rope else bits(full_kv_d)
     _ledger_kernel[(R,)](
-        sbt_c, outs[2], topk2, fbt_c, len_c, act, ids, keep, kept, moved, free, srt, cp, cpn, swap,
-        S, K, bsz, sel_kv.size(1), full_kv.size(1), sbt_c.size(1), fbt_c.size(1),
-        SMALL=small, BLOCK_K=block_k, LOG_K=block_k.bit_length() - 1,
+        sbt_c, outs[2], topk2, fbt_c, len_c, act, bad, ids, keep, kept, moved, free, srt, cp, cpn, swap,
+        S, K, bsz, sel_kv.size(1), full_kv.size(1), sbt_cols, fbt_cols,
+        SMALL=cfg.small, BLOCK_K=block_k, LOG_K=block_k.bit_length() - 1,
     )
-    ch = max(1, min(64, next_pow2(K), COPY_TILE // block_ekv))  # list entries per [CH, E] tile (as serve's)
-    _copy_kernel[(R, triton.cdiv(K, ch))](
+    _copy_kernel[(R, triton.cdiv(K, cfg.ch))](
         bits(outs[1]), rope_sel, bits(full_kv_d), rope_full, cp, cpn, K, Dkv, Dr,
-        HAS_ROPE=has_rope, CH=ch, BLOCK_EKV=block_ekv, BLOCK_ER=block_er)
-    if small:
-        _swap_kernel[(R,)](bits(outs[1]), rope_sel, swap, bsz, Dkv, Dr, HAS_ROPE=has_rope, BLOCK_EKV=block_ekv,
-                           BLOCK_ER=block_er)
+        HAS_ROPE=cfg.has_rope, CH=cfg.ch, BLOCK_EKV=cfg.block_ekv, BLOCK_ER=cfg.block_er)
+    if cfg.small:
+        _swap_kernel[(R,)](bits(outs[1]), rope_sel, swap, bsz, Dkv, Dr, HAS_ROPE=cfg.has_rope,
+                           BLOCK_EKV=cfg.block_ekv, BLOCK_ER=cfg.block_er)
     for dst, buf in zip((sel_rope, sel_kv, status), outs):
         commit(dst, buf)
     return act
 
 
-def _launch_bound(a: tuple, geo: "M.GatherGeometry") -> torch.Tensor:
-    return launch(*a[:9], geo)
+def _table_message(record: list) -> str:
+    """The text of the gather's error record (``_report_kernel``): the C++ kernel's message."""
+    kind, r, b, max_id, L_b, n_sel, need_blk, fbt_cols, n_full = record
+    return f"{M.SPEC.qualname}: " + M.table_error(kind, r, b, max_id, L_b, n_sel, need_blk, fbt_cols, n_full)
 
+
+error_record(ERR_GATHER_TABLE, GATHER_TABLE_WORDS, _table_message)
 
 #: ``custom::npu_gather_selection_kv_cache`` (+ ``_functional``: ``(actual_seq, rope, kv, table, status)``,
 #: inputs untouched) on CUDA (``_common.CudaOp``: bound once, validated once per signature; the geometry the
 #: validation returns is handed to the launcher)
-KERNELS = CudaOp(M.SPEC, lambda a, op: M.validate_npu_gather_selection_kv_cache(*a, op=op), _launch_bound)
+KERNELS = CudaOp(M.SPEC, _validate, launch)
 run, run_functional, register = KERNELS.run, KERNELS.run_functional, KERNELS.register

@@ -745,6 +745,14 @@ class GlmMoeDsaForCausalLM(nn.Module):
     @torch.no_grad()
     def reset_rows(self, rows: Sequence[int]) -> None:
         """A batch row starts a new request: clear its caches and its gather ledger."""
+        dev = self.block_table.device
+        if self.model.layers and self.model.layers[0].self_attn.kv_cache.device != dev:
+            # Host-resident full caches (pinned, offload_passes/cuda.py): kernels launched earlier on the model's
+            # device may still read these rows (dsa_serve's misses) or write them (the cache-write kernel); the
+            # host's own writes below wait for them (the device caches' zero_ are stream ops already).
+            from offload_passes.cuda import before_host_write
+
+            before_host_write(dev)
         for layer in self.model.layers:
             layer.self_attn.reset_rows(rows)
 

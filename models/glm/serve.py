@@ -8,9 +8,15 @@ What it mirrors (cann-recipes-infer, ``executor/online`` and ``executor/core``: 
   loaded server (a request is waiting whenever a row frees, so the decode batch stays full);
   ``ServeConfig.arrival`` < 1 makes a request wait at a free row only with that probability, so the number
   of running requests varies;
-* KV blocks come from a FIFO free list (block 0 is the null block, never handed out); a request gets the
-  blocks for its prompt at admission and more as it grows (``allocate_slots`` with the step's S
-  look-ahead); a finished request's blocks go back to the list and are re-used by later requests;
+* KV blocks come from a free list, FIFO as the reference's ``BlockPool`` (``ServeConfig.free_list="lifo"``: a
+  stack, so a freed block is handed out again at once; block 0 is the null block, never handed out); a
+  request gets the blocks for its prompt at admission and more as it grows (``allocate_slots`` with the
+  step's S look-ahead); a finished request's blocks go back to the list and are re-used by later requests;
+* retraction (``ServeConfig.retract`` > 0): a running request loses its blocks and waits again; it is
+  admitted before new arrivals and its whole sequence is prefilled and transferred again (new KV, the same
+  request id), as engines that preempt by recompute do. The reference's decode scheduler
+  (``_retract_one``) finishes a preempted request instead; re-admitting it is the harder case for the
+  offload (a request id that continues with new KV);
 * the decode batch is the running requests in arrival order, up to the per-rank batch size
   (``running[:batch_size]``), so a row's request changes and rows shift up when a request finishes;
 * the prompt is prefilled by a separate batch-1 model (disaggregated prefill) and its KV blocks are
@@ -30,10 +36,13 @@ Several *lanes* run the same schedule side by side: each lane is a decode model 
 logits, so the lanes' outputs are comparable step by step. When the batch changes, the loop keeps each
 lane's gather ledger and selection rows with their request (the ledger row of a new request is reset,
 as the reference's ``reset_rows`` does) and calls the lane's ``on_batch_change(src)`` with, per row,
-the row its request held at the previous step, whatever bucket ran it (-1: a new request or a padding
-row; ``src`` is as long as the step's bucket) — the hook an offload state uses to
-follow its requests (``OffloadState.move_rows``). Models never import the passes: the caller supplies
-the hook.
+the row its request held at the previous step, whatever bucket ran it (-1: a new request, a re-admitted
+one, or a padding row; ``src`` is as long as the step's bucket) — the hook an offload state uses to
+follow its requests (``OffloadState.move_rows``). A lane may instead take ``engine_step(rows, written)``,
+called before every step with the request id per row (None: padding) and the ids whose KV was written
+outside the decode graph since the previous step: what an engine knows. Such a lane keeps its model's
+selection rows and ledgers itself (``offload_passes.engine.EngineAdapter`` does). Models never import the
+passes: the caller supplies the hooks.
 """
 from __future__ import annotations
 
@@ -47,35 +56,88 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ... import _extensions
 from .modeling import GlmMoeDsaForCausalLM
 
 log = logging.getLogger("offload_passes.models.serve")
 
 _CSRC = Path(__file__).resolve().parent / "csrc" / "kv_transfer.cpp"
-_loaded = False
+_loaded: Optional[str] = None
+
+
+def transfer_library() -> Optional[Path]:
+    """The KV-transfer library ``pip install`` built for the running torch (``setup.py``), or None."""
+    path = Path(__file__).resolve().parent / _extensions.ext_filename(_extensions.kv_transfer_name(torch.__version__))
+    return path if path.is_file() else None
+
+
+def transfer_build_dir() -> Path:
+    """Where the JIT fallback builds the op: a folder per torch build under ``$TORCH_EXTENSIONS_DIR`` (the
+    builds of two torch versions, or of two venvs, never share one)."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return root / f"glm_serve_kv_transfer_{_extensions.torch_tag(torch.__version__)}"
 
 
 def load_transfer_op() -> Callable:
-    """Build (once, cached under ``$TORCH_EXTENSIONS_DIR``) and load ``glm_serve::copy_blocks_``; needs a
-    C++ compiler the first time (about a minute)."""
+    """Load ``glm_serve::copy_blocks_`` once: the library built at install (``setup.py``), else a JIT build
+    (a C++ compiler, about a minute; ``OFFLOAD_PASSES_JIT_KERNELS=1`` forces it) into
+    :func:`transfer_build_dir`, after waiting for another process's build there and removing a lock left
+    by a build that was stopped (``_extensions.wait_for_build_lock``). ``transfer_origin()`` says which."""
     global _loaded
-    if not _loaded:
-        if not hasattr(torch.ops, "glm_serve") or not hasattr(torch.ops.glm_serve, "copy_blocks_"):
-            from torch.utils import cpp_extension
+    if _loaded is None:
+        if hasattr(torch.ops.glm_serve, "copy_blocks_"):
+            _loaded = "loaded"
+        else:
+            path = None if _extensions.jit_forced(os.environ) else transfer_library()
+            if path is not None:
+                torch.ops.load_library(str(path))
+                _loaded = "prebuilt"
+            else:
+                from torch.utils import cpp_extension
 
-            root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-            out = root / "glm_serve_kv_transfer"
-            out.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name="glm_serve_kv_transfer", sources=[str(_CSRC)], build_directory=str(out),
-                               extra_cflags=["-O1"], is_python_module=False, verbose=False)
-        _loaded = True
+                out = transfer_build_dir()
+                out.mkdir(parents=True, exist_ok=True)
+                log.warning("glm_serve::copy_blocks_: JIT build into %s (%s)", out,
+                            f"forced by {_extensions.FORCE_JIT_ENV}" if _extensions.jit_forced(os.environ)
+                            else "no prebuilt library for this torch; `pip install -e .` builds it")
+                _extensions.wait_for_build_lock(out)
+                cpp_extension.load(name=out.name, sources=[str(_CSRC)], build_directory=str(out),
+                                   extra_cflags=list(_extensions.KV_TRANSFER_CFLAGS), is_python_module=False,
+                                   verbose=False)
+                _loaded = "jit"
     return torch.ops.glm_serve.copy_blocks_
+
+
+def transfer_origin() -> Optional[str]:
+    """How ``glm_serve::copy_blocks_`` was loaded in this process: ``"prebuilt"`` (built at install),
+    ``"jit"``, ``"loaded"`` (registered before), or None (not yet)."""
+    return _loaded
 
 
 def copy_blocks_torch(dst: torch.Tensor, src: torch.Tensor, dst_blocks: torch.Tensor,
                       src_blocks: torch.Tensor) -> None:
     """The same write through PyTorch (``index_copy_``): moves ``dst``'s version counter."""
     dst.index_copy_(0, dst_blocks.to(dst.device), src.index_select(0, src_blocks.to(src.device)))
+
+
+@torch.no_grad()
+def transfer_blocks(copy: Callable, prefill_model: GlmMoeDsaForCausalLM, model: GlmMoeDsaForCausalLM,
+                    blocks: Sequence[int]) -> None:
+    """Write row 0 of a batch-1 ``prefill_model``'s caches (its first ``len(blocks)`` blocks: an identity
+    table) into ``blocks`` of ``model``'s caches, every layer: latent, rope and indexer keys (and scales).
+    ``copy``: :func:`load_transfer_op` (moves no version counter, as an engine's transfer) or
+    :func:`copy_blocks_torch`."""
+    n = len(blocks)
+    src = torch.arange(n, dtype=torch.int64)
+    dst = torch.tensor(list(blocks), dtype=torch.int64)
+    for lp, ll in zip(prefill_model.model.layers, model.model.layers):
+        for name in ("kv_cache", "k_rope_cache"):
+            copy(getattr(ll.self_attn, name), getattr(lp.self_attn, name), dst, src)
+        if ll.self_attn.indexer is not None:
+            ix, px = ll.self_attn.indexer, lp.self_attn.indexer
+            copy(ix.key_cache, px.key_cache, dst, src)
+            if getattr(ix, "int8", False):
+                copy(ix.key_scale_cache, px.key_scale_cache, dst, src)
 
 
 @dataclass
@@ -89,6 +151,9 @@ class ServeConfig:
     # probability that a request is waiting when a row is free (drawn per free row and step); 1: a loaded
     # server, the batch always full (no draw). An empty server always admits one.
     arrival: float = 1.0
+    free_list: str = "fifo"  # "fifo": the reference's BlockPool; "lifo": a freed block is handed out next
+    # probability per step that the scheduler retracts its newest running request (when more than one runs)
+    retract: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "output_len"):
@@ -99,6 +164,10 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.mtp_accept must be 'random' or 'all', got {self.mtp_accept!r}")
         if not 0.0 < self.arrival <= 1.0:
             raise ValueError(f"ServeConfig.arrival must be in (0, 1], got {self.arrival!r}")
+        if self.free_list not in ("fifo", "lifo"):
+            raise ValueError(f"ServeConfig.free_list must be 'fifo' or 'lifo', got {self.free_list!r}")
+        if not 0.0 <= self.retract < 1.0:
+            raise ValueError(f"ServeConfig.retract must be in [0, 1), got {self.retract!r}")
 
 
 @dataclass
@@ -149,10 +218,37 @@ def bucket_model(model: GlmMoeDsaForCausalLM, batch_size: int) -> GlmMoeDsaForCa
     return small.train(model.training)
 
 
+def request_rows(model: GlmMoeDsaForCausalLM) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The decode model's buffers that belong to the request in a batch row: per layer the selection buffers
+    (``sel_kv``, ``sel_rope``) and the gather ledger (``sel_status``)."""
+    attn = [layer.self_attn for layer in model.model.layers]
+    return [t for a in attn for t in (a.sel_kv, a.sel_rope)], [a.sel_status for a in attn]
+
+
+@torch.no_grad()
+def follow_requests(row_tensors: Sequence[torch.Tensor], ledgers: Sequence[torch.Tensor], src: Sequence[int],
+                    batch: int) -> None:
+    """Keep a decode model's per-row buffers with their requests when the batch changes (the unmodified
+    model's own requirement: its gather reuses what its ledger says a row's selection buffer holds). Row
+    ``b`` of every tensor (viewed ``[batch, -1, ...]``) takes row ``src[b]``; rows past ``len(src)`` (a
+    smaller bucket) and ``-1`` rows hold no request, and their ledger is reset to -1 (holds nothing: what
+    the reference's ``reinit_status`` writes for the whole batch)."""
+    full = list(src) + [-1] * (batch - len(src))
+    idx = torch.tensor([max(x, 0) for x in full], dtype=torch.long)
+    new = [b for b, x in enumerate(full) if x < 0]
+    for t in list(row_tensors) + list(ledgers):
+        v = t.view(batch, -1, *t.shape[1:])
+        v.copy_(v[idx.to(t.device)])
+    for st in ledgers:
+        if new:
+            st[new] = -1
+
+
 @dataclass
 class Lane:
     """One decode model served by the loop: ``step_fn(ids, pos)`` runs its step (default: the model),
-    ``on_batch_change(src)`` is told how the batch changed before the step that sees it. ``buckets``:
+    ``on_batch_change(src)`` is told how the batch changed before the step that sees it,
+    ``engine_step(rows, written)`` is told what an engine knows before every step (module doc). ``buckets``:
     smaller batch sizes -> ``(model, step_fn)``, the model from :func:`bucket_model` of ``model`` (the
     largest bucket), ``step_fn`` as above (``None``: the model)."""
 
@@ -160,6 +256,9 @@ class Lane:
     step_fn: Optional[Callable] = None
     on_batch_change: Optional[Callable[[list], None]] = None
     buckets: dict = field(default_factory=dict)
+    # before every step: (request id per row, ids whose KV was written outside the graph since the last
+    # step); a lane with it keeps its model's selection rows and ledgers itself (the Server does not)
+    engine_step: Optional[Callable[[list, set], object]] = None
 
     def decoder(self, batch_size: int) -> tuple[GlmMoeDsaForCausalLM, Callable]:
         """The model and step function of bucket ``batch_size``."""
@@ -171,12 +270,17 @@ class Lane:
 
 
 class BlockPool:
-    """The recipe's block pool: a FIFO free list; block 0 is the null block (padding of block tables)."""
+    """The recipe's block pool: a free list, FIFO as the reference's (``order="lifo"``: a stack, a freed block
+    is handed out again first, in the order it was held); block 0 is the null block (padding of block
+    tables)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, order: str = "fifo") -> None:
         if num_blocks < 2:
             raise ValueError(f"BlockPool: num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        if order not in ("fifo", "lifo"):
+            raise ValueError(f"BlockPool: order must be 'fifo' or 'lifo', got {order!r}")
         self.num_blocks = num_blocks
+        self.order = order
         self.free: deque = deque(range(1, num_blocks))
 
     def take(self, n: int) -> list:
@@ -186,7 +290,10 @@ class BlockPool:
         return [self.free.popleft() for _ in range(n)]
 
     def give_back(self, blocks: Sequence[int]) -> None:
-        self.free.extend(blocks)
+        if self.order == "fifo":
+            self.free.extend(blocks)
+        else:  # in front, in their order: the next request of that size gets exactly these blocks
+            self.free.extendleft(reversed(list(blocks)))
 
 
 class Server:
@@ -229,10 +336,12 @@ class Server:
         self.B, self.S, self.BS = m0.batch_size, m0.seq_per_step, m0.block_size
         self.max_blocks = m0.block_table.size(1)
         self.cap = min(self.max_blocks, prefill_model.block_table.size(1)) * self.BS
-        self.pool = BlockPool(m0.model.layers[0].self_attn.kv_cache.size(0))
+        self.pool = BlockPool(m0.model.layers[0].self_attn.kv_cache.size(0), self.cfg.free_list)
         self.gen = torch.Generator().manual_seed(self.cfg.seed)
         self.vocab = m0.config.vocab_size
         self.running: list[Request] = []
+        self.waiting: deque = deque()  # retracted requests, admitted again before new arrivals
+        self.written: set = set()  # request ids whose KV was written outside the decode graph this step
         self.sizes = sorted(set(lanes[0].buckets) | {self.B})  # the batch buckets, the lanes' batch last
         self.bucket_steps = {b: 0 for b in self.sizes}
         self.bucket = self.B  # the bucket of the last step
@@ -240,6 +349,7 @@ class Server:
         self.next_rid = 0
         self.step_idx = 0
         self.finished = 0
+        self.retracted = 0
         self.batch_changes = 0
 
     # ------------------------------------------------------------------ requests
@@ -264,18 +374,8 @@ class Server:
         P = req.prompt.numel()
         req.blocks = self.pool.take(-(-(P + self.S) // self.BS))
         self.prefill_model.prefill(req.prompt.view(1, P), torch.tensor([P]))
-        n = -(-P // self.BS)
-        src = torch.arange(n, dtype=torch.int64)
-        dst = torch.tensor(req.blocks[:n], dtype=torch.int64)
         for ln in self.lanes:
-            for lp, ll in zip(self.prefill_model.model.layers, ln.model.model.layers):
-                for name in ("kv_cache", "k_rope_cache"):
-                    self.copy_blocks(getattr(ll.self_attn, name), getattr(lp.self_attn, name), dst, src)
-                if ll.self_attn.indexer is not None:
-                    ix, px = ll.self_attn.indexer, lp.self_attn.indexer
-                    self.copy_blocks(ix.key_cache, px.key_cache, dst, src)
-                    if getattr(ix, "int8", False):
-                        self.copy_blocks(ix.key_scale_cache, px.key_scale_cache, dst, src)
+            transfer_blocks(self.copy_blocks, self.prefill_model, ln.model, req.blocks[: -(-P // self.BS)])
 
     def _grow(self, req: Request) -> None:
         """``allocate_slots``: blocks for the cache plus this step's S tokens."""
@@ -284,28 +384,51 @@ class Server:
             req.blocks += self.pool.take(need)
 
     # ------------------------------------------------------------------ batch
+    def _retract(self) -> None:
+        """The scheduler preempts its newest running request: its blocks go back, it waits again, and its
+        whole sequence (the prompt and the tokens decoded so far) is prefilled again when it is re-admitted."""
+        req = self.running.pop()
+        self.pool.give_back(req.blocks)
+        req.blocks = []
+        extra = req.cur - req.prompt.numel()
+        if extra > 0:  # the decoded tokens come from the seeded generator too
+            req.prompt = torch.cat([req.prompt, torch.randint(0, self.vocab, (extra,), generator=self.gen)])
+        self.waiting.appendleft(req)
+        self.retracted += 1
+
     def _schedule(self) -> tuple[list, list]:
-        """Retire finished requests, admit new ones, grow blocks, pick the bucket; returns ``src`` per row
-        and the batch (``None``: a padding row)."""
+        """Retire finished requests, retract (``ServeConfig.retract``), admit waiting and new requests, grow
+        blocks, pick the bucket; returns ``src`` per row and the batch (``None``: a padding row)."""
         done = [r for r in self.running if r.steps_left <= 0]
         for r in done:
             self.pool.give_back(r.blocks)
             self.finished += 1
         self.running = [r for r in self.running if r.steps_left > 0]
+        if (self.cfg.retract > 0 and len(self.running) > 1
+                and float(torch.rand((), generator=self.gen)) < self.cfg.retract):
+            self._retract()
+        self.written = set()
         for _ in range(self.B - len(self.running)):
             # 1: a loaded server, someone is always waiting (no draw); an empty server admits one
-            if (self.cfg.arrival >= 1.0 or not self.running
+            if self.waiting:
+                req = self.waiting.popleft()
+            elif (self.cfg.arrival >= 1.0 or not self.running
                     or float(torch.rand((), generator=self.gen)) < self.cfg.arrival):
                 req = self._arrive()
-                self._prefill(req)
-                self.running.append(req)
+            else:
+                continue
+            self._prefill(req)
+            self.written.add(req.rid)
+            self.running.append(req)
         bucket = min(b for b in self.sizes if b >= len(self.running))
         batch: list = self.running[:bucket]
         for r in batch:
             self._grow(r)
         batch += [None] * (bucket - len(batch))
         prev = {rid: b for b, rid in enumerate(self.rows) if rid is not None}
-        src = [prev.get(r.rid, -1) if r is not None else -1 for r in batch]
+        # a request whose KV was just written (admitted, or re-admitted after a retraction) is new wherever
+        # it is, even at the row it held before
+        src = [prev.get(r.rid, -1) if r is not None and r.rid not in self.written else -1 for r in batch]
         self.rows = [r.rid if r is not None else None for r in batch]
         return src, batch
 
@@ -317,25 +440,15 @@ class Server:
             if r is not None:
                 table[b, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
         changed = src != list(range(n)) or n != self.bucket
-        # the ledger rows move on the largest model's buffers (a bucket's are views of its first rows);
-        # rows past the bucket hold no request
-        full = src + [-1] * (self.B - n)
-        idx = torch.tensor([max(x, 0) for x in full], dtype=torch.long)
-        new = [b for b, x in enumerate(full) if x < 0]
+        rows = [r.rid if r is not None else None for r in batch]
         for ln in self.lanes:
             bm = ln.decoder(n)[0]
             bm.block_table.copy_(table.to(bm.block_table.device))
-            m = ln.model
-            if changed:
-                for layer in m.model.layers:
-                    a = layer.self_attn
-                    i = idx.to(a.sel_status.device)
-                    for t in (a.sel_kv, a.sel_rope):
-                        v = t.view(self.B, -1, *t.shape[1:])
-                        v.copy_(v[i])
-                    a.sel_status.copy_(a.sel_status[i])
-                    if new:  # the reference's reset_rows: a new request's ledger holds nothing
-                        a.sel_status[new] = -1
+            if ln.engine_step is not None:  # the lane's engine glue keeps its rows itself
+                ln.engine_step(list(rows), set(self.written))
+            elif changed:
+                # on the largest model's buffers (a bucket's are views of its first rows)
+                follow_requests(*request_rows(ln.model), src, self.B)
                 if ln.on_batch_change is not None:
                     ln.on_batch_change(list(src))
         if changed:

@@ -7,6 +7,7 @@ NPU lowering's TorchAir / npugraph_ex are needed only when used.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -15,11 +16,13 @@ from torch import fx
 
 from ..dump import Dumper
 from ..options import OffloadOptions
-from ..passes.rewrite import InstallHook
+from ..passes.emit import InstallHook
 from ..report import GraphReport
 from ..state import OffloadState
 
 __all__ = ["LowerContext", "Lowering"]
+
+log = logging.getLogger("offload_passes.lowering")
 
 
 @dataclass
@@ -32,6 +35,8 @@ class LowerContext:
     report: GraphReport
     dumper: Optional[Dumper]
     kwargs: dict = field(default_factory=dict)  # extra arguments Dynamo passed to the backend
+    #: torch.compile's ``mode`` (None: none or "default"); the lowering honours or refuses it
+    compile_mode: Optional[str] = None
     final_graph: Optional[fx.Graph] = None  # set by a lowering that runs our reinplace
 
     @property
@@ -41,6 +46,13 @@ class LowerContext:
     @property
     def dump_dir(self) -> Optional[Path]:
         return self.dumper.root if self.dumper is not None else None
+
+    def ignore_compile_mode(self) -> None:
+        """A lowering whose platform has no use for torch.compile's ``mode`` accepts it with no effect (its
+        lowering is the ``exe_mode``): one info line."""
+        if self.compile_mode is not None:
+            log.info("%s: torch.compile mode=%r has no effect (the lowering is exe_mode=%r)", self.graph_id,
+                     self.compile_mode, self.options.exe_mode)
 
 
 class Lowering(Protocol):
@@ -57,4 +69,5 @@ class Lowering(Protocol):
     def after_rewrite(self, gm: fx.GraphModule, state: Optional[OffloadState], report: GraphReport,
                       options: OffloadOptions, install_hook: Optional[InstallHook]) -> None: ...
 
-    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable: ...
+    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable:
+        """The compiled step; honours or refuses ``ctx.compile_mode`` (torch.compile's ``mode``)."""

@@ -19,8 +19,9 @@ from ..options import OffloadOptions
 from ..passes import _fx
 from ..passes.inductor_targets import define_aliases, retarget_for_inductor
 from ..passes.reinplace import ReinplaceReport, reinplace
-from ..passes.rewrite import InstallHook
+from ..passes.emit import InstallHook
 from ..state import OffloadState
+from . import LowerContext
 
 __all__ = ["CpuLowering", "pass_uuid"]
 
@@ -35,7 +36,7 @@ _ROOT = _package_dir(__import__(__package__))
 #: every pass module, the op specs and kernels' Python, the FX and version glue. Inductor's FX-graph
 #: cache keys on :func:`pass_uuid`.
 UUID_FILES = (sorted(_package_dir(_passes).rglob("*.py")) + sorted(_package_dir(_custom_ops).glob("*.py"))
-              + [_ROOT / n for n in ("_compat.py", "options.py", "modes.py", "pipeline.py", "state.py",
+              + [_ROOT / n for n in ("_compat.py", "options.py", "modes.py", "pipeline.py", "outcome.py", "state.py",
                                      "lowering/cpu.py")])
 
 
@@ -105,7 +106,8 @@ class CpuLowering:
                       options: OffloadOptions, install_hook: Optional[InstallHook]) -> None:
         return None
 
-    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Any) -> Callable:
+    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable:
+        ctx.ignore_compile_mode()  # the CPU modes run op by op or through our Inductor settings
         timings, report = ctx.timings, ctx.report
         if not report.rewritten or (ctx.state is None and self.mode == "eager"):
             # untouched: no DSA at all, or refused (the model's own in-place ops run as written)

@@ -43,13 +43,14 @@ from torch import fx
 
 from ..custom_ops.cuda._common import raise_device_errors
 from ..passes import _fx
+from . import LowerContext
 from .cpu import CpuLowering
 from .cuda_graphs import GraphReplay, capture_problems, input_specs
-from .side_stream import join_points, move_after_serve, side_inputs
+from .side_stream import SideStreamHook
 from ..modes import CUDA_EXE_MODES, check_exe_mode
 from ..options import OffloadOptions
 from ..passes.host_cache_writes import HostCacheWritesReport, host_cache_writes
-from ..passes.rewrite import InstallHook
+from ..passes.emit import InstallHook
 from ..state import OffloadState
 
 log = logging.getLogger("offload_passes.lowering.cuda")
@@ -206,40 +207,29 @@ def device_safe_guards(gm: fx.GraphModule) -> List[str]:
 _TAGS = itertools.count(1)
 
 
-class CudaInstallHook:
-    """The rewrite's install hook for ``exe_mode="cuda"`` (see the module doc); :meth:`finish` once the
-    rewrite is done places the joins."""
+class CudaInstallHook(SideStreamHook):
+    """The rewrite's install hook for ``exe_mode="cuda"`` (see the module doc; the shape is
+    ``side_stream.SideStreamHook``): a scope's ready / done are the runtime's events of its tag."""
 
     def __init__(self, graph_id: str):
+        super().__init__()
         self.graph_id = graph_id
-        self.pending: List[tuple] = []  # (installs, scope_exit node, tag)
-        self.tags: dict = {}  # layer -> tag
+        self.tags: dict[int, int] = {}  # layer -> tag
 
-    def __call__(self, graph: fx.Graph, installs: list, layer: int) -> None:
-        tag = next(_TAGS)
-        self.tags[layer] = tag
-        move_after_serve(installs)
-        seen = side_inputs(installs)
-        first, last = installs[0], installs[-1]
-        with graph.inserting_before(first):
-            graph.call_function(STREAM_OPS["scope_enter"], (tag,))
-            for t in seen:  # main-stream allocations the side stream reads (the plan's install records)
-                graph.call_function(STREAM_OPS["record_stream"], (t, tag))
-        with graph.inserting_after(last):
-            ex = graph.call_function(STREAM_OPS["scope_exit"], (tag,))
-        self.pending.append((installs, ex, tag))
+    def tag(self, layer: int) -> int:
+        tag = self.tags[layer] = next(_TAGS)
+        return tag
 
-    def finish(self, graph: fx.Graph) -> List[str]:
-        """Each layer's join (the main stream waits on its done event); the node names joined before."""
-        points = join_points(graph, self.pending)
-        where = []
-        for _, _, tag in self.pending:
-            point = points[tag]
-            with graph.inserting_before(point):
-                graph.call_function(STREAM_OPS["stream_join"], (tag,))
-            where.append(point.name)
-        self.pending.clear()
-        return where
+    def open(self, graph: fx.Graph, tag: int, reads: List[fx.Node]) -> None:
+        graph.call_function(STREAM_OPS["scope_enter"], (tag,))
+        for t in reads:  # main-stream allocations the side stream reads (the plan's install records)
+            graph.call_function(STREAM_OPS["record_stream"], (t, tag))
+
+    def close(self, graph: fx.Graph, tag: int) -> fx.Node:
+        return graph.call_function(STREAM_OPS["scope_exit"], (tag,))
+
+    def join(self, graph: fx.Graph, tag: int) -> None:
+        graph.call_function(STREAM_OPS["stream_join"], (tag,))
 
 
 class CudaLowering:
@@ -289,8 +279,8 @@ class CudaLowering:
         self.host_cache_writes[gid] = host_cache_writes(gm)
         self.guards[gid] = device_safe_guards(gm)
 
-    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Any) -> Callable:
-        mode = (ctx.kwargs or {}).get("mode")
+    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable:
+        mode = ctx.compile_mode
         if mode in UNSUPPORTED_COMPILE_MODES:
             raise RuntimeError(
                 f"exe_mode='cuda' does not support torch.compile(mode={mode!r}): the mode runs the offload graph "

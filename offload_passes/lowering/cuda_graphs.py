@@ -67,13 +67,15 @@ def _host_operands() -> dict:
     ops = {torch.ops.custom.dsa_serve.default: (1, 2), torch.ops.custom.dsa_serve_functional.default: (1, 2)}
     try:
         ops[torch.ops.offload_ref.npu_mla_prolog_cache_write_.default] = (0, 1)
+        ops[torch.ops.offload_ref.static_cache_write_.default] = (0, 1)
     except (AttributeError, RuntimeError):  # the reference ops are not loaded (a bare custom_ops import)
         pass
     return ops
 
 
 #: op -> positions of the arguments its CUDA kernel reads or writes through a pinned host address
-#: (``custom_ops/cuda/dsa_serve.py``: the full caches; ``custom_ops/cuda/cache_write.py``: the caches written)
+#: (``custom_ops/cuda/dsa_serve.py``: the full caches; ``custom_ops/cuda/cache_write.py``,
+#: ``custom_ops/cuda/static_cache_write.py``: the caches written)
 HOST_OPERANDS = _host_operands()
 
 

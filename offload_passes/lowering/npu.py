@@ -48,7 +48,8 @@ from ..modes import NPU_EXE_MODES, check_exe_mode
 from ..options import OffloadOptions
 from ..state import OffloadState
 from ..passes.bookkeeping import strip_bookkeeping
-from .side_stream import SIDE_STREAM_LABEL, is_collective, join_points, move_after_serve, side_inputs
+from . import LowerContext
+from .side_stream import SIDE_STREAM_LABEL, SideStreamHook, is_collective
 
 log = logging.getLogger("offload_passes.lowering.npu")
 
@@ -85,100 +86,90 @@ def _chain_once(cfg: Any, option: str, flag: str, fn: Callable) -> None:
 # ------------------------------------------------------------------------------------ install hooks
 
 
-class AclInstallHook:
-    """npugraph_ex side-stream hook (see module doc); call :meth:`finish` once the rewrite is done."""
+class AclInstallHook(SideStreamHook):
+    """npugraph_ex side-stream hook (see module doc; the shape is ``side_stream.SideStreamHook``): the
+    scope's ready / done are tagged events named by the graph and the layer."""
 
     def __init__(self, graph_id: str, label: str = SIDE_STREAM_LABEL):
+        super().__init__()
         tagged = _compat.npugraph_ex_tagged_event()  # registers tagged_event_* / record_tagged_stream
         import npugraph_ex.scope  # noqa: F401  (registers npugraph_ex.scope_enter / scope_exit)
 
         self._tagged = tagged
         self.graph_id = graph_id
         self.label = label
-        self.pending: List[tuple] = []  # (installs, scope_exit node, done tag)
 
-    def _tag(self, name: str) -> str:
+    def _event(self, layer: int, what: str) -> str:
+        name = f"dsa_offload_{self.graph_id}_l{layer}_{what}"
         if name not in self._tagged._GLOBAL_TAG_TO_EVENT.keys():
             self._tagged._npu_create_tagged_event(name)
         return name
 
-    def __call__(self, graph: fx.Graph, installs: list, layer: int) -> None:
-        ops = _compat.npugraph_ex_ops()  # torch.ops.npugraph_ex (npu 2.13) or torch.ops.air (2.8)
-        ready = self._tag(f"dsa_offload_{self.graph_id}_l{layer}_ready")
-        done = self._tag(f"dsa_offload_{self.graph_id}_l{layer}_done")
-        seen = side_inputs(installs)
-        # the whole block goes right after the serve: the side stream starts when serve is done and
-        # runs beside the layer's SFA and MoE on the main stream
-        move_after_serve(installs)
-        first, last = installs[0], installs[-1]
-        with graph.inserting_before(first):
-            for t in seen:  # main-stream allocations read on the side stream (the plan's records)
-                graph.call_function(ops.record_tagged_stream_.default, (t, self.label))
-            graph.call_function(ops.tagged_event_record.default, (ready,))
-            graph.call_function(ops.scope_enter.default, (["_user_stream_label"], [self.label]))
-            graph.call_function(ops.tagged_event_wait.default, (ready,))
-        with graph.inserting_after(last):
-            ex = graph.call_function(ops.scope_exit.default, ())
-        with graph.inserting_before(ex):
-            graph.call_function(ops.tagged_event_record.default, (done,))
-        self.pending.append((installs, ex, done))
+    def tag(self, layer: int) -> int:
+        self._event(layer, "ready")
+        self._event(layer, "done")
+        return layer
 
-    def finish(self, graph: fx.Graph) -> List[str]:
-        """Place each layer's join (main stream waits on ``done``). Returns the node names joined before."""
+    def open(self, graph: fx.Graph, tag: int, reads: List[fx.Node]) -> None:
         ops = _compat.npugraph_ex_ops()  # torch.ops.npugraph_ex (npu 2.13) or torch.ops.air (2.8)
-        points = join_points(graph, self.pending)
-        where = []
-        for _, _, done in self.pending:
-            point = points[done]
-            with graph.inserting_before(point):
-                graph.call_function(ops.tagged_event_wait.default, (done,))
-            where.append(point.name)
-        self.pending.clear()
-        return where
+        ready = self._event(tag, "ready")
+        for t in reads:  # main-stream allocations read on the side stream (the plan's records)
+            graph.call_function(ops.record_tagged_stream_.default, (t, self.label))
+        graph.call_function(ops.tagged_event_record.default, (ready,))
+        graph.call_function(ops.scope_enter.default, (["_user_stream_label"], [self.label]))
+        graph.call_function(ops.tagged_event_wait.default, (ready,))
+
+    def close(self, graph: fx.Graph, tag: int) -> fx.Node:
+        ops = _compat.npugraph_ex_ops()
+        graph.call_function(ops.tagged_event_record.default, (self._event(tag, "done"),))
+        return graph.call_function(ops.scope_exit.default, ())
+
+    def join(self, graph: fx.Graph, tag: int) -> None:
+        graph.call_function(_compat.npugraph_ex_ops().tagged_event_wait.default, (self._event(tag, "done"),))
 
 
 def acl_install_hook(graph_id: str, label: str = SIDE_STREAM_LABEL) -> AclInstallHook:
     return AclInstallHook(graph_id, label)
 
 
-class GeInstallHook:
-    """GE side-stream hook (see module doc): ``air.record()`` right after the layer's serve (a control
-    edge from its last GE op), the installs moved right after it inside ``air.scope_enter`` with
-    ``air.wait([record])`` first. GE completes every stream of a graph before a run returns, and the
-    install ref outputs feed the graph outputs, so the join is the end of the run — unless a collective
-    follows (multi-rank graphs): then an ``air.record()`` closes the scope and ``air.wait`` on it right
-    before the first later collective gives that collective a control edge from the last install, so
-    the side stream never runs across a collective."""
+class GeInstallHook(SideStreamHook):
+    """GE side-stream hook (see module doc; the shape is ``side_stream.SideStreamHook``): ``air.record()``
+    right after the layer's serve (a control edge from its last GE op), the installs moved right after it
+    inside ``air.scope_enter`` with ``air.wait([record])`` first. GE completes every stream of a graph
+    before a run returns, and the install ref outputs feed the graph outputs, so the join is the end of
+    the run — unless a collective follows (multi-rank graphs): then an ``air.record()`` closes the scope
+    and ``air.wait`` on it right before the first later collective gives that collective a control edge
+    from the last install, so the side stream never runs across a collective (:meth:`finish`)."""
 
     def __init__(self, label: str = SIDE_STREAM_LABEL, priority: int = 0):
+        super().__init__()
         import torchair  # noqa: F401  (registers air.scope_enter / scope_exit / record / wait)
 
         self.label = label
         self.priority = priority
-        self.pending: List[tuple] = []  # (scope_exit node, done record node)
+        self.done: dict[int, fx.Node] = {}  # layer -> the record closing its scope
 
-    def __call__(self, graph: fx.Graph, installs: list, layer: int) -> None:
+    def tag(self, layer: int) -> int:
+        return layer
+
+    def open(self, graph: fx.Graph, tag: int, reads: List[fx.Node]) -> None:
         air = torch.ops.air
-        serve = move_after_serve(installs)
-        first, last = installs[0], installs[-1]
-        with graph.inserting_after(serve):
-            rec = graph.call_function(air.record.default, ())
-        with graph.inserting_before(first):
-            graph.call_function(air.scope_enter.default, (
-                ["_user_stream_label", "_user_stream_priority", "_enable_inner_parallel"],
-                [self.label, str(self.priority), "True"]))
-            graph.call_function(air.wait.default, ([rec],))
-        with graph.inserting_after(last):
-            ex = graph.call_function(air.scope_exit.default, ())
-        with graph.inserting_before(ex):  # on the side stream: its last op is the last install
-            done = graph.call_function(air.record.default, ())
-        self.pending.append((ex, done))
+        rec = graph.call_function(air.record.default, ())  # right after the serve: the installs follow it
+        graph.call_function(air.scope_enter.default, (
+            ["_user_stream_label", "_user_stream_priority", "_enable_inner_parallel"],
+            [self.label, str(self.priority), "True"]))
+        graph.call_function(air.wait.default, ([rec],))
+
+    def close(self, graph: fx.Graph, tag: int) -> fx.Node:
+        air = torch.ops.air
+        self.done[tag] = graph.call_function(air.record.default, ())  # on the side stream: after the last install
+        return graph.call_function(air.scope_exit.default, ())
 
     def finish(self, graph: fx.Graph) -> List[str]:
         """A main-stream ``air.wait`` before the first collective after each scope (none: the end of the
         run joins). Returns the node names joined before; unused done records are removed."""
         air = torch.ops.air
-        exits = {ex: done for ex, done in self.pending}
+        exits = {ex: self.done[tag] for _, ex, tag in self.pending}
         open_: List[fx.Node] = []
         where: List[str] = []
         depth = 0
@@ -198,6 +189,7 @@ class GeInstallHook:
         for done in open_:  # no collective after it: GE's end of run is the join
             graph.erase_node(done)
         self.pending.clear()
+        self.done.clear()
         return where
 
 
@@ -373,9 +365,11 @@ class NpuLowering:
             stats = [v for k, v in (report.buffers or {}).items() if k.startswith("stats_g")]
             report.bookkeeping_nodes_removed = strip_bookkeeping(gm, stats)
 
-    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Any) -> Callable:
+    def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable:
         """TorchAir's GE backend (with its GE graph dump into ``<dump_dir>/<graph_id>`` when dumping) or
-        npugraph_ex. ``ctx``: the core's ``LowerContext`` (graph_id, dump_dir, kwargs)."""
+        npugraph_ex. ``ctx``: the core's ``LowerContext`` (graph_id, dump_dir, kwargs); torch.compile's mode has
+        no effect (the compiler configs are the NPU settings)."""
+        ctx.ignore_compile_mode()
         if self.mode == "ge_graph":
             cfg = self.compiler_config
             if ctx.dump_dir is not None:

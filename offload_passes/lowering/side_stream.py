@@ -2,58 +2,79 @@
 
 Each layer's installs may start once that layer's ``dsa_serve`` has filled the selection buffer they
 read (:func:`last_serve`), and the main stream must wait for them before the first later node that
-touches what they write or writes what they read, or before a collective (:func:`join_points`). The
-install's argument roles come from its OpSpec (``custom_ops/dsa_install.py``), so a schema change moves
-them here too.
+touches what they write or writes what they read, or before a collective (:func:`join_points`).
+:class:`SideStreamHook` is the one shape of the lowerings' install hooks: it places each layer's
+installs in a side-stream scope right after the serve and the joins when the rewrite is done; a
+lowering only says which ops open, close and join a scope. Every argument is read by its role in the
+op's OpSpec (``custom_ops/opspec.py`` ``arg_roles``: ``dsa_install`` and ``offload_ref::dsa_install_sc``,
+which takes the plan first, alike), never by its position.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Hashable, List, Optional
 
 from torch import fx
 
 from .. import _compat
 from ..custom_ops import spec_for
+from ..custom_ops.opspec import OpSpec
+from ..passes import _fx
 
-__all__ = ["SIDE_STREAM_LABEL", "MC2_OPS", "NPUGRAPH_EX_COLLECTIVES", "is_graph_input", "serve_of", "last_serve",
-           "written_bases", "read_bases", "namespace_and_op", "is_collective", "join_points", "move_after_serve",
-           "side_inputs"]
+__all__ = ["SIDE_STREAM_LABEL", "MC2_OPS", "NPUGRAPH_EX_COLLECTIVES", "SideStreamHook", "is_graph_input", "spec_of",
+           "args_in_role", "serve_of", "last_serve", "written_bases", "read_bases", "namespace_and_op",
+           "is_collective", "join_points", "move_after_serve", "side_inputs"]
 
 #: The stream label installs run under (npugraph_ex / GE scopes; the CUDA lowering's side stream).
 SIDE_STREAM_LABEL = "dsa_offload_install"
+#: The op a paged group keeps after its serve (it writes the rest of the selection buffer) and the serve.
+_GATHER, _SERVE = spec_for("npu_gather_selection_kv_cache").name, spec_for("dsa_serve").name
+#: What an install writes (pools, group metadata) and only reads (plan, records, selection buffers, table).
+_WRITES, _READS = ("pool", "metadata"), ("plan", "records", "selection", "selection_table")
 
 
 def is_graph_input(n: Any) -> bool:
     return isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr")
 
 
-_INSTALL, _SERVE = spec_for("dsa_install"), spec_for("dsa_serve")
-#: Install arguments (positional, schema order) the install writes (pools and group metadata) / only
-#: reads (records, selection buffers and table): from the op's schema.
-_INSTALL_WRITES = _INSTALL.mutated_positions
-_INSTALL_READS = tuple(_INSTALL.arg_names.index(a) for a in (
-    "install_records", "selection_kv_cache", "selection_k_rope", "selection_kv_block_table"))
-_INSTALL_SELECTION = _INSTALL.arg_names.index("selection_kv_cache")
-_SERVE_SELECTION = _SERVE.arg_names.index("selection_kv_cache")
-
-
 def _base(n: Any) -> Any:
-    from ..passes import _fx
-
     return _fx.strip_views(n)
 
 
+def spec_of(n: fx.Node) -> Optional[OpSpec]:
+    """The OpSpec of a call to one of our ops (in-place or functional twin), else None."""
+    name = _fx.op_name(n)
+    if name is None:
+        return None
+    try:
+        return spec_for(name)
+    except KeyError:
+        return None
+
+
+def args_in_role(n: fx.Node, *roles: str) -> list:
+    """The arguments of the call ``n`` that have one of ``roles`` in its op's spec (none for other nodes)."""
+    spec = spec_of(n)
+    if spec is None:
+        return []
+    bound = _fx.bind(n)
+    return [bound[a] for r in roles for a in spec.args_of(r)]
+
+
+def _selection(n: fx.Node) -> set:
+    return {_base(a) for a in args_in_role(n, "selection")}
+
+
 def serve_of(install: fx.Node) -> Optional[fx.Node]:
-    """The serve that filled the selection buffer this install reads (its layer's serve)."""
-    sel = _base(install.args[_INSTALL_SELECTION])
+    """The serve that filled the selection buffers this install reads (its layer's serve)."""
+    sel = _selection(install)
+    users = list(dict.fromkeys(u for b in sel if isinstance(b, fx.Node) for u in b.users))
     # a paged group (passes/frontends/recipe.py) keeps the model's gather after the serve: it writes the
     # rest of the selection buffer, so the installs start after it
-    for u in sel.users:
-        if "npu_gather_selection_kv_cache" in str(u.target) and any(_base(a) is sel for a in u.args[:2]):
-            return u
-    for u in sel.users:
-        if "dsa_serve" in str(u.target) and len(u.args) > _SERVE_SELECTION and _base(u.args[_SERVE_SELECTION]) is sel:
-            return u
+    for op in (_GATHER, _SERVE):
+        for u in users:
+            spec = spec_of(u)
+            if spec is not None and spec.name == op and _selection(u) & sel:
+                return u
     return None
 
 
@@ -131,8 +152,8 @@ def join_points(graph: fx.Graph, pending: List[tuple]) -> dict:
     the next call). One walk over the graph."""
     hazards = []  # (exit node, writes, reads, tag)
     for installs, ex, tag in pending:
-        writes = {_base(i.args[k]) for i in installs for k in _INSTALL_WRITES if k < len(i.args)}
-        reads = {_base(i.args[k]) for i in installs for k in _INSTALL_READS if k < len(i.args)}
+        writes = {_base(a) for i in installs for a in args_in_role(i, *_WRITES)}
+        reads = {_base(a) for i in installs for a in args_in_role(i, *_READS)}
         hazards.append((ex, writes, reads, tag))
     exits = {h[0]: h for h in hazards}
     out: dict = {}
@@ -170,8 +191,6 @@ def join_points(graph: fx.Graph, pending: List[tuple]) -> dict:
     return out
 
 
-
-
 def move_after_serve(installs: list) -> fx.Node:
     """Move ``installs`` (in program order: the layer's md=0 installs, then the owner's md=1) right after
     their layer's serve, so the side stream can start as soon as that serve is done; returns the serve."""
@@ -192,3 +211,61 @@ def side_inputs(installs: list) -> List[fx.Node]:
             if isinstance(a, fx.Node) and not is_graph_input(a) and a not in seen:
                 seen.append(a)
     return seen
+
+
+class SideStreamHook:
+    """The one shape of a stream-aware lowering's install hook (the rewrite's ``install_hook``, then
+    :meth:`finish` once the rewrite is done).
+
+    Per layer: its installs move right after its serve (:func:`move_after_serve`), between the nodes
+    :meth:`open` and :meth:`close` emit (the scope on the side stream); :meth:`finish` places each scope's
+    join (:meth:`join`: the main stream waits) before the first later node that needs it
+    (:func:`join_points`). A lowering says only which ops open, close and join a scope:
+    ``lowering.npu.AclInstallHook`` (npugraph_ex's tagged events), ``lowering.npu.GeInstallHook``
+    (TorchAir's ``air`` records; GE joins at the end of a run, so it overrides :meth:`finish`),
+    ``lowering.cuda.CudaInstallHook`` (the ``offload_cuda`` stream ops).
+    """
+
+    def __init__(self) -> None:
+        self.pending: List[tuple] = []  # (installs, the scope's exit node, tag)
+
+    def tag(self, layer: int) -> Hashable:
+        """The key of ``layer``'s scope (its events, its join)."""
+        raise NotImplementedError
+
+    def open(self, graph: fx.Graph, tag: Hashable, reads: List[fx.Node]) -> None:
+        """Emit, in order, what runs before the first install: the side stream waits for the main stream;
+        ``reads`` are the main-stream intermediates the installs read (the allocator must keep them)."""
+        raise NotImplementedError
+
+    def close(self, graph: fx.Graph, tag: Hashable) -> fx.Node:
+        """Emit, in order, what runs after the last install; return the node that ends the scope."""
+        raise NotImplementedError
+
+    def join(self, graph: fx.Graph, tag: Hashable) -> None:
+        """Emit the main stream's wait for the scope ``tag``."""
+        raise NotImplementedError
+
+    def __call__(self, graph: fx.Graph, installs: list, layer: int) -> None:
+        tag = self.tag(layer)
+        reads = side_inputs(installs)
+        # the whole block goes right after the serve: the side stream starts when serve is done and
+        # runs beside the layer's attention (and MoE) on the main stream
+        move_after_serve(installs)
+        with graph.inserting_before(installs[0]):
+            self.open(graph, tag, reads)
+        with graph.inserting_before(installs[-1].next):
+            exit_node = self.close(graph, tag)
+        self.pending.append((installs, exit_node, tag))
+
+    def finish(self, graph: fx.Graph) -> List[str]:
+        """Place each scope's join; returns the names of the nodes joined before."""
+        points = join_points(graph, self.pending)
+        where = []
+        for _, _, tag in self.pending:
+            point = points[tag]
+            with graph.inserting_before(point):
+                self.join(graph, tag)
+            where.append(point.name)
+        self.pending.clear()
+        return where

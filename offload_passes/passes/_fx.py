@@ -13,7 +13,7 @@ from torch import fx
 from .. import _compat
 from .._compat import OpOverload, OpOverloadPacket
 from ..custom_ops import OP_SPECS
-from ..custom_ops.opspec import counted_names
+from ..custom_ops.opspec import counted_names, schema_binder
 from ._targets import getitem_of, op_name  # noqa: F401  (part of the helpers the passes import from here)
 from .producers import PRODUCER_NAMES
 
@@ -45,19 +45,10 @@ def schema_of(node: fx.Node) -> torch.FunctionSchema:
 
 
 def bind(node: fx.Node) -> dict[str, Any]:
-    """Argument name -> value (fx.Node, constant or default) following the op's schema."""
-    schema = schema_of(node)
-    out: dict[str, Any] = {}
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-        else:
-            out[arg.name] = None
-    return out
+    """Argument name -> value (fx.Node, constant or default) following the op's schema (the ops' one binder,
+    ``custom_ops/opspec.py`` ``Binder``: a node that does not bind raises ``OpArgumentError``)."""
+    b = schema_binder(schema_of(node))
+    return dict(zip(b.names, b(node.args, node.kwargs)))
 
 
 def is_view(node: fx.Node) -> bool:

@@ -17,22 +17,24 @@ class GroupedSite(Protocol):
 
     layer: int
     producer: fx.Node  # the top-k node the site's selection comes from: the group key
+    topk: fx.Node  # the top-k tensor the site reads (the recipe's gather input, the HF mask's ids)
 
 
 class DetectedSites(Protocol):
     """What grouping reads of a front-end's detection report: its sites, in graph order."""
 
-    sites: Sequence[Any]
+    sites: Sequence[GroupedSite]
 
 
 @dataclass
 class Group:
     group_id: int
     producer: fx.Node
-    sites: list[Any]  # the front-end's sites (GroupedSite)
+    sites: list[Any]  # the front-end's own site type, a GroupedSite (front-ends read their fields)
 
     @property
     def owner(self) -> Any:
+        """The group's first site (it plans and receives the metadata install)."""
         return self.sites[0]
 
     @property

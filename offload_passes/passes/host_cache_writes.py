@@ -87,9 +87,11 @@ def _host_destinations(node: fx.Node) -> Tuple[List[fx.Node], Optional[torch.dev
 
 def host_write_ops() -> frozenset:
     """Write ops whose CUDA kernel takes a pinned host destination with device operands (the stores go
-    through the pinned address, ``custom_ops/cuda/cache_write.py``): left as they are."""
-    packet = torch.ops.offload_ref.npu_mla_prolog_cache_write_  # Dynamo records the packet the model calls
-    return frozenset({packet, packet.default})
+    through the pinned address, ``custom_ops/cuda/cache_write.py``, ``custom_ops/cuda/static_cache_write.py``):
+    left as they are."""
+    packets = (torch.ops.offload_ref.npu_mla_prolog_cache_write_,  # Dynamo records the packet the model calls
+               torch.ops.offload_ref.static_cache_write_)  # the HF host-KV cache's (offload_passes/hf_cache.py)
+    return frozenset({p for packet in packets for p in (packet, packet.default)})
 
 
 def host_cache_writes(gm: fx.GraphModule) -> HostCacheWritesReport:

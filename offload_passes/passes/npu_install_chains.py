@@ -43,10 +43,6 @@ from ._fx import set_fake_val
 
 log = logging.getLogger("offload_passes.passes.npu_install_chains")
 
-#: the group metadata every install names as mutated; a ``metadata_update=0`` install leaves it unchanged
-_METADATA = ("pool_ids", "id_to_slot", "lru_counter")
-
-
 @dataclass(frozen=True)
 class _InstallSchema:
     """Positions in ``dsa_install_functional`` calls, looked up by name in the op's spec (its schema)."""
@@ -58,9 +54,11 @@ class _InstallSchema:
 def _install_schema() -> _InstallSchema:
     spec = spec_for("dsa_install")
     args = spec.arg_names  # the functional twin takes the same arguments
-    # the twin returns the in-place op's own returns, then the mutated arguments in schema order
-    return _InstallSchema(tuple((args.index(m), spec.num_leading_outputs + spec.mutated.index(m)) for m in _METADATA),
-                          args.index("metadata_update"))
+    # the group metadata (its role in the spec) every install names as mutated; a metadata_update=0 install
+    # leaves it unchanged. The twin returns the in-place op's own returns, then the mutated arguments in
+    # schema order
+    return _InstallSchema(tuple((args.index(m), spec.num_leading_outputs + spec.mutated.index(m))
+                                for m in spec.args_of("metadata")), args.index("metadata_update"))
 
 
 def _metadata_update(node: fx.Node, pos: int) -> int:

@@ -1,14 +1,15 @@
 """A refusal: a named reason why a DSA site (or group) is not rewritten, with the node and limit in its detail.
 
 Detection (``passes/frontends/``), the precondition checks (``passes/preconditions.py``) and the pipeline
-(``pipeline.py``) all produce and read refusals; the report lists them (``GraphReport.refusals``).
+(``pipeline.py``, ``outcome.py``) all produce and read refusals; the report lists them
+(``GraphReport.refusals``); under ``strict=True`` they raise :class:`OffloadRefused`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Refusal"]
+__all__ = ["Refusal", "OffloadRefused"]
 
 
 @dataclass
@@ -19,3 +20,7 @@ class Refusal:
 
     def to_dict(self) -> dict:
         return {"reason": self.reason, "detail": self.detail, "layer": self.layer}
+
+
+class OffloadRefused(RuntimeError):
+    """Raised under ``strict=True`` when a graph with DSA sites cannot be rewritten."""

@@ -2,9 +2,11 @@
 
 Every front-end (``passes/frontends/``: the recipe form, ``frontends/recipe.py``; the Hugging Face form,
 ``frontends/hf/``) goes through :func:`rewrite`; a front-end only says where a site's attention is and how
-it is emitted (the emit hooks of ``frontends.FrontEnd``). Everything else exists once, here: the run-time
-guards, the new-request invalidation, ``dsa_plan`` and its statistics, the installs (``replacement_policy``)
-and the ``install_hook`` of the NPU / CUDA lowerings.
+it is emitted (the emit hooks of ``frontends/protocol.py::FrontEnd``, built with ``passes/emit.py``) and
+returns what it emitted. Everything else exists once, here: the run-time guards, the new-request
+invalidation, ``dsa_plan`` and its statistics, the top-k the plan reads, the site bookkeeping (report
+rows, per-layer nodes), the installs (``replacement_policy``) and the ``install_hook`` of the NPU / CUDA
+lowerings.
 
 Per group g (owner O, last layer Z), on the Dynamo graph (op semantics: docs/ops.md):
 
@@ -23,7 +25,7 @@ each layer's install nodes through ``install_hook`` and add the events.
 
 New requests (docs/new-requests.md): before the plan, a batch row's pool metadata is invalidated when
 its cache length left the continuation window ``[seen, seen + S]``, when the model reset its gather
-ledger (recipe form, ledger kept), when (paged groups) the blocks of the prefix it already served
+ledger (recipe form, every mode), when (paged groups) the blocks of the prefix it already served
 changed, or when the host saw the full caches written outside this graph (``external_write``, set by
 ``state.StateRegistry.activate`` from the caches' version counters; then every row, a counter cannot say
 which rows were written, unless the engine announced them: ``OffloadState.begin_request`` /
@@ -31,53 +33,26 @@ which rows were written, unless the engine announced them: ``OffloadState.begin_
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import fx
 
-from .. import _compat
+from ..custom_ops.plan_kind import NUM_PLAN_KINDS, PlanKind
 from ..modes import check_replacement_policy
-from ..state import OffloadState
+from ..state import GroupState, OffloadState
 from . import _fx
 from ._fx import hoist_attrs, strip_views
-from .group import GroupReport
+from .emit import Builder, GroupNodes, InstallHook, RewriteCtx, SiteEmission, SiteRewrite, guard, input_name
+from .frontends.protocol import FrontEnd
+from .group import Group, GroupedSite, GroupReport
 from .preconditions import GroupGeometry
 
-if TYPE_CHECKING:  # the protocol's home imports this module (its hooks take RewriteCtx, Builder, ...)
-    from .frontends import FrontEnd
+__all__ = ["rewrite", "RewriteReport", "invalidate_new_rows", "emit_plan_stats"]
 
 aten = torch.ops.aten
 custom = torch.ops.custom
-
-#: ``install_hook(graph, install_nodes, layer)`` — called once per layer with the installs placed after it.
-InstallHook = Callable[[fx.Graph, list, int], None]
-
-
-class OffloadRefused(RuntimeError):
-    """Raised under ``strict=True`` when a graph with DSA sites cannot be rewritten."""
-
-
-@dataclass
-class SiteRewrite:
-    """What the rewrite did at one layer (report row; docs/ARCHITECTURE.md §5)."""
-
-    layer: int
-    group_id: int
-    gather_node: str  # the node the front-end replaced (recipe: the gather; HF: the dense attention)
-    sfa_node: str  # the attention that reads the selection (recipe: the SFA; HF: the sparse attention)
-    serve_node: Optional[str]
-    install_nodes: list[str] = field(default_factory=list)
-    kind: Optional[str] = None  # HF: "eager" | "sdpa"
-
-    def to_dict(self) -> dict:
-        d = {"layer": self.layer, "group_id": self.group_id, "gather_node": self.gather_node,
-             "sfa_node": self.sfa_node, "serve_node": self.serve_node, "install_nodes": list(self.install_nodes)}
-        if self.kind is not None:
-            d["kind"] = self.kind
-        return d
 
 
 @dataclass
@@ -91,128 +66,37 @@ class RewriteReport:
     extra: dict = field(default_factory=dict)  # front-end specific facts (HF: erased nodes, masks left)
 
 
-class Builder:
-    """Emits ``call_function`` nodes with their fake ``meta["val"]`` (``_fx.set_fake_val``)."""
-
-    def __init__(self, graph: fx.Graph, hints: Sequence[Any] = ()):
-        self.g = graph
-        self.record: Optional[list] = None  # when a list: every node created is appended to it
-        # the example values' fake mode (state get_attr fakes join it): from ``hints`` (nodes with fake
-        # values), else from the placeholders (a walk over them)
-        self.fake_mode = _fx.fake_mode_of([_fx.example(h) for h in hints]) or _fx.graph_fake_mode(graph)
-
-    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        n = self.g.call_function(target, args, kwargs)
-        _fx.set_fake_val(n, self.fake_mode)
-        if self.record is not None:
-            self.record.append(n)
-        return n
-
-    def item(self, node: fx.Node, i: int) -> fx.Node:
-        n = self.g.call_function(operator.getitem, (node, i))
-        _fx.set_fake_val(n, self.fake_mode)
-        return n
-
-
-def input_name(node: Any) -> str:
-    """The user-facing name of a graph input (the placeholder / attribute a tensor comes from)."""
-    root = strip_views(node, casts=True)
-    if isinstance(root, fx.Node):
-        return str(root.target) if root.op == "get_attr" else root.name
-    return str(root)
-
-
-def guard(ctx: "RewriteCtx", inp: Any, make: Callable[[], fx.Node], msg: str) -> None:
-    """An in-graph check raising ``RuntimeError(msg)`` when ``make()`` (a bool scalar) is false, placed
-    right after its input ``inp`` (before the first computing node for a graph input) so that it runs
-    before anything the assumption protects."""
-    g, b = ctx.g, ctx.b
-    late = isinstance(inp, fx.Node) and inp.op not in ("placeholder", "get_attr")
-    b.record = []
-    try:
-        with g.inserting_after(inp) if late else g.inserting_before(ctx.first):
-            ok = make()
-            node = b(aten._assert_async.msg, ok, msg)
-        if late:  # inserting_after puts each new node right after inp (reverse order): re-chain them
-            anchor = inp
-            for n in b.record:
-                anchor.append(n)
-                anchor = n
-    finally:
-        b.record = None
-    ctx.guards.append(node.name)
-
-
-def state_attr(gm: fx.GraphModule, name: str, t: torch.Tensor, buffers: dict[str, str],
-               before: fx.Node, fake_mode: Any = None) -> fx.Node:
-    """Register offload state ``t`` as buffer ``_offload_<name>`` of ``gm`` (recorded in ``buffers``) and
-    return a ``get_attr`` node for it, placed before ``before``."""
-    attr_name = f"_offload_{name}"
-    gm.register_buffer(attr_name, t)
-    buffers[name] = attr_name
-    if hasattr(gm, "_param_name_to_source"):
-        # AOT maps every lifted parameter/buffer of a Dynamo graph to a Dynamo source
-        gm._param_name_to_source[attr_name] = _compat.constant_source(f"offload_state.{attr_name}")
-    with gm.graph.inserting_before(before):
-        node = gm.graph.get_attr(attr_name)
-    _fx.set_fake_val(node, fake_mode)
-    return node
-
-
 @dataclass
-class RewriteCtx:
-    """One rewrite's graph, options and accumulating results (what a front-end's emitters receive)."""
+class _Filed:
+    """The site bookkeeping of one rewrite, kept by the core alone (front-ends return a ``SiteEmission``)."""
 
-    gm: fx.GraphModule
-    b: Builder
-    first: fx.Node  # the first computing node: state attributes and early guards go before it
-    state: Optional[OffloadState]
-    update_ledger: bool
-    install_hook: Optional[InstallHook]
-    detect_new_requests: bool
-    replacement_policy: str
-    in_graph_guards: bool
-    buffers: dict[str, str] = field(default_factory=dict)
-    guards: list[str] = field(default_factory=list)
-    guarded: set = field(default_factory=set)  # graph inputs already guarded
+    rows: dict[int, SiteRewrite] = field(default_factory=dict)  # layer -> its report row
+    before: dict[int, list[str]] = field(default_factory=dict)
     after: dict[int, list[str]] = field(default_factory=dict)
-    sites: list[SiteRewrite] = field(default_factory=list)
-    scratch: dict = field(default_factory=dict)  # a front-end's per-rewrite notes (e.g. nodes to clean up)
 
-    @property
-    def g(self) -> fx.Graph:
-        return self.gm.graph
+    def site(self, grp: Group, gn: Optional[GroupNodes], s: GroupedSite, e: SiteEmission) -> fx.Node:
+        """File what the front-end emitted at site ``s``; returns the node its installs go after."""
+        self.rows[s.layer] = SiteRewrite(s.layer, grp.group_id, e.replaced, e.attention.name,
+                                         e.serve.name if e.serve is not None else None, kind=e.kind)
+        self.before[s.layer] = list(e.before)
+        plan = [gn.plan.name] if gn is not None and s is grp.owner else []
+        self.after[s.layer] = plan + [n.name for n in e.nodes]
+        return e.install_after
 
-    def attr(self, name: str, t: torch.Tensor) -> fx.Node:
-        return state_attr(self.gm, name, t, self.buffers, self.first, self.b.fake_mode)
-
-
-@dataclass
-class GroupNodes:
-    """The nodes of one offloaded group every layer's serve / install uses."""
-
-    p: GroupGeometry
-    meta: dict[str, fx.Node]  # pool_ids, id_to_slot, lru_counter, stats, seen_len, external_write
-    pools: dict[int, tuple[fx.Node, fx.Node]]  # layer -> (pool_kv, pool_rope)
-    dev: Any  # the state's device
-    sel: dict[int, tuple[fx.Node, fx.Node, fx.Node]] = field(default_factory=dict)  # layer -> kv, rope, table
-    plan: Optional[fx.Node] = None  # the dsa_plan call
-    plan_n: Optional[fx.Node] = None  # its outputs: plan, install records, active count
-    rec: Optional[fx.Node] = None
-    act: Optional[fx.Node] = None
-    lengths: Optional[fx.Node] = None  # L [B] int32 of this step
-    tk2: Optional[fx.Node] = None  # top-k as [B*S, K] int32
-    kinds: Optional[fx.Node] = None  # the plan's kind column [B*S*K] (paged groups)
-    plan_pool: Optional[fx.Node] = None  # paged groups: the plan with miss / window rows made "skip"
-    by_layer: dict[int, SiteRewrite] = field(default_factory=dict)
+    def installs(self, layer: int, placed: list[fx.Node], owners: list[int]) -> None:
+        """Installs placed after ``layer``'s attention; ``owners[i]``: the layer ``placed[i]`` refills."""
+        for node, owner in zip(placed, owners):
+            self.rows[owner].install_nodes.append(node.name)
+        self.after[layer] += [n.name for n in placed]
 
 
 def emit_plan_stats(b: Callable[..., fx.Node], plan_n: fx.Node, stats: fx.Node, dev: Any) -> None:
-    """In-graph counters after a plan: ``stats[0]`` = this step's one-hot count of the six plan kinds plus
-    the step, ``stats[1]`` = the running total. ``b(target, *args, **kwargs)`` emits one node."""
+    """In-graph counters after a plan: ``stats[0]`` = this step's one-hot count of the plan kinds
+    (``custom_ops/plan_kind.py``) plus the step, ``stats[1]`` = the running total. ``b(target, *args,
+    **kwargs)`` emits one node."""
     kinds = b(aten.select.int, plan_n, 1, 0)
     eq = b(aten.eq.Tensor, b(aten.unsqueeze.default, kinds, 1),
-           b(aten.arange.default, 6, dtype=torch.int32, device=dev))
+           b(aten.arange.default, NUM_PLAN_KINDS, dtype=torch.int32, device=dev))
     cnt = b(aten.sum.dim_IntList, eq, [0])
     new = b(aten.cat.default, [cnt, b(aten.ones.default, [1], dtype=torch.int64, device=dev)])
     cum = b(aten.add.Tensor, b(aten.select.int, stats, 0, 1), new)
@@ -238,36 +122,36 @@ def rewrite(gm: fx.GraphModule, fe: FrontEnd, groups: GroupReport, plans: Sequen
     hints = [p.topk for p in plans] or [s.topk for gr in groups.groups for s in gr.sites][:1]
     ctx = RewriteCtx(gm, Builder(g, hints), first, state, update_ledger, install_hook, detect_new_requests,
                      replacement_policy, in_graph_guards)
-    before = fe.layer_nodes_before(groups)
     offload = bool(pl) and state is not None
     if in_graph_guards and offload:
         fe.add_guards(ctx, groups, pl)
     gstates = {gs.group_id: gs for gs in state.groups} if offload else {}
+    filed = _Filed()
     for grp in groups.groups:
         p = pl.get(grp.group_id) if offload else None
         if p is None:
             for s in grp.sites:
-                fe.emit_site(ctx, grp, None, s)
+                filed.site(grp, None, s, fe.emit_site(ctx, grp, None, s))
             continue
         gn = _group_nodes(ctx, fe, grp, p, gstates[grp.group_id])
         _emit_plan(ctx, fe, grp, gn)
-        cursors = {s.layer: fe.emit_site(ctx, grp, gn, s) for s in grp.sites}
+        cursors = {s.layer: filed.site(grp, gn, s, fe.emit_site(ctx, grp, gn, s)) for s in grp.sites}
         for s in grp.sites:
-            _emit_installs(ctx, grp, gn, s, cursors[s.layer])
+            _emit_installs(ctx, grp, gn, s, cursors[s.layer], filed)
     extra = fe.finish(ctx)
     g.lint()
     gm.recompile()
-    ctx.sites.sort(key=lambda r: r.layer)
-    return RewriteReport(ctx.sites, ctx.buffers, before, ctx.after, ctx.guards, offload, extra)
+    rows = [filed.rows[layer] for layer in sorted(filed.rows)]
+    return RewriteReport(rows, ctx.buffers, filed.before, filed.after, ctx.guards, offload, extra)
 
 
 _META = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external_write")
 
 
-def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Any, p: GroupGeometry, gs: Any) -> GroupNodes:
+def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Group, p: GroupGeometry, gs: GroupState) -> GroupNodes:
     """The group's metadata and its layers' pools as graph attributes; the front-end's selection buffers."""
     meta = {n: ctx.attr(f"{n}_g{grp.group_id}", getattr(gs, n)) for n in _META}
-    if getattr(gs, "seen_table", None) is not None:  # paged groups
+    if gs.seen_table is not None:  # paged groups
         meta["seen_table"] = ctx.attr(f"seen_table_g{grp.group_id}", gs.seen_table)
     pools = {}
     for s in grp.sites:
@@ -278,39 +162,48 @@ def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Any, p: GroupGeometry, gs: 
     return gn
 
 
-def _emit_plan(ctx: RewriteCtx, fe: FrontEnd, grp: Any, gn: GroupNodes) -> None:
+def _plan_topk(b: Builder, p: GroupGeometry) -> fx.Node:
+    """The group's top-k as the plan reads it: ``[B, S, 1, K]`` int32 (a cast only where it is another dtype)."""
+    tk = p.topk
+    ex = _fx.example(tk)
+    if ex is None or ex.dtype != torch.int32:
+        tk = b(aten._to_copy.default, tk, dtype=torch.int32)
+    return b(aten.view.default, tk, [p.B, p.S, 1, p.K])
+
+
+def _emit_plan(ctx: RewriteCtx, fe: FrontEnd, grp: Group, gn: GroupNodes) -> None:
     """Before the owner's attention: this step's lengths (guarded), the new-request invalidation,
     ``dsa_plan`` and its statistics."""
     b, p = ctx.b, gn.p
     B, S, K = p.B, p.S, p.K
-    anchor = fe.plan_anchor(grp)
-    with ctx.g.inserting_before(anchor):
-        L = gn.lengths = fe.lengths(b, p)
+    anchor, L = fe.plan_inputs(ctx, grp, p)
+    gn.lengths = L
     if ctx.in_graph_guards:
         _lengths_guard(ctx, grp, p, L)
     with ctx.g.inserting_before(anchor):
         if ctx.detect_new_requests:
-            ledgers = [fe.ledger(p, s.layer) for s in grp.sites] if ctx.update_ledger else []
+            # the model's gather ledger (the recipe form keeps one per layer, the HF form none): the owner's
             geo = p.geometry[grp.owner.layer]
             table = ((geo.block_table, geo.FBS) if "seen_table" in gn.meta and geo.block_table is not None
                      else None)
-            invalidate_new_rows(b, p, gn.meta, L, [st for st in ledgers if st is not None], table)
-        tk = fe.topk(b, p)
+            invalidate_new_rows(b, p, gn.meta, L, geo.status, table)
+        tk = _plan_topk(b, p)
         gn.plan = b(custom.dsa_plan.default, tk, L, gn.meta["pool_ids"], gn.meta["id_to_slot"],
                     gn.meta["lru_counter"], raw_seq=S, group_id=grp.group_id, owner_layer=grp.owner.layer)
         gn.plan_n, gn.rec, gn.act = b.item(gn.plan, 0), b.item(gn.plan, 1), b.item(gn.plan, 2)
         emit_plan_stats(b, gn.plan_n, gn.meta["stats"], gn.dev)
         gn.tk2 = b(aten.view.default, tk, [B * S, K])
         if p.paged:
-            # serve reads the pool only; kinds 2 / 3 (full-cache rows) become 4 (zeros), the model's gather
-            # reads those rows through the block table (frontends/recipe.py, the paged site)
+            # serve reads the pool only: the full-cache rows (misses, window) become FUTURE_SKIP (zeros) and
+            # the model's gather reads them through the block table (frontends/recipe.py, the paged site)
             gn.kinds = b(aten.select.int, gn.plan_n, 1, 0)
-            far = b(aten.logical_or.default, b(aten.eq.Scalar, gn.kinds, 2), b(aten.eq.Scalar, gn.kinds, 3))
-            gn.plan_pool = b(aten.stack.default, [b(aten.where.ScalarSelf, far, 4, gn.kinds),
+            far = b(aten.logical_or.default, b(aten.eq.Scalar, gn.kinds, int(PlanKind.FULL_OLD_MISS)),
+                    b(aten.eq.Scalar, gn.kinds, int(PlanKind.DECODE_WINDOW)))
+            gn.plan_pool = b(aten.stack.default, [b(aten.where.ScalarSelf, far, int(PlanKind.FUTURE_SKIP), gn.kinds),
                                                   b(aten.select.int, gn.plan_n, 1, 1)], 1)
 
 
-def _lengths_guard(ctx: RewriteCtx, grp: Any, p: GroupGeometry, L: fx.Node) -> None:
+def _lengths_guard(ctx: RewriteCtx, grp: Group, p: GroupGeometry, L: fx.Node) -> None:
     root = strip_views(p.lengths, casts=True)  # the lengths input the front-end computed L from
     if root in ctx.guarded:
         return
@@ -323,7 +216,8 @@ def _lengths_guard(ctx: RewriteCtx, grp: Any, p: GroupGeometry, L: fx.Node) -> N
           f"(cache capacity / id_range the pools were sized for)")
 
 
-def _emit_installs(ctx: RewriteCtx, grp: Any, gn: GroupNodes, s: Any, cursor: fx.Node) -> None:
+def _emit_installs(ctx: RewriteCtx, grp: Group, gn: GroupNodes, s: GroupedSite, cursor: fx.Node,
+                   filed: _Filed) -> None:
     """After layer ``s``'s attention (``cursor``): its ``metadata_update=0`` install (not the owner), and
     on the group's last layer the owner's ``metadata_update=1`` install; then the install hook."""
     placed: list[fx.Node] = []
@@ -331,17 +225,16 @@ def _emit_installs(ctx: RewriteCtx, grp: Any, gn: GroupNodes, s: Any, cursor: fx
     for layer, md in todo:  # the owner's metadata install goes last: after every metadata_update=0 install
         cursor = _emit_install(ctx, gn, layer, md, cursor)
         placed.append(cursor)
-        gn.by_layer[layer].install_nodes.append(cursor.name)
-    ctx.after[s.layer] += [n.name for n in placed]
+    filed.installs(s.layer, placed, [layer for layer, _ in todo])
     if ctx.install_hook is not None and placed:
         ctx.install_hook(ctx.g, placed, s.layer)
 
 
 def _emit_install(ctx: RewriteCtx, gn: GroupNodes, layer: int, md: int, cursor: fx.Node) -> fx.Node:
     p, meta = gn.p, gn.meta
-    skv, srp, table = gn.sel[layer]
+    sel = gn.sel[layer]
     kv, rp = gn.pools[layer]
-    args = (gn.rec, skv, srp, table, kv, rp, meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"])
+    args = (gn.rec, sel.kv, sel.rope, sel.table, kv, rp, meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"])
     kw = dict(raw_seq=p.S, topk=p.K, selection_block_size=p.BS, metadata_update=md)
     with ctx.g.inserting_after(cursor):
         if ctx.replacement_policy == "second_chance":
@@ -349,30 +242,7 @@ def _emit_install(ctx: RewriteCtx, gn: GroupNodes, layer: int, md: int, cursor: 
         return ctx.b(custom.dsa_install.default, *args, **kw)
 
 
-def emit_serve(ctx: RewriteCtx, gn: GroupNodes, layer: int, full_kv: fx.Node, full_rope: fx.Node) -> fx.Node:
-    """``dsa_serve`` of ``layer`` from its pools and full caches (viewed ``[B, F, D]``) into its selection
-    buffers (``gn.sel``); inserted at the graph's current insertion point."""
-    b, p = ctx.b, gn.p
-    geo = p.geometry[layer]
-    pkv, prope = gn.pools[layer]
-    skv, srp, _ = gn.sel[layer]
-    fkv = b(aten.view.default, full_kv, [p.B, geo.F, geo.Dkv])
-    frp = b(aten.view.default, full_rope, [p.B, geo.F, geo.Dr])
-    return b(custom.dsa_serve.default, gn.plan_n, fkv, frp, pkv, prope, skv, srp,
-             raw_seq=p.S, topk=p.K, selection_block_size=p.BS, compact_layout=1)
-
-
-def emit_serve_pool(ctx: RewriteCtx, gn: GroupNodes, layer: int) -> fx.Node:
-    """Paged groups: ``dsa_serve`` of the pool hits only (``gn.plan_pool`` has no full-cache rows, so the
-    pools stand in for the full-cache arguments, which are never read)."""
-    p = gn.p
-    pkv, prope = gn.pools[layer]
-    skv, srp, _ = gn.sel[layer]
-    return ctx.b(custom.dsa_serve.default, gn.plan_pool, pkv, prope, pkv, prope, skv, srp,
-                 raw_seq=p.S, topk=p.K, selection_block_size=p.BS, compact_layout=1)
-
-
-def invalidate_new_rows(b: Builder, p: GroupGeometry, meta: dict, L: fx.Node, ledgers: Sequence[fx.Node],
+def invalidate_new_rows(b: Builder, p: GroupGeometry, meta: dict, L: fx.Node, ledger: Optional[fx.Node],
                         table: Optional[tuple[fx.Node, int]] = None) -> None:
     """Batch rows that started a new request lose their pool rows, in the graph, before the plan.
 
@@ -380,8 +250,13 @@ def invalidate_new_rows(b: Builder, p: GroupGeometry, meta: dict, L: fx.Node, le
 
     * its cache length left the continuation window: ``L < seen`` or ``L > seen + S`` (a decode step
       advances a row by 1..S tokens; ``seen`` is the previous step's ``L``);
-    * the model reset its gather ledger (count column ``status[..., K] == -1``; the rewrite writes a
-      count >= 0 every step, so only the model's reset leaves -1), when the ledger is kept;
+    * its gather ledger was reset (``ledger``: the owner layer's, recipe form; count column
+      ``status[..., K] == -1`` at any of the row's S positions): the unmodified model's own mark of a row
+      that holds nothing (a new model, its ``reset_rows``, the reference's ``reinit_status``, an engine
+      resetting the rows it re-filled). Every writer of the ledger leaves another count: the rewrite a
+      count >= 0 (``update_ledger``) or :data:`.emit.LEDGER_SERVED`, the model's own gather a count >= 0, so
+      the signal holds in every mode, whether or not the rewrite keeps the ledger. One masked read of
+      ``[B, S]`` per group and step;
     * paged groups (``table = (block_table, block_size)``): a block of the prefix the row already served
       (``[0, seen)``) is not the one it had at the previous step (``seen_table``): the row holds another
       request (a re-allocation, a row that shifted). This signal sees writes no version counter shows (a
@@ -400,9 +275,9 @@ def invalidate_new_rows(b: Builder, p: GroupGeometry, meta: dict, L: fx.Node, le
     seen = meta["seen_len"]
     new = b(aten.logical_or.default, b(aten.lt.Tensor, L, seen),
             b(aten.gt.Tensor, L, b(aten.add.Tensor, seen, S)))
-    for st in ledgers:
-        cnt = b(aten.select.int, b(aten.view.default, st, [B, -1, K + 1]), 2, K)  # [B, S]
-        new = b(aten.logical_or.default, new, b(aten.any.dim, b(aten.lt.Scalar, cnt, 0), 1))
+    if ledger is not None:
+        cnt = b(aten.select.int, b(aten.view.default, ledger, [B, -1, K + 1]), 2, K)  # [B, S]
+        new = b(aten.logical_or.default, new, b(aten.any.dim, b(aten.eq.Scalar, cnt, -1), 1))
     if table is not None:
         bt, FBS = table
         prev = meta["seen_table"]

@@ -45,8 +45,12 @@ def cache_refs(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any]
 
 def _pool_device(plan: Any) -> Optional[str]:
     """The device of the group's selection buffers: the pools go beside them (serve and install read and
-    write both), not beside the full caches, which may be pinned host memory (docs/cuda.md)."""
-    node = getattr(plan.geometry[plan.owner_layer], "sel_kv", None)  # None: no selection buffers (HF sparse)
+    write both), not beside the full caches, which may be pinned host memory (docs/cuda.md). A graph without
+    selection buffers of its own (the HF form: they are the rewrite's scratch) computes its top-k where the
+    pools go."""
+    node = getattr(plan.geometry[plan.owner_layer], "sel_kv", None)
+    if node is None:
+        node = getattr(plan, "topk", None)
     ex = _fx.example(node) if node is not None else None
     return str(ex.device) if ex is not None else None
 

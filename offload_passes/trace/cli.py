@@ -10,7 +10,6 @@ associative optimum.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -31,16 +30,6 @@ def _load(spec: str) -> Trace:
 
         return synth.generate(synth.parse_spec(spec))
     return load_trace(spec)
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) <= 0:
-        raise argparse.ArgumentTypeError(f"{what} must be positive integers, got {text!r}")
-    return vals
 
 
 def table(results: list[sim.SimResult]) -> str:
@@ -105,25 +94,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = _cli.ArgumentParser(prog="offload-sim", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="trace file (.npz) or synth[:calibrated][,key=value...]")
     p.add_argument("--pool-sizes", default="2048,4096,8192,16384",
-                   type=lambda s: _ints(s, "--pool-sizes"), help="comma-separated pool slots per row")
+                   type=_cli.ints_arg("--pool-sizes", 1), help="comma-separated pool slots per row")
     p.add_argument("--policies", default=None, help=f"comma-separated subset of: {', '.join(sim.POLICIES)}")
-    p.add_argument("--k", type=int, default=None, help="replay with a smaller top-k (first K ranked columns)")
-    p.add_argument("--warmup", type=int, default=0, help="leave the first N steps out of the figures")
-    p.add_argument("--ways", type=int, default=sim.WAYS, help="associativity of the set-associative policies")
+    p.add_argument("--k", type=_cli.int_arg("--k", 1), default=None, help="replay with a smaller top-k (first K ranked columns)")
+    p.add_argument("--warmup", type=_cli.int_arg("--warmup", 0), default=0, help="leave the first N steps out of the figures")
+    p.add_argument("--ways", type=_cli.int_arg("--ways", 1, 1024), default=sim.WAYS, help="associativity of the set-associative policies")
     p.add_argument("--save-trace", default=None, help="also write the (e.g. synthetic) trace to this npz")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, help="write hit rate vs pool size to this PNG")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
-    if a.ways < 1 or a.ways > 1024:
-        p.error(f"--ways must be in [1, 1024], got {a.ways}")
-    if a.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {a.warmup}")
-    if a.plot:  # checked before the (possibly long) run, not after it
-        try:
-            _cli.writable_file(a.plot, "--plot")
-        except _cli.UsageError as e:
-            p.error(str(e))
+    for flag, path in (("--plot", a.plot), ("--save-trace", a.save_trace)):
+        if path:  # checked before the (possibly long) run, not after it
+            try:
+                _cli.writable_file(path, flag)
+            except _cli.UsageError as e:
+                p.error(str(e))
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, stream=sys.stderr)
     try:
         tr = _load(a.trace)
@@ -134,7 +120,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if bad:
             p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(sim.POLICIES)}")
         if a.save_trace:
-            save_trace(tr, a.save_trace)
+            try:
+                save_trace(tr, a.save_trace)
+            except OSError as e:  # the folder was checked; the write itself can still fail
+                raise _cli.UsageError(f"--save-trace {a.save_trace!r}: {e.strerror or e}") from None
         from ._native import module
 
         module()  # build/load the C++ core before timing

@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..custom_ops.plan_kind import NUM_PLAN_KINDS
 from .format import Trace
 
 log = logging.getLogger("offload_passes.trace.kernel_replay")
@@ -20,7 +21,8 @@ log = logging.getLogger("offload_passes.trace.kernel_replay")
 @torch.no_grad()
 def replay_kernels(trace: Trace, pool_size: int, group: int = 0, id_range: Optional[int] = None,
                    install_op: Optional[str] = None) -> np.ndarray:
-    """Plan-kind counts ``int64 [steps, 6]`` (kinds 0..5 of docs/ops.md §2.4) of ``group`` under the kernels.
+    """Plan-kind counts ``int64 [steps, 6]`` (``custom_ops/plan_kind.py``: column k counts ``PlanKind(k)``) of
+    ``group`` under the kernels.
 
     ``install_op`` selects the install kernel: ``None`` = ``custom::dsa_install`` (FIFO), or the
     qualified name of an opt-in policy kernel whose schema is dsa_install's with the plan as an extra
@@ -47,11 +49,11 @@ def replay_kernels(trace: Trace, pool_size: int, group: int = 0, id_range: Optio
     lru = torch.zeros(B, pool_size // 16, dtype=torch.int32)
     ops = torch.ops.custom
     install = ops.dsa_install if install_op is None else _resolve(install_op)
-    out = np.zeros((trace.steps, 6), dtype=np.int64)
+    out = np.zeros((trace.steps, NUM_PLAN_KINDS), dtype=np.int64)
     for t in range(trace.steps):
         tk = topk_all[t].reshape(B, S, 1, K).contiguous()
         plan, rec, _ = ops.dsa_plan(tk, lengths[t].contiguous(), pool_ids, id_to_slot, lru, raw_seq=S)
-        out[t] = torch.bincount(plan[:, 0].long(), minlength=6)[:6].numpy()
+        out[t] = torch.bincount(plan[:, 0].long(), minlength=NUM_PLAN_KINDS)[:NUM_PLAN_KINDS].numpy()
         lead = () if install_op is None else (plan,)  # opt-in policies also read the plan (their hits)
         install(*lead, rec, sel_kv, sel_rope, sel_table, pool_kv, pool_rope, pool_ids, id_to_slot, lru,
                 raw_seq=S, topk=K, selection_block_size=sbs, metadata_update=1)

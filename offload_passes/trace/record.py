@@ -37,7 +37,7 @@ class PlanRecorder:
         from ..custom_ops import dsa_plan
 
         if not self.active:
-            dsa_plan.PLAN_OBSERVERS.append(self)
+            dsa_plan.add_plan_observer(self)  # every call then takes the op's Python path (docs/ops.md §13)
             self.active = True
         return self
 
@@ -45,7 +45,7 @@ class PlanRecorder:
         from ..custom_ops import dsa_plan
 
         if self.active:
-            dsa_plan.PLAN_OBSERVERS.remove(self)
+            dsa_plan.remove_plan_observer(self)
             self.active = False
         return self
 

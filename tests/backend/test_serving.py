@@ -330,9 +330,79 @@ def test_move_rows_carries_pool_rows_and_names_bad_input():
     st.move_rows([1])
     assert g.pool_ids[:, 0].tolist() == [0, -1, -1] and g.seen_len.tolist() == [10, 0, 0]
     assert kv[:, 0, 0].tolist() == [1.0, 0.0, 0.0]
-    for src, msg in (([0, 1, 2, 0], r"at most 3 \(the rows of the shared state\), got 4"),
-                     ([], r"at most 3 \(the rows of the shared state\), got 0"),
-                     ([0, 1, 3], r"must be in \[-1, 3\), got \[3\]"),
+    for src, msg in (([0, 1, 2, 0], r"src must have one entry per batch row of the next step, 1 to 3 .*got 4"),
+                     ([], r"src must have one entry per batch row of the next step, 1 to 3 .*got 0"),
+                     ([0, 1, 3], r"src entries must be in \[-1, 3\) .*got \[3\]"),
                      ([0, 0, 1], "a request cannot move to two rows")):
-        with pytest.raises(RuntimeError, match=msg):
+        with pytest.raises(ValueError, match=msg):
             st.move_rows(src)
+
+
+def test_the_kv_transfer_is_built_at_install_and_moves_no_version_counter():
+    """``glm_serve::copy_blocks_`` comes from the library ``pip install`` built (setup.py), named for this
+    torch build; it copies whole blocks by id and, like an engine's transfer, moves no version counter."""
+    from offload_passes import _extensions
+    from offload_passes.models.glm import serve
+
+    lib = serve.transfer_library()
+    assert lib is not None and lib.name.startswith(_extensions.kv_transfer_name(torch.__version__)), lib
+    op = serve.load_transfer_op()
+    assert serve.transfer_origin() in ("prebuilt", "loaded")
+    dst, src = torch.zeros(4, 2, 3), torch.arange(18.0).view(3, 2, 3)
+    op(dst, src, torch.tensor([3, 1]), torch.tensor([0, 2]))
+    assert torch.equal(dst[3], src[0]) and torch.equal(dst[1], src[2]) and dst[[0, 2]].abs().sum() == 0
+    assert dst._version == 0
+    tag = _extensions.torch_tag(torch.__version__)
+    assert serve.transfer_build_dir().name == f"glm_serve_kv_transfer_{tag}"  # the JIT fallback: one per torch
+
+
+def test_a_build_lock_left_by_a_stopped_build_is_removed_and_named(tmp_path, caplog):
+    """The JIT fallback's wait (``_extensions.wait_for_build_lock``): a lock older than the limit is a build
+    that was stopped (removed, named in a warning); a fresh one is waited on until it goes (another
+    process's build), or until it is older than the limit."""
+    import logging
+    import os
+
+    from offload_passes import _extensions
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    os.utime(lock, (1000.0, 1000.0))
+    with caplog.at_level(logging.WARNING, logger="offload_passes.extensions"):
+        assert _extensions.wait_for_build_lock(tmp_path, stale_after=300, clock=lambda: 1400.0) == lock
+    assert not lock.exists() and any(str(lock) in r.getMessage() and "stale" in r.getMessage()
+                                     for r in caplog.records)
+    assert _extensions.wait_for_build_lock(tmp_path) is None  # no lock: nothing to wait for
+    lock.write_text("")
+    os.utime(lock, (1000.0, 1000.0))
+    waits = []
+    # another process's build ends after two polls
+    assert _extensions.wait_for_build_lock(tmp_path, stale_after=300, clock=lambda: 1010.0,
+                                           sleep=lambda s: waits.append(s) or (len(waits) == 2 and lock.unlink())
+                                           ) is None
+    assert len(waits) == 2
+    lock.write_text("")
+    os.utime(lock, (1000.0, 1000.0))
+    now = [1010.0]
+    # ... or is stopped while we wait: removed once it is older than the limit
+    assert _extensions.wait_for_build_lock(tmp_path, stale_after=300, clock=lambda: now[0],
+                                           sleep=lambda s: now.__setitem__(0, now[0] + 100.0)) == lock
+    assert not lock.exists() and now[0] >= 1300.0
+
+
+def test_demo_serve_with_buckets_in_any_order_exits_0_exact(capsys):
+    """``offload-demo --serve --buckets 1,2,4`` with a varying running count: bucket 1 runs first, 2 and 4
+    compile later (the engine's announcement for their first step comes before their graph binds: the
+    shared state grows at once); exit 0, max |diff| 0, every bucket ran. The order given does not matter
+    (``4,2`` is ``2,4``); tests/backend/test_engine_schedules.py runs the buckets large first and
+    interleaved too."""
+    import json
+
+    from offload_passes import demo
+
+    assert demo.parse_buckets("4,2", 4) == demo.parse_buckets("2,4", 4) == [2, 4]
+    torch._dynamo.reset()
+    assert demo.main(["--serve", "--buckets", "1,2,4", "--arrival", "0.05", "--steps", "30", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_abs_diff"] == 0.0 and out["within_tolerance"], out
+    assert set(out["buckets"]) == {"1", "2", "4"} and all(out["buckets"].values()), out

@@ -55,13 +55,15 @@ def _tensor_args(overload):
     return [a for a in overload._schema.arguments if "Tensor" in str(a.type)]
 
 
-def _build(ns: str, name: str, dtypes, kwargs, extra_positional=()):
-    """Run ``name``'s converter on Data inputs; return (graph proto, data names, result)."""
+def _build(ns: str, name: str, dtypes, kwargs, extra_positional=(), shapes=None):
+    """Run ``name``'s converter on Data inputs (``[4, 8]``, or ``shapes[arg]``); return (graph proto, result)."""
     ge, DataType, GeGraph = _ge()
     overload = getattr(getattr(torch.ops, ns), name).default
     targs = _tensor_args(overload)[: len(dtypes)]
+    shapes = shapes or {}
     with GeGraph() as g:
-        inputs = [ge.Data(index=i, dtype=getattr(DataType, dt), shape=[4, 8], placement="NPU", node_name=a.name)
+        inputs = [ge.Data(index=i, dtype=getattr(DataType, dt), shape=shapes.get(a.name, [4, 8]), placement="NPU",
+                          node_name=a.name)
                   for i, (a, dt) in enumerate(zip(targs, dtypes))]
         positional = [t for a, t in zip(targs, inputs) if not a.kwarg_only]
         by_name = {a.name: t for a, t in zip(targs, inputs) if a.kwarg_only}
@@ -134,6 +136,26 @@ def test_functional_converter_tensormoves_exactly_the_mutated_inputs(spec, torch
     assert len(result) == len(getattr(torch.ops.custom, spec.functional).default._schema.returns)
 
 
+@pytest.mark.parametrize("name", ["dsa_serve", "dsa_serve_functional", "dsa_install", "dsa_install_functional"])
+def test_no_rope_mode_passes_zero_width_rope_inputs(name, torchair_core_double):
+    """The no-rope mode (Dr = 0, docs/ops.md §3.3): the rope inputs reach the CANN node as zero-width tensors
+    ``[..., 0]`` at their schema positions (CANN's schema and input count unchanged); a twin's TensorMove copies
+    the zero-width rope it mutates."""
+    spec = spec_for(name)
+    dtypes, kwargs = CASES[spec.name]
+    rope = {"full_k_rope": [2, 40, 0], "pool_k_rope": [2, 32, 0], "selection_k_rope": [8, 16, 0]}
+    proto, _ = _build(spec.namespace, name, dtypes, kwargs, shapes=rope)
+    (node,) = _nodes(proto, spec.ge_type)
+    _check_node(node, torchair_core_double.IR_TABLE[spec.ge_type], kwargs, spec)
+    moved = spec.mutated if name == spec.functional else ()
+    seen = {d.name: list(d.shape.dim) for d in node.input_desc if d.name in rope and d.name not in moved}
+    assert seen == {n: v for n, v in rope.items() if n in spec.ge_inputs and n not in moved}, seen
+    data = {op.name: list(op.output_desc[0].shape.dim) for op in proto.op if op.type == "Data"}
+    for move in _nodes(proto, "TensorMove"):  # a twin copies its mutated rope: the zero-width Data
+        src = move.input[0].split(":")[0]
+        assert src in spec.mutated and (src not in rope or data[src] == rope[src])
+
+
 @pytest.mark.parametrize("spec", [s for s in CUSTOM_SPECS if s.functional], ids=lambda s: s.name)
 def test_ref_outputs_name_their_inputs(spec, torchair_core_double):
     """GE pairs a ref output with the input of the same name; check the index pairs GE will see."""
@@ -190,7 +212,7 @@ def test_converter_rejects_non_tensor_for_tensor_argument():
         t = ge.Data(index=0, dtype=DataType.DT_INT32, shape=[2], placement="NPU", node_name="t")
         with pytest.raises(RuntimeError, match=r"custom::dsa_plan: tensor argument lru_counter is int"):
             op._ge_converter(t, t, t, t, 3, meta_outputs=None)
-        with pytest.raises(RuntimeError, match=r"custom::dsa_plan: missing required argument 'lru_counter'"):
+        with pytest.raises(RuntimeError, match=r"custom::dsa_plan: missing argument 'lru_counter'"):
             op._ge_converter(t, t, t, t, meta_outputs=None)
         with pytest.raises(RuntimeError, match=r"custom::dsa_plan: argument raw_seq must be a compile-time"):
             op._ge_converter(t, t, t, t, t, raw_seq=t, meta_outputs=None)

@@ -46,6 +46,16 @@ def test_ge_graph_invalidation_reads_the_outside_write_flag_before_every_plan(to
         # the flag is read (ne 0) and the result reaches the plan's pool_ids through the masked update
         assert any(u.target is torch.ops.aten.ne.Scalar for u in flag.users)
         assert nodes.index(flag) < nodes.index(plan)
+    # the ledger signal without the ledger update (ge_graph's default bookkeeping): before every plan the
+    # owner layer's count column is compared with -1 (an engine's / the model's reset), and every layer's
+    # ledger is written "served" (ids -1, count LEDGER_SERVED), not -1
+    from offload_passes.passes.emit import LEDGER_SERVED
+
+    assert not rep["bookkeeping"]
+    resets = [n for n in nodes if n.target is torch.ops.aten.eq.Scalar and n.args[1] == -1]
+    assert len(resets) == len(plans) and all(nodes.index(r) < nodes.index(p) for r, p in zip(resets, plans))
+    marks = [n for n in nodes if n.target is torch.ops.aten.full.default and n.args[1] == LEDGER_SERVED]
+    assert len(marks) == len(b.model.model.layers), len(marks)
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
@@ -98,3 +108,30 @@ def _import_transformers_before_the_double() -> None:
 
     hf.build("hf-tiny", dtype="bfloat16")
     import_utils.is_torch_npu_available()
+
+
+def test_npugraph_ex_random_engine_schedules_match_the_unmodified_model(torchair, npugraph_ex_pkg, torch_npu_double):
+    """The cut of tests/backend/test_engine_schedules.py that runs in npugraph_ex (``force_eager``: our
+    kernels, exact) with its default bookkeeping (off: the rewrite does not keep the ledger): random engine
+    schedules on the project's scheduler, the lane glued by the engine adapter and the lane told nothing
+    both equal to the unmodified model at every step."""
+    from hypothesis import HealthCheck, given, settings
+
+    import engine_world as W
+
+    cfg = npugraph_ex_pkg.CompilerConfig()
+    _compat.set_npugraph_ex_option(cfg, "force_eager", True)
+    _compat.set_npugraph_ex_option(cfg, "pattern_fusion_pass", False)
+    with torch_npu_double.installed():
+        world = W.World(W.Cell(2, False, mode="npugraph_ex"), compiler_config=cfg)
+
+        @settings(max_examples=6 if os.environ.get("OFFLOAD_PASSES_LONG") == "1" else 2, deadline=None,
+                  derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(sched=W.SCHEDULES)
+        def run(sched):
+            out = world.run(sched)
+            assert max(out["told"]) == 0.0 and max(out["blind"]) == 0.0, (sched, out)
+
+        run()
+    reps = [be.reports[-1] for be in world.backends]
+    assert all(r["rewritten"] and r["mode"] == "npugraph_ex" and not r["bookkeeping"] for r in reps), reps

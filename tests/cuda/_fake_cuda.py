@@ -9,7 +9,7 @@
   built with ``torch.utils.cpp_extension.load_inline`` (cached by torch; about 20 s the first time).
   Never loaded where torch has CUDA (the real guard is there).
 * Fake tensors carry no values. The offload's compile-time *value* reads (the block tables' identity
-  layout, ``passes/preconditions.py`` ``is_identity_table``) are answered from the CPU twins of the same
+  layout, ``passes/frontends/recipe.py`` ``is_identity_table``) are answered from the CPU twins of the same
   tables (:func:`values_from_twins`); nothing else reads values.
 
 The model is built on the CPU with its seeded weights, then every parameter and buffer is replaced by a
@@ -110,9 +110,9 @@ def fake_cuda_model(model: torch.nn.Module, mode: FakeTensorMode, host: set) -> 
 @contextlib.contextmanager
 def values_from_twins(twins: Dict[int, torch.Tensor]) -> Iterator[None]:
     """Answer the offload's compile-time value reads from the CPU twins (fake tensors have no values)."""
-    from offload_passes.passes import preconditions
+    from offload_passes.passes.frontends import recipe
 
-    orig_values, orig_ident = preconditions.input_values, preconditions.is_identity_table
+    orig_values, orig_ident = recipe.input_values, recipe.is_identity_table
 
     def input_values(gm, example_inputs):
         out = orig_values(gm, example_inputs)
@@ -127,8 +127,8 @@ def values_from_twins(twins: Dict[int, torch.Tensor]) -> Iterator[None]:
         with unset_fake_temporarily():
             return orig_ident(t, rows, cols)
 
-    preconditions.input_values, preconditions.is_identity_table = input_values, is_identity_table
+    recipe.input_values, recipe.is_identity_table = input_values, is_identity_table
     try:
         yield
     finally:
-        preconditions.input_values, preconditions.is_identity_table = orig_values, orig_ident
+        recipe.input_values, recipe.is_identity_table = orig_values, orig_ident

@@ -29,7 +29,7 @@ H100_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 
 SPILL_LIMIT = 128  # bytes per thread: 32 registers' worth; a tile that does not fit spills kilobytes
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion")
 MODULES = ("dsa_plan", "dsa_serve", "dsa_install", "npu_gather_selection_kv_cache", "cache_write", "guard",
-           "npu_lightning_indexer", "npu_sparse_flash_attention", "scatter_nd_update")
+           "static_cache_write", "npu_lightning_indexer", "npu_sparse_flash_attention", "scatter_nd_update")
 TRITON_DTYPE = {torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
                 torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
                 torch.bool: "i1"}
@@ -123,11 +123,15 @@ def _plan_serve_install(mods, c, mu, sc_policy):
 
 
 def _host_write_and_guard(mods, T, D, Dr, dtype):
-    """The host-KV write (rows T of a 4T-row cache) and one device guard (its flag cleared after)."""
+    """The host-KV writes (the recipe's: rows T of a 4T-row cache; the HF cache's: one token of T rows of a
+    [T, 1, 8, D] cache) and one device guard (its flag cleared after)."""
     g = G.gen(7)
     kvc, krc = G.payload((T, 4, 1, D), dtype, g), G.payload((T, 4, 1, Dr), dtype, g)
     mods["cache_write"].run(kvc, krc, torch.arange(T, dtype=torch.int64) * 3, G.payload((T, D), dtype, g),
                             G.payload((T, Dr), dtype, g))
+    keys, values = G.payload((T, 1, 8, D), dtype, g), G.payload((T, 1, 8, Dr), dtype, g)
+    mods["static_cache_write"].run(keys, values, torch.tensor([5]), G.payload((T, 1, 1, D), dtype, g),
+                                   G.payload((T, 1, 1, Dr), dtype, g))
     mods["guard"].flag(torch.tensor(True), "offload guard: compile test")
 
 
@@ -176,10 +180,12 @@ def launches(triton_interpreted):
         # both payload widths, the gather's SMALL and rope variants)
         for mu, sc_policy in ((1, False), (0, False), (1, True)):  # pool payloads: 16-bit in plan / serve / install
             _plan_serve_install(mods, _step(1, 2, 64, 32, 130, 4, 2, 16, torch.bfloat16), mu, sc_policy)
+        _plan_serve_install(mods, _step(1, 2, 64, 32, 130, 4, 0, 16, torch.bfloat16), 1, False)  # no rope (Dr = 0)
         for dtype in (torch.bfloat16, torch.int8):
             for K, bsz in ((16, 4), (64, 1)):
                 for no_rope in (False, True):
                     _gather(mods, K, bsz, dtype, no_rope, 4, 2)
+        _gather(mods, 64, 1, torch.bfloat16, False, 4, 0)  # the gather's zero-width rope
         _host_write_and_guard(mods, 8, 4, 2, torch.bfloat16)
         for int8_indexer in (False, True):  # the recipe's decode ops at tiny's geometry, both indexers
             _decode_ops(T=2, N=4, D=64, Dr=16, Hi=4, Di=32, K=64, bs=16, maxblk=8, int8_indexer=int8_indexer)
@@ -224,9 +230,10 @@ def test_every_launched_kernel_is_recorded(launches):
     want = {(f"offload_passes.custom_ops.cuda.{m}", n) for m, ns in launched_kernels(mods).items() for n in ns}
     got = {(r["module"], r["kernel"]) for r in recs}
     assert want == got
-    # plan 1, serve 1, install 6 (second chance's reference pass), gather 3 (ledger, copies, the K <= 32 swap),
-    # host write 1, guard 1, indexer 2 (scores, finish), sparse attention 3, indexer-cache write 1
-    assert len(want) == 19
+    # plan 1, serve 1, install 6 (second chance's reference pass), gather 5 (the block-table check and its
+    # report, ledger, copies, the K <= 32 swap), host writes 2 (the recipe's, the HF cache's), guard 1,
+    # indexer 2 (scores, finish), sparse attention 3, indexer-cache write 1
+    assert len(want) == 22
     assert {r["constexprs"]["QUANT"] for r in recs if r["kernel"] == "_indexer_score_kernel"} == {False, True}
     # the indexer adds in the reference's order: no contraction into fused multiply-adds
     assert {r["options"].get("enable_fp_fusion") for r in recs if r["kernel"] == "_indexer_score_kernel"} == {False}
@@ -236,6 +243,8 @@ def test_every_launched_kernel_is_recorded(launches):
     assert assign == {(False, True), (False, False), (True, True)}
     assert {r["constexprs"]["SMALL"] for r in recs if r["kernel"] == "_ledger_kernel"} == {False, True}
     assert {r["constexprs"]["HAS_ROPE"] for r in recs if r["kernel"] in ("_copy_kernel", "_swap_kernel")} == {False, True}
+    for kernel in ("_serve_kernel", "_apply_kernel"):  # the no-rope mode (Dr = 0) of serve and install
+        assert {r["constexprs"]["HAS_ROPE"] for r in recs if r["kernel"] == kernel} == {False, True}, kernel
 
 
 def test_every_launch_compiles_to_an_sm90_cubin(compiled):
@@ -260,9 +269,10 @@ def test_no_tile_spills_at_the_glm5_geometry(compiled):
     assert not bad, bad
     glm5 = {r["kernel"] for r in recs if r["geometry"] == "glm5"}
     assert glm5 == {"_plan_kernel", "_serve_kernel", "_first_kernel", "_cand_kernel", "_assign_kernel",
-                    "_keys_kernel", "_apply_kernel", "_ledger_kernel", "_copy_kernel", "_write_kernel",
-                    "_guard_kernel", "_indexer_score_kernel", "_indexer_finish_kernel", "_sfa_score_kernel",
-                    "_sfa_stats_kernel", "_sfa_out_kernel", "_scatter_kernel"}
+                    "_keys_kernel", "_apply_kernel", "_check_kernel", "_report_kernel", "_ledger_kernel",
+                    "_copy_kernel", "_write_kernel", "_static_write_kernel", "_guard_kernel",
+                    "_indexer_score_kernel", "_indexer_finish_kernel", "_sfa_score_kernel", "_sfa_stats_kernel",
+                    "_sfa_out_kernel", "_scatter_kernel"}
 
 
 def test_indexer_scores_compile_without_fused_multiply_adds(compiled):

@@ -21,6 +21,7 @@ from torch import fx
 import _fake_cuda as F
 from offload_passes.custom_ops.cuda import guard as G
 from offload_passes.custom_ops.cuda._common import raise_device_errors
+from offload_passes.lowering import LowerContext
 from offload_passes.lowering.cuda import CudaLowering
 from offload_passes.lowering.cuda_graphs import (CaptureRefused, GraphReplay, InputSpec, capture_problems,
                                                  input_specs)
@@ -286,8 +287,7 @@ def test_warmup_must_be_positive():
 
 def _ctx(gid):
     report = SimpleNamespace(rewritten=False, timings={})
-    return SimpleNamespace(kwargs={}, options=OffloadOptions(exe_mode="cuda", cuda_graphs=True), graph_id=gid,
-                           report=report, state=None, timings=report.timings, final_graph=None)
+    return LowerContext(gid, OffloadOptions(exe_mode="cuda", cuda_graphs=True), None, report, None)
 
 
 def test_lowering_refuses_a_graph_with_a_sync_by_node_name():

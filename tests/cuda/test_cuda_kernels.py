@@ -87,7 +87,7 @@ def step(draw):
         future=draw(st.sampled_from([0.0, 0.5])),
         beyond=draw(st.booleans()), garbage=draw(st.booleans()),
         pool_fill=draw(st.sampled_from([0.0, 0.5, 1.0])),
-        D=draw(st.integers(1, 8)), Dr=draw(st.integers(1, 4)),
+        D=draw(st.integers(1, 8)), Dr=draw(st.integers(0, 4)),  # Dr = 0: the no-rope mode (docs/ops.md §3.3)
         dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])),
         mu=draw(st.sampled_from([0, 1])),
     )
@@ -205,7 +205,8 @@ def gather_case(draw):
         B=draw(st.integers(1, 2)), S=draw(st.integers(1, 3)),
         bsz=draw(st.sampled_from([1, 2, 4, 8, 16])) if small else 1,
         dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.int8])),
-        no_rope=draw(st.booleans()), layout=draw(st.sampled_from(["BSND", "TND"])),
+        # the no-rope mode in both forms: a 1-D empty rope, or a zero-width 3-D one (docs/ops.md §1.2)
+        rope=draw(st.sampled_from(["3d", "1d", "zero"])), layout=draw(st.sampled_from(["BSND", "TND"])),
         hole=draw(st.sampled_from([0.0, 0.5])), dup=draw(st.sampled_from([0.0, 0.5])),
         future=draw(st.sampled_from([0.0, 0.5])), garbage_status=draw(st.booleans()),
         functional=draw(st.booleans()),
@@ -217,7 +218,7 @@ def gather_case(draw):
 def test_gather_equals_cpp(kernels, c):
     note(str(c))
     case = TG.Case(c["seed"], K=c["K"], B=c["B"], S=c["S"], bsz=c["bsz"], dtype=c["dtype"],
-                   no_rope=c["no_rope"], layout=c["layout"], D=4, Dr=2)
+                   no_rope=c["rope"] == "1d", layout=c["layout"], D=4, Dr=0 if c["rope"] == "zero" else 2)
     if c["garbage_status"]:
         case.status = TG.garbage_status(case.B, case.S, case.K, case.bsz, case.L, case.g)
     for step_ in range(2):  # the second step reuses the first step's ledger
@@ -244,8 +245,18 @@ def test_gather_equals_cpp(kernels, c):
 # --------------------------------------------------------------------------------------------
 
 def _triton_call(kernels, op):
-    return {"dsa_plan": kernels["plan"].run, "dsa_serve": kernels["serve"].run,
-            "dsa_install": kernels["install"].run, "npu_gather_selection_kv_cache": kernels["gather"].run}[op]
+    """The op's Triton runner; a check that reads tensor data (the gather's block-table entries) flags an error
+    word on the device, which ``raise_device_errors`` turns into the C++ kernel's message."""
+    from offload_passes.custom_ops.cuda._common import raise_device_errors
+
+    run = {"dsa_plan": kernels["plan"].run, "dsa_serve": kernels["serve"].run,
+           "dsa_install": kernels["install"].run, "npu_gather_selection_kv_cache": kernels["gather"].run}[op]
+
+    def call(*args, **kwargs):
+        out = run(*args, **kwargs)
+        raise_device_errors()
+        return out
+    return call
 
 
 @CASES
@@ -266,7 +277,8 @@ def test_bad_input_same_error_as_cpp(kernels, c):
     if err is not None:
         with pytest.raises(RuntimeError) as e:
             _triton_call(kernels, op)(*tri.values(), **ints)
-        assert str(e.value) == err
+        # the same message; a device-side check (data-dependent) reports it through the error words
+        assert str(e.value) == err or str(e.value).startswith(f"device-side check failed: {err} (on cpu;")
         for n, t in tri.items():
             assert TP._same(t, before[n]), f"{n} changed although the call raised"
         return
@@ -386,21 +398,44 @@ def test_serve_adversarial_plan(kernels):
 
 
 def test_gather_bad_block_table_entry_same_error(kernels):
-    """A block-table entry the op dereferences is out of range: the C++ kernel's message, nothing written."""
+    """A block-table entry the op dereferences is out of range: nothing written, and the C++ kernel's message
+    (the Triton kernel checks on the device and leaves an error record the host raises, no synchronisation)."""
+    from offload_passes.custom_ops.cuda._common import raise_device_errors
+
     case = TG.Case(11, K=64, B=2, S=1, bsz=1, dtype=torch.bfloat16, no_rope=False, layout="BSND", D=4, Dr=2)
     tk = case.next_topk()
-    case.fbt[0, 0] = 10 ** 6
-    for run in (lambda a: gather_op(*a, selection_topk_block_size=1), lambda a: kernels["gather"].run(*a, 1)):
-        state = case.clone_state()
-        before = [t.clone() for t in state]
-        with pytest.raises(RuntimeError) as e:
-            run(case.args(tk, state))
-        msgs = getattr(test_gather_bad_block_table_entry_same_error, "msgs", [])
-        msgs.append(str(e.value))
-        test_gather_bad_block_table_entry_same_error.msgs = msgs
-        assert all(same(a, b) for a, b in zip(state, before))
-    m = test_gather_bad_block_table_entry_same_error.msgs[-2:]
-    assert m[0] == m[1] and m[0].startswith("custom::npu_gather_selection_kv_cache: full_kv_block_table[0]")
+    for fbt_entry, sel_entry, want in ((10 ** 6, None, "full_kv_block_table[0] has an entry outside [0, "),
+                                       (None, -3, "selection_kv_block_table[1] has an entry outside [0, ")):
+        fbt, sbt = case.fbt.clone(), case.sbt.clone()
+        if fbt_entry is not None:
+            case.fbt[0, 0] = fbt_entry
+        if sel_entry is not None:
+            case.sbt[1, 0] = sel_entry
+        msgs = []
+        for functional in (False, True):
+            state = case.clone_state()
+            before = [t.clone() for t in state]
+            with pytest.raises(RuntimeError) as e:
+                gather_op(*case.args(tk, state), selection_topk_block_size=1)
+            cpp = str(e.value)
+            assert cpp.startswith("custom::npu_gather_selection_kv_cache: " + want), cpp
+            run = kernels["gather"].run_functional if functional else kernels["gather"].run
+            out = run(*case.args(tk, state), 1)  # returns: the check is on the device
+            with pytest.raises(RuntimeError) as e:
+                raise_device_errors()
+            assert str(e.value) == f"device-side check failed: {cpp} (on cpu; checked on the device, reported on the host)"
+            assert all(same(a, b) for a, b in zip(state, before)), "the inputs changed"
+            if functional:  # the twin's outputs are the inputs' clones: nothing was written into them either
+                assert all(same(a, b) for a, b in zip(out[1:3], before[:2]))
+            raise_device_errors()  # the words were cleared
+            msgs.append(cpp)
+        case.fbt, case.sbt = fbt, sbt
+    # a good call after a bad one runs normally and reports nothing
+    state, want_state = case.clone_state(), case.clone_state()
+    gather_op(*case.args(tk, want_state), selection_topk_block_size=1)
+    kernels["gather"].run(*case.args(tk, state), 1)
+    raise_device_errors()
+    assert all(same(a, b) for a, b in zip(state, want_state))
 
 
 # --------------------------------------------------------------------------------------------
@@ -412,7 +447,8 @@ def test_cuda_kernels_found_from_the_specs(kernels):
 
     with_kernel = {s.name for s in OP_SPECS if s.cuda_kernel is not None}
     assert with_kernel == {"dsa_plan", "dsa_serve", "dsa_install", "npu_gather_selection_kv_cache",
-                           "dsa_install_sc", "npu_mla_prolog_cache_write_", "npu_lightning_indexer",
+                           "dsa_install_sc", "npu_mla_prolog_cache_write_", "static_cache_write_",
+                           "npu_lightning_indexer",
                            "npu_quant_lightning_indexer", "npu_sparse_flash_attention", "npu_scatter_nd_update_"}
     # every op but the MoE communication references (multi-rank, not on a CUDA path) has a device kernel
     assert {s.name for s in OP_SPECS} - with_kernel == {"npu_moe_distribute_dispatch_v2",

@@ -13,6 +13,8 @@ choice of its own.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import _fake_cuda as F
@@ -25,16 +27,20 @@ CUDA0, CPU = torch.device("cuda", 0), torch.device("cpu")
 B_ROWS = 2
 
 
-def run_flow(preset: str = "tiny", reset: bool = True, **overrides):
+def run_flow(preset: str = "tiny", table=None, record=None, reset: bool = True, **overrides):
     """The flow (a generator: the session fixture ``flow`` of ``conftest.py`` yields its one value).
-    ``reset=False``: no ``torch._dynamo.reset()`` before and after (which would drop the compiled graphs of
-    the session's flow while it is in use)."""
+    ``table``: a block table ``[B, cache_len]`` set before the prefill (a paged layout; default the model's
+    identity table). ``record(model, driver)``: a context manager entered around the re-fill of row 1.
+    ``reset=False``: no ``torch._dynamo.reset()`` before and after (it would drop the session flow's graphs);
+    Dynamo compiles the new model beside them."""
     F.install_fake_cuda_guard()
     if reset:
         torch._dynamo.reset()
     built = models.build(preset, enable_offload=True, decode_steps=3, first_k_dense_replace=8, **overrides)
     m = built.model
     assert m.batch_size == B_ROWS
+    if table is not None:
+        m.block_table.copy_(table)
     mode = F.new_mode()
     host = {(id(o), a) for o, a, _, where in cuda._targets(m) if where == cuda.HOST}
     twins = F.fake_cuda_model(m, mode, host)
@@ -49,7 +55,8 @@ def run_flow(preset: str = "tiny", reset: bool = True, **overrides):
         out["prefill"] = built.driver.prefill()
         step = torch.compile(m, backend=backend)
         out["steps"] = [built.driver.step(step), built.driver.step(step)]
-        out["refill"] = built.driver.reset_row(1, prompt_len=5)
+        with record(m, built.driver) if record is not None else contextlib.nullcontext():
+            out["refill"] = built.driver.reset_row(1, prompt_len=5)
         out["steps"].append(built.driver.step(step))
     # where the offload state lives, read now: the state lives as long as the compiled graphs, which any
     # later torch._dynamo.reset() of another test in this process drops

@@ -1,9 +1,12 @@
-"""benchmarks/gpu_check.py on a CPU machine: it exits 2 with one line; its pure parts (byte accounting,
-ratios, the table, the section budget) give exact values; ``--dry-run`` runs every section's correctness
-part under Triton's interpreter and ``--merge`` keeps the sections it does not rerun."""
+"""benchmarks/gpu_check.py on a CPU machine: it exits 2 with one line; its pure parts (the capacity arithmetic,
+ratios, timing rows, the table, the section budget) give exact values; every section runs in a process of its
+own, so a section that crashes or passes its limit leaves one error row and the next section runs;
+``--dry-run`` runs every section's correctness part (Triton's interpreter, the models on the CPU) and ``--merge``
+keeps the sections it does not rerun."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,20 +16,29 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
 
 
 @pytest.fixture(scope="module")
 def gc():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def _run(args, timeout):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=ENV)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit (this machine has CUDA)")
 def test_without_cuda_exits_2_with_one_line():
-    p = subprocess.run([sys.executable, str(SCRIPT), "--sections", "serve"], capture_output=True, text=True,
-                       timeout=300, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin"})
+    p = _run(["--sections", "serve"], 300)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_check: no CUDA device"), p.stderr
@@ -36,92 +48,125 @@ def test_without_cuda_exits_2_with_one_line():
 def test_bad_arguments_exit_2(gc, capsys):
     assert gc.main(["--sections", "serve,nope"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "gpu_check: --sections: unknown ['nope']; known: ['equal', 'models', 'serve', 'kernels', 'decode', 'graphs']")
+        "gpu_check: --sections: unknown ['nope']; known: ['equal', 'models', 'serve', 'kernels', 'graphs', "
+        "'capacity']")
     assert gc.main(["--steps", "0"]) == 2
-    assert "--steps and --reps must be >= 1, got 0 and 20" in capsys.readouterr().err
+    assert "--steps, --reps and --capacity-steps must be >= 1, got 0, 20 and 4" in capsys.readouterr().err
+    assert gc.main(["--hbm-gib", "0"]) == 2
+    assert "--hbm-gib and --host-gib must be > 0, got 0.0 and 64.0" in capsys.readouterr().err
+    assert gc.main(["--capacity-layers", "6"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "gpu_check: --capacity-layers: StackGeo: layers must be a positive multiple of group=4, got 6")
 
 
-def test_byte_accounting_glm5_attention_at_64k(gc):
-    # GLM-5 attention dims: latent 512, rope 64, indexer head 128; 1 layer with an indexer
-    dense = gc.dense_kv_bytes(layers=1, context=65536, latent=512, rope=64, indexer_dim=128, indexer_layers=1)
-    assert dense == {"latent_rope": 65536 * 576 * 2, "indexer": 65536 * 128 * 2, "total": 65536 * 704 * 2}
-    off = gc.offload_kv_bytes(layers=1, context=65536, latent=512, rope=64, indexer_dim=128, indexer_layers=1,
-                              pool=8192, topk=2048)
-    assert off["pool"] == 8192 * 576 * 2 and off["selection"] == 2048 * 576 * 2
-    assert off["indexer"] == dense["indexer"] and off["host"] == dense["latent_rope"]
-    assert off["total"] == off["pool"] + off["selection"] + off["indexer"]
-    # the issue's goal (<= 0.3x the dense KV at 64K with an 8K pool): every layer with its own indexer
-    # misses it (the indexer keys stay on the device, in full) ...
-    frac = gc.ratio(off["total"], dense["total"])
-    assert frac == pytest.approx((8192 * 576 + 2048 * 576 + 65536 * 128) / (65536 * 704))
-    assert frac > gc.GOALS["kv_fraction_64k_8k"]
-    # ... four layers sharing one indexer (GLM-5's IndexShare groups) meet it
-    d4 = gc.dense_kv_bytes(layers=4, context=65536, latent=512, rope=64, indexer_dim=128, indexer_layers=1)
-    o4 = gc.offload_kv_bytes(layers=4, context=65536, latent=512, rope=64, indexer_dim=128, indexer_layers=1,
-                             pool=8192, topk=2048)
-    frac4 = gc.ratio(o4["total"], d4["total"])
-    assert frac4 == pytest.approx((4 * 10240 * 576 + 65536 * 128) / (4 * 65536 * 576 + 65536 * 128))
-    assert frac4 <= gc.GOALS["kv_fraction_64k_8k"]
-    assert gc.host_bytes_per_step(1000, 512, 64) == 1000 * 576 * 2
+def test_stack_bytes_and_the_largest_batches(gc):
+    """GLM-5's per-layer shapes, 8 layers in 2 IndexShare groups, at 64K + 20 tokens: the bytes per row by the
+    formula written out here, and the batches that fit 24 GiB of HBM and 64 GiB of pinned host memory."""
+    geo, T = gc.GLM5_STACK, 65536 + 20
+    assert (geo.layers, geo.group, geo.groups, geo.row) == (8, 4, 2, 1152)
+    b = gc.stack_bytes(geo, T)
+    transient = 2 * (T * (32 * 2 + 12) + 2048 * (1152 + 64 * 8 + 16) + 2 * 8 * 64 * 512 * 2)
+    idx = 2 * T * 128 * 2
+    assert b["transient"] == transient
+    assert b["dense"] == 8 * T * 1152 + idx + transient
+    assert b["offload"] == 8 * (8192 + 2048) * 1152 + 2 * (8192 * 4 + T * 4 + 512 * 4) + idx + transient
+    assert b["host"] == 8 * T * 1152
+    hbm, host = 24 * 2 ** 30, 64 * 2 ** 30
+    cap = gc.capacity_batches(geo, T, hbm, host)
+    assert cap["dense"] == hbm // b["dense"] == 39
+    assert cap["offload_by_hbm"] == hbm // b["offload"] == 174 and cap["offload_by_host"] == host // b["host"] == 113
+    assert cap["offload"] == 113 and cap["binds"] == "host"
+    # with host memory to spare the device binds, and the offload still holds 4x the rows at 128K
+    big = gc.capacity_batches(geo, 131072 + 20, hbm, 1024 * 2 ** 30)
+    assert big["binds"] == "hbm" and big["offload"] == big["offload_by_hbm"] > 4 * big["dense"]
+    assert gc.capacity_batches(geo, T, 2 ** 20, host)["dense"] == 0
+    with pytest.raises(ValueError, match="layers must be a positive multiple of group=4, got 0"):
+        gc.StackGeo(layers=0)
 
 
-def test_ratios_and_table(gc):
+def test_ratios_table_and_timing_rows(gc):
     assert gc.ratio(1.0, 4.0) == 0.25 and gc.ratio(None, 1.0) is None and gc.ratio(1.0, 0) is None
     assert gc.gbps(2 * 10 ** 9, 0.5) == 4.0 and gc.gbps(10, None) is None
     t = gc.format_table([{"a": 1, "b": 0.123456}, {"a": "x", "b": None}, {"b": 12345.6}], ("a", "b"))
     assert t.splitlines() == ["| a | b |", "|---|---|", "| 1 | 0.123 |", "| x | - |", "| - | 12346 |"]
+    serve, ceiling = gc.Timing(0.5, 174e-6, "graph replay"), gc.Timing(0.4, 20e-6, "graph replay")
+    assert gc.timing_row("serve", "x", serve, ceiling, 0.8, nbytes=10 ** 9) == {
+        "section": "serve", "check": "x", "value": 0.8, "goal": 0.8, "note": "2 GB/s vs 2.5 GB/s (graph replay)",
+        "ok": None, "host_us": pytest.approx(174.0)}
+    k = gc.timing_row("kernels", "y", gc.Timing(0.002, 3e-5, "queued launches"))
+    assert (k["value"], k["host_us"], k["note"]) == (2.0, pytest.approx(30.0), "ms on the device (queued launches)")
+    assert gc.timing_row("kernels", "y", None, dry=True)["value"] == gc.NO_GPU
 
 
-def test_sections_fit_eight_minutes(gc):
-    assert list(gc.SECTIONS) == ["equal", "models", "serve", "kernels", "decode", "graphs"]
-    assert sum(s.limit_s for s in gc.SECTIONS.values()) == 470 <= 8 * 60
-    assert sum(s.estimate_s for s in gc.SECTIONS.values()) == 315
-    assert all(0 < s.estimate_s <= s.limit_s and s.why for s in gc.SECTIONS.values())
-    assert set(gc.RUNNERS) == set(gc.SECTIONS) == set(gc.DRY_LIMITS)
-
-
-def test_device_kv_fraction_of_hf_glm5_attn(gc):
-    # 2 layers of 512 + 64, one indexer layer of 128, top-k 2048 (models/configs/hf-glm5-attn.yaml)
-    assert gc.glm5_attn_kv_fraction(65536, 8192) == pytest.approx(
-        (2 * (8192 + 2048) * 576 + 65536 * 128) / (2 * 65536 * 576 + 65536 * 128))
-    assert gc.glm5_attn_kv_fraction(65536, 8192) == pytest.approx(0.24063, abs=1e-5)
-    assert gc.glm5_attn_kv_fraction(16384, 16384) > 1  # a pool as large as the context: more than dense
-
-
-def test_rows_timings_and_failures(gc):
-    assert gc.timing_row("serve", "x", 0.5, 0.4, 0.8, nbytes=10 ** 9) == {
-        "section": "serve", "check": "x", "value": 0.8, "goal": 0.8, "note": "2 GB/s vs 2.5 GB/s", "ok": None}
-    assert gc.timing_row("kernels", "y", 0.002)["value"] == 2.0 and gc.timing_row("kernels", "y", 0.002)["note"] == "ms"
-    assert gc.timing_row("kernels", "y", 0.002, dry=True)["value"] == gc.NO_GPU
+def test_rows_and_failures(gc):
     res = {"equal": [gc.row("equal", "chain", 1, 1, "3 steps", ok=True),
                      gc.row("equal", "gather", 0, 1, "step 0", ok=False)],
-           "serve": {"error": "TimeoutError: section serve passed its limit of 40 s"},
-           "decode": [gc.row("decode", "fraction", 0.24, 0.3)], "unknown": [gc.row("x", "y")]}
+           "serve": {"error": "TimeoutError: section serve passed its limit of 45 s"},
+           "capacity": [gc.row("capacity", "rows", 2.9)], "unknown": [gc.row("x", "y")]}
     rows = gc.summary_rows(res)
     assert [(r["section"], r["check"]) for r in rows] == [("equal", "chain"), ("equal", "gather"),
-                                                          ("serve", "section serve"), ("decode", "fraction")]
-    assert rows[2]["note"] == "TimeoutError: section serve passed its limit of 40 s" and rows[2]["ok"] is False
+                                                          ("serve", "section serve"), ("capacity", "rows")]
+    assert rows[2]["note"] == "TimeoutError: section serve passed its limit of 45 s" and rows[2]["ok"] is False
     assert [r["check"] for r in gc.failed(rows)] == ["gather", "section serve"]
 
 
-def _run(args, tmp_path, timeout):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+def test_sections_fit_eight_minutes(gc):
+    assert list(gc.SECTIONS) == ["equal", "models", "serve", "kernels", "graphs", "capacity"]
+    assert sum(s.limit_s for s in gc.SECTIONS.values()) == 470 <= 8 * 60
+    assert sum(s.estimate_s for s in gc.SECTIONS.values()) == 310
+    assert all(0 < s.estimate_s <= s.limit_s and s.why for s in gc.SECTIONS.values())
+    assert set(gc.RUNNERS) == set(gc.SECTIONS) == set(gc.DRY_LIMITS)
+    assert gc.BATCHES == (1, 32, 128) and gc.CAPACITY_CONTEXTS == (65536, 131072)
+
+
+def _args(gc, **kw):
+    a = gc.parse(["--dry-run", *[x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]])
+    return a
+
+
+def test_a_section_that_crashes_or_hangs_leaves_one_row_and_the_next_runs(gc, monkeypatch):
+    """Each section is its own process: one that dies (here: abort(), as a fatal CUDA error would end it) or passes
+    its limit gives one error row; the sections after it still run and report."""
+    args = _args(gc)
+    real = gc.worker_argv
+
+    def fake(name, out, a):
+        if name == "serve":
+            return ["-c", "import os, sys; print('CUDA error: an illegal memory access', file=sys.stderr); os.abort()"]
+        if name == "graphs":
+            return ["-c", "import time; time.sleep(60)"]
+        return real(name, out, a)
+
+    monkeypatch.setattr(gc, "worker_argv", fake)
+    monkeypatch.setitem(gc.DRY_LIMITS, "graphs", 3)
+    res = gc.run_sections(["serve", "kernels", "graphs"], args, {})
+    assert res["serve"] == {"error": "the section's process exited with -6: CUDA error: an illegal memory access"}
+    assert res["graphs"] == {"error": "TimeoutError: section graphs passed its limit of 3 s"}
+    assert 3 <= res["section_s"]["graphs"] < 30
+    assert [r["check"] for r in res["kernels"]][:2] == ["dsa_plan B=1", "install fifo md=1 B=1"]
+    assert res["device"] == "cpu (dry run, Triton interpreter)" and res["torch"] == torch.__version__
+
+
+def test_worker_arguments_pass_the_options_on(gc):
+    a = gc.parse(["--dry-run", "--steps", "3", "--hbm-gib", "12", "--capacity-layers", "12"])
+    argv = gc.worker_argv("capacity", "/tmp/x.json", a)
+    assert argv[1:5] == ["--worker", "capacity", "--out", "/tmp/x.json"] and argv[-1] == "--dry-run"
+    pairs = dict(zip(argv[5:-1:2], argv[6:-1:2]))
+    assert pairs == {"--steps": "3", "--reps": "20", "--hbm-gib": "12.0", "--host-gib": "64.0",
+                     "--capacity-layers": "12", "--capacity-steps": "4"}
 
 
 def test_dry_run_runs_every_correctness_part_and_marks_timings_no_gpu(tmp_path, triton_interpreted):
-    """``--dry-run`` on the CPU: the kernel chains (small and GLM-5 geometry, FIFO and second chance), the
-    gather, the host-KV write and the serve plans equal the CPU twins under Triton's interpreter; the tiny and
-    hf-tiny models in the cuda mode equal the unmodified ones; every timing cell says "no GPU". A fresh
-    process: TRITON_INTERPRET must be set before triton is imported."""
-    import json
-
+    """``--dry-run`` on the CPU: the kernel chains (small and GLM-5 geometry, FIFO and second chance), the gather,
+    both host-KV writes and the serve plans equal the CPU twins under Triton's interpreter; the tiny model and
+    hf-tiny with host KV in the cuda mode equal the unmodified ones (and hf-tiny's device-KV run); the offloaded
+    attention stack equals the dense one; every timing cell says "no GPU"; the capacity arithmetic is there."""
     out = tmp_path / "dry.json"
-    p = _run(["--dry-run", "--json", str(out)], tmp_path, 1500)
+    p = _run(["--dry-run", "--json", str(out)], 2400)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
+    assert list(res["section_s"]) == ["equal", "models", "serve", "kernels", "graphs", "capacity"]
     rows = [r for name in res["section_s"] for r in res[name]]
-    assert list(res["section_s"]) == ["equal", "models", "serve", "kernels", "decode", "graphs"]
     by = {r["check"]: r for r in rows}
     verdicts = {r["check"]: r["value"] for r in rows if r["ok"] is not None}
     assert verdicts == {
@@ -129,29 +174,30 @@ def test_dry_run_runs_every_correctness_part_and_marks_timings_no_gpu(tmp_path, 
         "chain GLM-5 (K 2048, pool 8192, 512 + 64) (FIFO) == CPU twins": 1,
         "chain GLM-5 (K 2048, pool 8192, 512 + 64) (second chance) == CPU twins": 1,
         "gather K=16 bsz=4 == CPU twin": 1, "gather K=64 bsz=1 == CPU twin": 1,
-        "host-KV write (pinned) == CPU kernel": 1,
+        "host-KV write (pinned) == CPU kernel": 1, "HF host-KV write (pinned) == index_copy_": 1,
         "tiny (host tensors, interpreter) == unmodified": 0.0,
         "tiny (side-stream delay, host tensors, interpreter) == unmodified": 0.0,
-        "hf-tiny (host tensors, interpreter) == unmodified": 0.0,
-        "hf-tiny (side-stream delay, host tensors, interpreter) == unmodified": 0.0,
+        "hf-tiny host KV (host tensors) == device KV, compiled": 0.0,
+        "hf-tiny host KV (host tensors) vs unmodified (max diff / max logit)": 0.0,
+        "hf-tiny host KV, side-stream delay == no delay": 0.0,
         "serve hits == CPU twin": 1, "serve misses sequential == CPU twin": 1, "serve misses random == CPU twin": 1,
+        "attention stack (8 layers): offloaded == dense": 1,
     }
     assert all(r["ok"] for r in rows if r["ok"] is not None)
     no_gpu = [r["check"] for r in rows if r["value"] == "no GPU"]
-    assert len(no_gpu) == 22 and "CUDA graph replay vs eager (ms/step ratio)" in no_gpu
-    assert "serve hits B=128 vs device copy" in no_gpu and "decode offload pool 16384 @ 65536 ms/step" in no_gpu
-    assert by["device KV fraction @ 65536 pool 8192 (arithmetic)"]["value"] == pytest.approx(0.24063, abs=1e-5)
-    assert "| serve | serve hits B=128 vs device copy | no GPU | 0.8 | no GPU |" in p.stdout
+    assert len(no_gpu) == 1 + 1 + 9 + 15 + 2 + 6
+    assert "serve misses random B=128 vs host link" in no_gpu and "install second_chance md=0 B=32" in no_gpu
+    assert "tokens/s offloaded @ 131072" in no_gpu and "CUDA graph replay vs eager (ms/step ratio)" in no_gpu
+    assert by["largest batch, offloaded @ 131072"]["value"] == 56 and by["largest batch, dense @ 131072"]["value"] == 19
+    assert "| serve | serve hits B=128 vs device copy | no GPU | 0.8 | no GPU | no GPU |" in p.stdout
 
 
 def test_merge_keeps_the_sections_not_rerun(tmp_path):
-    import json
-
     out = tmp_path / "g.json"
     out.write_text(json.dumps({"equal": [{"section": "equal", "check": "kept", "value": 1, "goal": 1, "note": "",
                                           "ok": True}], "section_s": {"equal": 1.0}}))
-    p = _run(["--dry-run", "--sections", "kernels", "--merge", "--json", str(out)], tmp_path, 300)
+    p = _run(["--dry-run", "--sections", "kernels", "--merge", "--json", str(out)], 300)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["equal"][0]["check"] == "kept" and set(res["section_s"]) == {"equal", "kernels"}
-    assert "| equal | kept | 1 | 1 |  |" in p.stdout and "| kernels | dsa_plan B=32 ms | no GPU |" in p.stdout
+    assert "| equal | kept | 1 | 1 | - |  |" in p.stdout and "| kernels | dsa_plan B=32 | no GPU |" in p.stdout

@@ -3,6 +3,7 @@ backend (``cache_implementation="static"``, greedy), against the same model unmo
 prompts of different lengths, a shared prefix, left padding, a change of batch size, default ``dynamic`` and
 ``dynamic=False``. Each call checks that the offload engaged on that call's own caches (pool hits > 0) and
 that the number of graphs compiled is the bound docs/hf.md states."""
+import logging
 import warnings
 
 import pytest
@@ -287,3 +288,108 @@ def test_prefill_chunk_on_an_existing_cache_is_sparse_without_offload_under_stri
     assert {r["reason"] for r in rep["hf"]["offload_refusals"]} == {"raw_seq"}
     err = [float((o.float() - outs[0]).abs().max() / outs[0].abs().max()) for o in outs[1:]]
     assert err[1] <= BF16_FACTOR * err[0], err  # no further from fp32 than the unmodified bf16 model
+
+
+def _beams(m, ids, mask, beams):
+    return m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                      num_beams=beams, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+
+
+@pytest.mark.parametrize("beams", [2, 3])
+def test_beam_search_keeps_the_pools_warm_and_exact(beams, monkeypatch, caplog):
+    """generate(num_beams=...): transformers reorders every cache row after every step
+    (``Cache.reorder_cache``); the pools follow the reorder (offload_passes/hf_reorder.py). Bit-identical to
+    the same compiled model whose pools go cold at every reorder (every row read from the full cache, what
+    the offload must equal), with pool hits; the pools following the caches without their rows (the
+    reorder patched out of the pools only) serve stale rows, so the comparison can fail."""
+    from offload_passes.state import REGISTRY, StateRegistry
+
+    ids, mask = _prompt(2, 72, 70 + beams)
+
+    def run():
+        torch._dynamo.reset()
+        m = _model()
+        m.forward = torch.compile(m.forward, backend=make_offload_backend(pool_size=1024))
+        out = _beams(m, ids, mask, beams)
+        return out, static_cache_state(out.past_key_values)
+
+    warm, st = run()
+    assert st.groups and st.totals()["hits"] > 0, st.totals() if st.groups else "no state"
+    with monkeypatch.context() as mp, caplog.at_level(logging.WARNING, logger="offload_passes.state"):
+        mp.setattr(REGISTRY, "follow_rows", lambda old, new, src: 0)  # every reorder: new caches, new pools
+        cold, st_cold = run()
+    assert not st_cold.groups  # the last reorder's caches: no state followed them
+    said = [r.getMessage() for r in caplog.records if "were new tensors on each of the last 3 calls" in r.getMessage()]
+    assert len(said) == 1 and "StaticCache's beam-search reorder" in said[0], said  # once, to an HF user
+    assert torch.equal(warm.sequences, cold.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(warm.scores, cold.scores))
+    with monkeypatch.context() as mp:  # the pools follow the caches but keep their rows: stale
+        mp.setattr(REGISTRY, "follow_rows", lambda old, new, src: StateRegistry.follow_rows(
+            REGISTRY, old, new, list(range(len(src)))))
+        stale, _ = run()
+    assert any(not torch.equal(a, b) for a, b in zip(stale.scores, cold.scores))
+
+
+
+def test_models_that_share_transformers_forward_share_dynamo_budget_unless_given_their_own():
+    """Dynamo's recompile_limit counts per code object, and every transformers model's forward is one
+    wrapper function: with the limit at 4, the second model compiled through ``model.forward`` reaches it
+    (the warning names the sharing and the fix) and a third runs unmodified, never reaching its backend
+    (whose state says why). Compiled through ``own_forward`` (what ``offload(model)`` does), three models
+    each get their own budget and are all offloaded."""
+    from offload_passes import backend as backend_mod
+    from offload_passes.decorator import own_forward
+
+    ids, mask = _prompt(2, 72, 95)
+
+    def three(compile_forward):
+        torch._dynamo.reset()
+        backend_mod._FRAME_MODELS.clear()
+        backend_mod._LIMIT_REACHED.clear()
+        out = []
+        for _ in range(3):
+            m = _model()
+            be = make_offload_backend(pool_size=1024)
+            m.forward = torch.compile(compile_forward(m), backend=be)
+            _generate(m, ids, mask)
+            out.append(be)
+        return out
+
+    with torch._dynamo.config.patch(recompile_limit=4):
+        with pytest.warns(OffloadWarning, match=r"2 models compiled in this process share this one \(every "
+                                                r"transformers model's forward is one wrapper function.*own_forward"):
+            shared = three(lambda m: m.forward)
+        assert [len(be.reports) for be in shared] == [2, 2, 0]
+        with pytest.warns(OffloadWarning, match="recompile_limit was reached in this process for a code object that "
+                                                "several models share"):
+            assert shared[2].state is None
+        own = three(own_forward)
+    assert [[r["rewritten"] for r in be.reports] for be in own] == [[False, True]] * 3
+    assert {r["dynamo"]["frame_compile_id"] for be in own for r in be.reports} == {0, 1}
+
+
+def test_counters_of_a_cache_passed_to_several_calls_add_up_until_reset():
+    """``static_cache_state(cache).totals()`` counts that cache's pools since it was created (docs/hf.md): per
+    call with the cache ``generate()`` makes; a StaticCache passed to two calls adds both, and
+    ``reset_counters()`` between them counts the second alone."""
+    torch._dynamo.reset()
+    m = _model()
+    m.forward = torch.compile(m.forward, backend=make_offload_backend(pool_size=1024))
+    ids, mask = _prompt(2, 72, 99)
+    from transformers import StaticCache
+
+    cache = StaticCache(config=m.config, max_cache_len=80)
+
+    def call():
+        cache.reset()  # a cache reused by the caller starts empty, as generate() would make it
+        out = m.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, past_key_values=cache,
+                         return_dict_in_generate=True, pad_token_id=0)
+        assert out.past_key_values is cache
+        return static_cache_state(cache).totals()
+
+    one = call()
+    both = call()
+    assert one["hits"] > 0 and both["hits"] > one["hits"] and both["misses"] > one["misses"], (one, both)
+    static_cache_state(cache).reset_counters()
+    third = call()
+    assert third == {k: both[k] - one[k] for k in third}, (one, both, third)  # the same call again: the same counts

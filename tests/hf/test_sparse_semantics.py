@@ -183,7 +183,7 @@ def test_offload_refusal_keeps_the_sparse_rewrite():
     assert rep["rewritten"] and rep["hf"]["offload"] is False and rep["ops"]["after"]["dsa_plan"] == 0
     reasons = {r["reason"]: r["detail"] for r in rep["hf"]["offload_refusals"]}
     assert set(reasons) == {"cache_layout", "topk_alignment"}
-    assert "no index_copy_ write into the latent cache" in reasons["cache_layout"]
+    assert "no index_copy_ / static_cache_write_ into the latent cache" in reasons["cache_layout"]
     assert "K=8 must be a multiple of 64" in reasons["topk_alignment"]
     assert dense_masks_left(graphs[0].graph) == 0
     torch.testing.assert_close(out, _from_scores(q, latent, rope, w, scores, base, "sdpa"), rtol=2e-2, atol=2e-2)

@@ -90,8 +90,9 @@ def test_custom_pass_uuid_covers_every_input(tmp_path, monkeypatch):
     from offload_passes.lowering import cpu as lowering_cpu
 
     names = {f.name for f in UUID_FILES}
-    for must in ("rewrite.py", "reinplace.py", "inductor_targets.py", "recipe.py", "frontend.py",
-                 "opspec.py", "dsa_plan.py", "_fx.py", "_compat.py", "options.py", "pipeline.py"):
+    for must in ("rewrite.py", "emit.py", "protocol.py", "reinplace.py", "inductor_targets.py", "recipe.py",
+                 "frontend.py", "opspec.py", "plan_kind.py", "dsa_plan.py", "_fx.py", "_compat.py", "options.py",
+                 "pipeline.py", "outcome.py"):
         assert must in names, must
     base = pass_uuid(OffloadOptions())
     assert pass_uuid(OffloadOptions()) == base

@@ -14,11 +14,13 @@ runs and gives the unmodified model's logits bit for bit.
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from offload_passes import models
-from offload_passes.backend import OffloadBackend
+from offload_passes.backend import OffloadBackend, backend_for_options, make_offload_backend
 from offload_passes.lowering.cuda import (CUDA_MODE, RUNTIME, STREAM_OPS, UNSUPPORTED_COMPILE_MODES, CudaInstallHook,
                                           CudaLowering)
 
@@ -157,12 +159,68 @@ def test_lowering_refuses_what_it_does_not_support():
         CudaLowering(CUDA_MODE, compiler_config=object())
 
     class Ctx:
-        kwargs = {"mode": "reduce-overhead"}
+        compile_mode = "reduce-overhead"
 
     for mode in UNSUPPORTED_COMPILE_MODES:
-        Ctx.kwargs = {"mode": mode}
+        Ctx.compile_mode = mode
         with pytest.raises(RuntimeError, match=f"does not support torch.compile\\(mode='{mode}'\\)"):
             CudaLowering(CUDA_MODE).lower(None, [], Ctx())
+
+
+def test_torch_compile_mode_reaches_the_cuda_lowering_and_is_refused():
+    """``torch.compile(model, backend=make_offload_backend(exe_mode="cuda"), mode="max-autotune")``: the mode
+    reaches the lowering through Dynamo, and the CUDA lowering refuses it by name at the first call."""
+    torch._dynamo.reset()
+    built = models.build("tiny", enable_offload=True, decode_steps=1)
+    step = torch.compile(built.model, backend=make_offload_backend(exe_mode="cuda", pool_size=64), mode="max-autotune")
+    with pytest.raises(Exception, match=r"exe_mode='cuda' does not support torch.compile\(mode='max-autotune'\)"):
+        built.driver.run(steps=1, step_fn=step)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("entry", ["instance", "named"])
+def test_a_cpu_mode_accepts_torch_compile_modes_with_no_effect(entry, caplog):
+    """The CPU lowerings accept every torch.compile mode and say once per graph that it has no effect: the
+    graph is the one a compile without ``mode`` gives (same report, same logits). ``named``: the
+    ``dsa_offload`` backend (HF's ``CompileConfig(backend="dsa_offload")`` passes mode="reduce-overhead")."""
+    torch._dynamo.reset()
+    outs, reports = [], []
+    for mode in (None, "reduce-overhead"):
+        built = models.build("tiny", enable_offload=True, decode_steps=2)
+        be = make_offload_backend(pool_size=8192) if entry == "instance" else backend_for_options({})
+        with caplog.at_level(logging.INFO, logger="offload_passes.lowering"):
+            caplog.clear()
+            step = torch.compile(built.model, backend=be if entry == "instance" else "dsa_offload", mode=mode)
+            outs.append(built.driver.run(steps=2, step_fn=step).logits)
+        said = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+        assert said == ([] if mode is None else [f"{be.reports[-1]['graph_id']}: torch.compile mode='reduce-overhead' "
+                                                 "has no effect (the lowering is exe_mode='eager')"])
+        reports.append({k: be.reports[-1][k] for k in ("rewritten", "groups", "sites", "ops")})
+        torch._dynamo.reset()
+    assert reports[0]["rewritten"] and reports[0] == reports[1]
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_second_chance_compiles_and_runs_in_the_cuda_mode():
+    """``make_offload_backend(exe_mode="cuda", replacement_policy="second_chance")``: the side-stream schedule
+    reads the installs' arguments by role (``offload_ref::dsa_install_sc`` takes the plan first), so every
+    second-chance install runs in its layer's scope after its serve, and the logits are the unmodified
+    model's, bit for bit."""
+    torch._dynamo.reset()
+    base, comp = models.build("tiny", enable_offload=True), models.build("tiny", enable_offload=True)
+    be = make_offload_backend(exe_mode="cuda", replacement_policy="second_chance", pool_size=64)
+    r0 = base.driver.run(steps=STEPS)
+    r1 = comp.driver.run(steps=STEPS, step_fn=torch.compile(comp.model, backend=be))
+    rep = be.reports[-1]
+    assert rep["rewritten"] and rep["side_stream"] and len(rep["joins_before"]) == 6
+    nodes, scopes = _scopes(be.final_graph())
+    sc = [n for n in nodes if "offload_ref.dsa_install_sc" in _name(n)]
+    assert len(sc) == 8 and not any(_custom(n, "dsa_install") for n in nodes)
+    inside = [n for d in scopes.values() for n in d["inside"] if "dsa_install_sc" in _name(n)]
+    assert sorted(n.name for n in inside) == sorted(n.name for n in sc) and len(scopes) == 6
+    assert all(torch.equal(a, b) for a, b in zip(r0.logits, r1.logits)) and len(r1.logits) == STEPS
+    assert sum(c["total"]["hits"] for c in be.state.counters()) > 0
+    torch._dynamo.reset()
 
 
 def test_side_stream_off_keeps_the_cpu_schedule():

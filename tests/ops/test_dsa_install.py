@@ -37,8 +37,8 @@ def literal_install(records, sel_kv, sel_rope, pool_kv, pool_rope, pool_ids, id_
     words = records[: lay.required].clone().view(torch.int32).tolist()
     cap = min(lay.stride // 16, K)
     pid, i2s, lr = pool_ids.tolist(), id_to_slot.tolist(), lru.tolist()
-    skv, srp = sel_kv.reshape(-1, sel_kv.size(-1)), sel_rope.reshape(-1, sel_rope.size(-1))
-    pkv, prp = pool_kv.view(-1, pool_kv.size(-1)), pool_rope.view(-1, pool_rope.size(-1))
+    skv, srp = sel_kv.flatten(0, -2), sel_rope.flatten(0, -2)  # flatten: a [-1, 0] view (no rope) is undefined
+    pkv, prp = pool_kv.flatten(0, -2), pool_rope.flatten(0, -2)  # views of the (dense) pools
     for b in range(B):
         seen = set()
         ctr = list(lr[b]) if mu == 0 else lr[b]
@@ -158,8 +158,8 @@ def test_cpp_matches_reference_bit_exact(chunk, cpp_kernels):
             if seed % 4 == 0:  # one batch row per task with the default thread count: a real split
                 split = _clone_state(args)
                 with G.threads(nthreads):
-                    cpp_kernels[0](split[0], split[1], split[2], *split[4:], kw["raw_seq"], kw["topk"],
-                                   kw["selection_block_size"], kw["metadata_update"], 1)
+                    cpp_kernels[0](*split, kw["raw_seq"], kw["topk"], kw["selection_block_size"],
+                                   kw["metadata_update"], 1)  # grain 1
                 _assert_same_state(ref, split, f"seed {seed} (grain 1)")
             changed += not torch.equal(_bits(ref[4]), _bits(args[4]))
     assert changed > 48  # the cases really install something
@@ -521,7 +521,8 @@ BAD_INSTALL = [
     ("bt", lambda a: _i32(3, 2), r"selection_kv_block_table must be \[B\*raw_seq=4, >= topk/selection_block_size=2\]"),
     ("bt", lambda a: _i32(4, 1), r"selection_kv_block_table must be \[B\*raw_seq=4, >= topk/selection_block_size=2\], got \(4, 1\)"),
     ("pkv", lambda a: _f16(2, 256, 513), r"pool_kv_cache dim 2 \(Dkv\) must be in \(0, 512\], got 513"),
-    ("prp", lambda a: _f16(2, 256, 129), r"pool_k_rope dim 2 \(Dr\) must be in \(0, 128\], got 129"),
+    ("prp", lambda a: _f16(2, 256, 129), r"pool_k_rope dim 2 \(Dr\) must be in \[0, 128\] \(0: no-rope mode\), got 129"),
+    ("prp", lambda a: _f16(2, 256, 0), r"selection_k_rope dim 2 must equal pool_k_rope's Dr=0, got 8"),
     ("skv", lambda a: _f16(8, 64, 16), r"selection_kv_cache dim 2 must equal pool_kv_cache's Dkv=32, got 16"),
     ("srp", lambda a: _f16(8, 64, 4), r"selection_k_rope dim 2 must equal pool_k_rope's Dr=8, got 4"),
     ("prp", lambda a: _f16(2, 128, 8), r"pool_k_rope must be \[B=2, PS=256, Dr\], got \(2, 128, 8\)"),

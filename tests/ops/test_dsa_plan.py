@@ -14,6 +14,7 @@ import _gen as G  # noqa: E402
 from offload_passes.custom_ops import _library as Lib  # noqa: E402
 from offload_passes.custom_ops import dsa_plan as M  # noqa: E402
 from offload_passes.custom_ops._records import decode_records, record_counts, records_layout  # noqa: E402
+from offload_passes.custom_ops.plan_kind import NUM_PLAN_KINDS  # noqa: E402
 
 plan_op = torch.ops.custom.dsa_plan
 
@@ -117,7 +118,7 @@ def random_case(seed: int, max_elems: int = 32768):
 @pytest.mark.parametrize("chunk", range(4))
 def test_cpp_matches_reference_bit_exact(chunk, cpp_kernel):
     """>= 200 random cases (4 chunks x 55): plan, records (all bytes) and actual_seq bit-identical."""
-    kinds = torch.zeros(6, dtype=torch.int64)
+    kinds = torch.zeros(NUM_PLAN_KINDS, dtype=torch.int64)
     nthreads = torch.get_num_threads()
     with G.single_thread():  # much faster on a loaded 2-core box
         for seed in range(chunk * 55, chunk * 55 + 55):
@@ -126,12 +127,12 @@ def test_cpp_matches_reference_bit_exact(chunk, cpp_kernel):
             outs = [plan_op(tk, L, pid, i2s, lru, raw_seq=S)]
             if seed % 4 == 0:  # one work item per task with the default thread count: a real split
                 with G.threads(nthreads):
-                    outs.append(cpp_kernel(tk, L, i2s, pid.size(1), S, 1))
+                    outs.append(cpp_kernel(tk, L, pid, i2s, lru, S, 0, 0, 0, 1))  # grain 1
             for out in outs:
                 for name, a, b in zip(("plan", "install_records", "actual_seq"), ref, out):
                     assert a.dtype == b.dtype and a.shape == b.shape, (seed, name)
                     assert torch.equal(a, b), f"seed {seed}: {name} differs"
-            kinds += torch.bincount(ref[0][:, 0].long(), minlength=6)
+            kinds += torch.bincount(ref[0][:, 0].long(), minlength=NUM_PLAN_KINDS)
     # the random matrix must exercise every source kind
     assert bool((kinds > 0).all()), kinds
 

@@ -279,7 +279,8 @@ def test_reference_mode_env_switch(monkeypatch):
 
 
 def test_cpp_entry_point_rejects_unsafe_shapes(cpp_kernel):
-    """Direct calls of offload_cpu::dsa_serve never write out of bounds: bad shapes raise."""
+    """Direct calls of offload_cpu::dsa_serve never write out of bounds: bad shapes raise; strided tensors are
+    served like dense ones."""
     c = small_case(seed=17)
     S, K, sbs = c["kw"]["raw_seq"], c["kw"]["topk"], c["kw"]["selection_block_size"]
     short_kv = c["sel_kv"][:-1].clone()
@@ -288,8 +289,15 @@ def test_cpp_entry_point_rejects_unsafe_shapes(cpp_kernel):
         cpp_kernel(*args_of(c, short_kv, short_rope), S, K, sbs, 1)
     with pytest.raises(RuntimeError, match="plan rows must equal"):
         cpp_kernel(*args_of(c), S + 1, K, sbs, 1)
-    with pytest.raises(RuntimeError, match="contiguous"):
+    with pytest.raises(RuntimeError, match="shapes disagree"):
         cpp_kernel(c["plan"], c["full_kv"].transpose(0, 1), *args_of(c)[2:], S, K, sbs, 1)
+    # strided tensors of the right shapes go through dense copies: the same bytes as dense ones
+    want = [c["sel_kv"].clone(), c["sel_rope"].clone()]
+    cpp_kernel(*args_of(c, *want), S, K, sbs, 1)
+    got = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (c["sel_kv"], c["sel_rope"])]
+    strided_full = c["full_kv"].transpose(0, 1).contiguous().transpose(0, 1)
+    cpp_kernel(c["plan"], strided_full, *args_of(c, *got)[2:], S, K, sbs, 1)
+    assert not got[0].is_contiguous() and same_bits(want[0], got[0]) and same_bits(want[1], got[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,8 +365,8 @@ def _bad_cases():
         ("pool rope size", _with(p, pool_rope=_resized(p, "pool_rope", (2, 31, 4))), "pool_k_rope.size(1) must equal pool_size 32, got 31"),
         ("kv dim cap", _with(p, full_kv=_resized(p, "full_kv", (2, 40, 513))), "full_kv_cache.size(2) (kv dim) must be in [1, 512], got 513"),
         ("pool kv dim", _with(p, pool_kv=_resized(p, "pool_kv", (2, 32, 9))), "pool_kv_cache.size(2) must equal kv dim 8, got 9"),
-        ("rope dim cap", _with(p, full_rope=_resized(p, "full_rope", (2, 40, 129))), "full_k_rope.size(2) (rope dim) must be in [1, 128], got 129"),
-        ("rope dim 0", _with(p, full_rope=_resized(p, "full_rope", (2, 40, 0))), "full_k_rope.size(2) (rope dim) must be in [1, 128], got 0"),
+        ("rope dim cap", _with(p, full_rope=_resized(p, "full_rope", (2, 40, 129))), "full_k_rope.size(2) (rope dim) must be in [0, 128] (0: no-rope mode), got 129"),
+        ("rope dim 0 pool 4", _with(p, full_rope=_resized(p, "full_rope", (2, 40, 0))), "pool_k_rope.size(2) must equal rope dim 0, got 4"),
         ("pool rope dim", _with(p, pool_rope=_resized(p, "pool_rope", (2, 32, 5))), "pool_k_rope.size(2) must equal rope dim 4, got 5"),
         ("sel kv blocks", _with(p, sel_kv=_resized(p, "sel_kv", (9, 16, 8))), "selection_kv_cache must have shape [8, 16, 8] (blocks = ceil(rows/selection_block_size)) for compact_layout=1, got [9, 16, 8]"),
         ("sel rope dim", _with(p, sel_rope=_resized(p, "sel_rope", (8, 16, 5))), "selection_k_rope must have shape [8, 16, 4]"),

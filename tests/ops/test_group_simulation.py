@@ -6,7 +6,8 @@ Per step (owner O = layer 0, last layer Z = 3), exactly the GLM order of §5:
     for l in 0..3: dsa_serve(plan, full[l], pool[l], sel[l])
                    l != O: dsa_install(rec, sel[l], pool[l], ..., metadata_update=0)
                    l == Z: dsa_install(rec, sel[O], pool[O], ..., metadata_update=1)
-and, alongside, the baseline gather (npu_gather_selection_kv_cache) on the same top-k for one layer.
+and, alongside, the baseline gather (npu_gather_selection_kv_cache) on the same top-k for one layer. One
+configuration runs the no-rope mode (Dr = 0) on the state the backend allocates for it.
 """
 from __future__ import annotations
 
@@ -23,11 +24,14 @@ import _gen as G  # noqa: E402
 
 from offload_passes.custom_ops import _library as Lib  # noqa: E402
 from offload_passes.custom_ops._records import decode_records  # noqa: E402
+from offload_passes.state import GroupLayout, OffloadState  # noqa: E402
 
 log = logging.getLogger("offload_passes.tests.group_simulation")
 
 ops = torch.ops.custom
-INVALID, POOL_HIT, FULL_OLD_MISS, DECODE_WINDOW, FUTURE_SKIP, NEGATIVE_STOP = range(6)
+from offload_passes.custom_ops.plan_kind import PlanKind  # noqa: E402
+
+INVALID, POOL_HIT, FULL_OLD_MISS, DECODE_WINDOW, FUTURE_SKIP, NEGATIVE_STOP = PlanKind
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,17 +67,20 @@ class Group:
         nb = B * S * K // c.BS
         self.full_kv = [G.payload((B, F, c.Dkv), c.dtype, g) for _ in range(c.layers)]
         self.full_rope = [G.payload((B, F, c.Dr), c.dtype, g) for _ in range(c.layers)]
-        self.pool_kv = [torch.zeros(B, PS, c.Dkv, dtype=c.dtype) for _ in range(c.layers)]
-        self.pool_rope = [torch.zeros(B, PS, c.Dr, dtype=c.dtype) for _ in range(c.layers)]
+        # pools and metadata as the backend allocates them (offload_passes/state.py): [B, PS, 0] rope pools
+        # in the no-rope mode (Dr = 0)
+        layout = GroupLayout(0, 0, list(range(c.layers)), B, PS, F, [(c.Dkv, c.Dr, c.dtype)] * c.layers)
+        state = OffloadState.allocate("group_simulation", [layout]).groups[0]
+        self.pool_kv, self.pool_rope = (list(t) for t in zip(*state.pools()))
+        assert all(p.shape == (B, PS, c.Dr) and not bool(p.any()) for p in self.pool_rope)
         self.sel_kv = [torch.zeros(nb, c.BS, c.Dkv, dtype=c.dtype) for _ in range(c.layers)]
         self.sel_rope = [torch.zeros(nb, c.BS, c.Dr, dtype=c.dtype) for _ in range(c.layers)]
         self.sel_table = torch.arange(nb, dtype=torch.int32).view(B * S, K // c.BS)
-        self.pool_ids = torch.full((B, PS), -1, dtype=torch.int32)
-        self.id_to_slot = torch.full((B, F), -1, dtype=torch.int32)
-        self.lru = torch.zeros(B, PS // 16, dtype=torch.int32)
-        # baseline gather of one layer (identity PA tables, block size BS)
+        self.pool_ids, self.id_to_slot, self.lru = state.pool_ids, state.id_to_slot, state.lru_counter
+        # baseline gather of one layer (identity PA tables, block size BS); no rope: its 1-D empty form, as
+        # the recipe calls it
         self.g_sel_kv = torch.zeros(nb, c.BS, c.Dkv, dtype=c.dtype)
-        self.g_sel_rope = torch.zeros(nb, c.BS, c.Dr, dtype=c.dtype)
+        self.g_sel_rope = torch.zeros(nb, c.BS, c.Dr, dtype=c.dtype) if c.Dr else torch.empty(0, dtype=c.dtype)
         self.g_status = torch.full((B, S, 1, K + 1), -1, dtype=torch.int32)
         self.full_table = torch.arange(B * F // c.BS, dtype=torch.int32).view(B, F // c.BS)
 
@@ -89,7 +96,7 @@ class Group:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.size(-1))
+    return t.flatten(0, -2)  # [rows, D]; D may be 0 (no rope), where a [-1, 0] view is undefined
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -205,7 +212,8 @@ def check_gather(c: Cfg, grp: Group, tk, L, act_plan, act_gather):
     src = status[:, :K].reshape(-1)[inside].long()
     lay = c.gather_layer
     assert torch.equal(_bits(_flat(grp.g_sel_kv)[inside]), _bits(grp.full_kv[lay][b_of, src]))
-    assert torch.equal(_bits(_flat(grp.g_sel_rope)[inside]), _bits(grp.full_rope[lay][b_of, src]))
+    if c.Dr:
+        assert torch.equal(_bits(_flat(grp.g_sel_rope)[inside]), _bits(grp.full_rope[lay][b_of, src]))
 
 
 def run_simulation(c: Cfg, restart_every: int = 0) -> dict:
@@ -256,7 +264,8 @@ def run_simulation(c: Cfg, restart_every: int = 0) -> dict:
         lay = c.gather_layer
         act_g = ops.npu_gather_selection_kv_cache(
             grp.g_sel_rope, grp.g_sel_kv, grp.sel_table, grp.g_status, tk,
-            grp.full_rope[lay].view(-1, BS, c.Dr), grp.full_kv[lay].view(-1, BS, c.Dkv), grp.full_table,
+            grp.full_rope[lay].view(B * c.F // BS, BS, c.Dr) if c.Dr else torch.empty(0, dtype=c.dtype),
+            grp.full_kv[lay].view(-1, BS, c.Dkv), grp.full_table,
             L, torch.full((B,), S, dtype=torch.int32), selection_topk_block_size=1)
         check_gather(c, grp, tk, L, act, act_g)
         check_pool(c, grp)
@@ -283,6 +292,9 @@ CONFIGS = [  # the first one is the >= 200-step run; the others add S=4 + row re
                  id="B3-S4-K64-PS512-restarts"),
     pytest.param(Cfg(B=1, S=1, K=256, PS=256, BS=128, F=2048, steps=60, seed=3, reuse=0.9), 0,
                  id="B1-S1-K256-PS256"),
+    # the no-rope mode (Dr = 0): rope tensors [..., 0], [B, PS, 0] pools from the backend's state, the
+    # baseline gather in its 1-D empty form (what a no-rope group of the rewrite emits: docs/ops.md §3.3)
+    pytest.param(Cfg(B=2, S=2, K=128, PS=256, BS=64, F=1024, steps=60, seed=4, Dr=0), 17, id="B2-S2-K128-no-rope"),
 ]
 
 

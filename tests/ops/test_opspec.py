@@ -28,7 +28,8 @@ CUSTOM = ["custom::dsa_install", "custom::dsa_install_functional", "custom::dsa_
 OFFLOAD_REF = ["offload_ref::dsa_install_sc", "offload_ref::npu_lightning_indexer",
                "offload_ref::npu_mla_prolog_cache_write_", "offload_ref::npu_moe_distribute_combine_v2",
                "offload_ref::npu_moe_distribute_dispatch_v2", "offload_ref::npu_quant_lightning_indexer",
-               "offload_ref::npu_scatter_nd_update_", "offload_ref::npu_sparse_flash_attention"]
+               "offload_ref::npu_scatter_nd_update_", "offload_ref::npu_sparse_flash_attention",
+               "offload_ref::static_cache_write_"]
 # functional twin -> (in-place op, mutated argument positions)
 PAIRS = {
     "custom::dsa_serve_functional": ("custom::dsa_serve", (5, 6)),
@@ -223,10 +224,8 @@ def test_limits_have_one_definition():
     assert _pool.pool_size_problem(install.limit("MAX_POOL")) is None
     assert _pool.pool_size_problem(install.limit("MAX_POOL") + install.limit("WAYS"))[0] == "must be in (0, 16384]"
     assert _pool.pool_size_problem(install.limit("WAYS") * 3) == ("/ 16 (sets) must be a power of two", 3)
-    # the id range: one rule; the torch-free capacity planner keeps its own copy of the number, checked here
-    from offload_passes.tools import capacity_plan
-
-    assert _pool.id_range_for(1000) == _pool.MIN_ID_RANGE == capacity_plan.MIN_ID_RANGE == 131072
+    # the id range: one rule (the capacity planner sizes id_to_slot with it too, tests/tools/test_capacity_plan.py)
+    assert _pool.id_range_for(1000) == _pool.MIN_ID_RANGE == 131072
     assert _pool.id_range_for(200_000) == 200_000 and _pool.id_range_for(200_000, 4096) == 4096
     assert (dsa_serve.MAX_KV_DIM, dsa_serve.MAX_ROPE_DIM, preconditions.MAX_DKV, preconditions.MAX_DR) \
         == (512, 128, 512, 128)
@@ -256,6 +255,28 @@ def test_opspec_rejects_inconsistent_data():
     spec = OpSpec(role="offload", functional="f_functional", ge=GeOp("F", outputs=("x",)), **base)
     assert spec.functional_schema == "f_functional(Tensor x, Tensor y) -> Tensor"
     assert (spec.ge_inputs, spec.ge_ref_map, spec.functional_outputs) == (("x", "y"), {0: 0}, ("x",))
+    with pytest.raises(ValueError, match=r"OpSpec f: arg_roles names \['z'\], not arguments of the schema"):
+        OpSpec(role="offload", arg_roles={"z": "plan"}, **base)
+    with pytest.raises(ValueError, match=r"OpSpec f: arg_roles must be among \('plan', .*\), got \['weights'\]"):
+        OpSpec(role="offload", arg_roles={"x": "weights"}, **base)
+
+
+def test_argument_roles_are_the_same_arguments_in_every_install():
+    """The side-stream schedule reads installs by role: ``dsa_install_sc`` has ``dsa_install``'s roles on the
+    same argument names, plus its plan (first, so every position differs); an install writes exactly its
+    pools and metadata; serve, the gather and the install name their selection buffers alike."""
+    inst, sc = spec_for("dsa_install"), spec_for("dsa_install_sc")
+    for role in ("records", "selection", "selection_table", "pool", "metadata"):
+        assert inst.args_of(role) == sc.args_of(role) != ()
+    assert (inst.args_of("plan"), sc.args_of("plan")) == ((), ("plan",))
+    assert sorted(inst.args_of("pool") + inst.args_of("metadata")) == sorted(inst.mutated)
+    assert inst.arg_names.index("selection_kv_cache") != sc.arg_names.index("selection_kv_cache")
+    selections = {spec_for(n).args_of("selection") for n in ("dsa_serve", "dsa_install")}
+    assert selections == {("selection_kv_cache", "selection_k_rope")}
+    assert set(spec_for("npu_gather_selection_kv_cache").args_of("selection")) == set(inst.args_of("selection"))
+    assert spec_for("dsa_plan").args_of("metadata") == inst.args_of("metadata")
+    with pytest.raises(KeyError, match=r"custom::dsa_install: unknown argument role 'cache'"):
+        inst.args_of("cache")
 
 
 # ------------------------------------------------------------------------------------- register_twins
@@ -264,12 +285,43 @@ def test_bind_orders_the_arguments_as_the_schema():
     # the kernels register_twins writes take (*args, **kwargs): the dispatcher passes keyword-only
     # arguments by name and may leave out those equal to their defaults
     from offload_passes.custom_ops import _library as L
+    from offload_passes.custom_ops.opspec import OpArgumentError
 
     serve = spec_for("dsa_serve")
     tensors = tuple(torch.empty(1) for _ in range(7))
     assert L.bind(serve, tensors, {"topk": 64}) == tensors + (1, 64, 128, 1)
     assert L.bind(serve, tensors + (2, 64, 16, 0), {}) == tensors + (2, 64, 16, 0)
-    with pytest.raises(TypeError, match="custom::dsa_serve: unknown arguments \\['top_k'\\]"):
-        L.bind(serve, tensors, {"top_k": 64})
-    with pytest.raises(TypeError, match="custom::dsa_serve: missing argument 'selection_k_rope'"):
-        L.bind(serve, tensors[:6], {})
+    # one way to fail, naming the op and the argument; a TypeError and a RuntimeError alike
+    bad = [((tensors, {"top_k": 64}), "custom::dsa_serve: unknown argument 'top_k'; the schema's arguments are "
+                                      "plan, full_kv_cache, "),
+           ((tensors[:6], {}), "custom::dsa_serve: missing argument 'selection_k_rope'"),
+           ((tensors, {"plan": tensors[0]}), "custom::dsa_serve: argument 'plan' given twice"),
+           ((tensors * 2, {}), "custom::dsa_serve: 14 positional arguments, the schema takes 11")]
+    for (args, kwargs), msg in bad:
+        for err in (TypeError, RuntimeError, OpArgumentError):
+            with pytest.raises(err) as e:
+                L.bind(serve, args, kwargs)
+            assert str(e.value).startswith(msg), str(e.value)
+    # the twin's binder names the twin
+    with pytest.raises(OpArgumentError, match=r"^custom::dsa_serve_functional: missing argument 'plan'$"):
+        serve.twin_binder((), {})
+
+
+def test_every_caller_binds_through_the_one_binder():
+    """The passes' node binding rejects a bad call with the binder's message (the kernels, the CUDA runner and
+    the GE converters bind with the same Binder: tests/cuda, tests/converters)."""
+    from torch import fx
+
+    from offload_passes.custom_ops.opspec import OpArgumentError, schema_binder
+    from offload_passes.passes import _fx
+
+    plan = torch.ops.custom.dsa_plan.default
+    g = fx.Graph()
+    x = g.placeholder("x")
+    node = g.call_function(plan, (x, x, x, x))
+    with pytest.raises(OpArgumentError, match=r"^custom::dsa_plan: missing argument 'lru_counter'$"):
+        _fx.bind(node)
+    assert schema_binder(plan._schema) is schema_binder(plan._schema)
+    node.args = (x, x, x, x, x)
+    assert _fx.bind(node)["raw_seq"] == 1 and list(_fx.bind(node))[:2] == ["selection_topk_indices",
+                                                                           "full_kv_actual_seq"]

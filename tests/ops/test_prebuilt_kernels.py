@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from offload_passes import _extensions
+from offload_passes.custom_ops import OP_SPECS
 from offload_passes.custom_ops import _library as Lib
 from offload_passes.trace import _native
 
 CSRC = Path(Lib.__file__).resolve().parent / "csrc"
-OPS = sorted(p.stem for p in CSRC.glob("*.cpp"))
+SOURCES = sorted(CSRC.glob("*.cpp"))
+OPS = [p.stem for p in SOURCES if not p.stem.startswith("_")]  # _entry.cpp: the ops' CPU entry, not an op
 
 _PROBE = """
 import json, os, torch
@@ -31,7 +33,9 @@ kernels = [str(L.cpu_op(op).default) for op in ops]
 _native.module()
 from offload_passes.custom_ops import cann_library_status
 status = cann_library_status()
-print(json.dumps({"origin": L.cpu_kernels_origin(), "library": str(L.prebuilt_library()),
+from offload_passes.custom_ops import OP_SPECS
+entries = sorted(s.qualname for s in OP_SPECS if L.has_cpu_entry(s))
+print(json.dumps({"origin": L.cpu_kernels_origin(), "library": str(L.prebuilt_library()), "entries": entries,
                   "kernels": kernels, "trace": _native.origin(),
                   "cann": [status.loaded, status.path], "ours": sorted(L.defined_ops())}))
 """
@@ -66,6 +70,7 @@ def test_installed_environment_has_prebuilt_kernels(tmp_path):
     assert out["trace"] == "prebuilt"
     assert out["library"] == str(lib)
     assert out["kernels"] == [f"offload_cpu.{op}.default" for op in OPS]  # one library holds every op
+    assert out["entries"] == sorted(s.qualname for s in OP_SPECS if s.name in OPS)  # the ops' CPU kernels are C++
     assert list(ext_dir.iterdir()) == []  # nothing was JIT-built
     # Loading our library is not mistaken for a late CANN load (which would hand our schemas over to it)
     assert out["cann"] == [False, None]
@@ -106,7 +111,7 @@ def test_missing_prebuilt_falls_back_to_jit(fresh_loader, caplog):
     assert len(calls) == 1
     kw = calls[0]
     assert kw["name"] == "offload_passes" + _extensions.cpu_kernels_name(torch.__version__)
-    assert kw["sources"] == [str(CSRC / f"{op}.cpp") for op in OPS]  # all ops, one library
+    assert kw["sources"] == [str(p) for p in SOURCES]  # all ops and their entry, one library
     assert kw["extra_cflags"] == ["-O3", "-fopenmp"]
     assert kw["extra_ldflags"] == ["-fopenmp"]
     assert kw["is_python_module"] is False

@@ -87,7 +87,7 @@ def group_step(draw):
         beyond=draw(st.booleans()),  # ids >= id_range
         garbage=draw(st.booleans()),  # inconsistent pool metadata (plan / install must stay in bounds)
         pool_fill=draw(st.sampled_from([0.0, 0.5, 1.0])),
-        D=draw(st.integers(1, 8)), Dr=draw(st.integers(1, 4)),
+        D=draw(st.integers(1, 8)), Dr=draw(st.integers(0, 4)),  # Dr = 0: the no-rope mode (docs/ops.md §3.3)
         dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])),
     )
 
@@ -156,7 +156,7 @@ def test_plan_serve_install_pipeline(c):
     assert torch.equal(bits(sel_kv), bits(ref_kv)) and torch.equal(bits(sel_rope), bits(ref_rope))
     for t in (guard_kv, guard_rope):
         assert bool(t[0].isnan().all() and t[-1].isnan().all()), "serve wrote outside the selection buffer"
-    flat_kv, flat_rope = sel_kv.reshape(rows, -1), sel_rope.reshape(rows, -1)
+    flat_kv, flat_rope = sel_kv.flatten(0, 1), sel_rope.flatten(0, 1)  # [rows, D] (D may be 0)
     ids = tk.reshape(B * S, K).long()
     b_of = (torch.arange(B * S) // S).unsqueeze(1).expand(-1, K)
     k = kinds.reshape(-1)
@@ -247,7 +247,8 @@ def gather_case(draw):
         B=draw(st.integers(1, 3)), S=draw(st.integers(1, 4)),
         bsz=draw(st.sampled_from([1, 2, 4, 8, 16])) if small else 1,
         dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.int8])),
-        no_rope=draw(st.booleans()), layout=draw(st.sampled_from(["BSND", "TND"])),
+        # the no-rope mode in both forms: a 1-D empty rope, or a zero-width 3-D one (docs/ops.md §1.2)
+        rope=draw(st.sampled_from(["3d", "1d", "zero"])), layout=draw(st.sampled_from(["BSND", "TND"])),
         steps=draw(st.integers(1, 3)),
         hole=draw(st.sampled_from([0.0, 0.5])), dup=draw(st.sampled_from([0.0, 0.5])),
         future=draw(st.sampled_from([0.0, 0.5])), garbage_status=draw(st.booleans()),
@@ -258,7 +259,7 @@ def gather_case(draw):
 def test_gather_ledger(c):
     note(str(c))
     case = TG.Case(c["seed"], K=c["K"], B=c["B"], S=c["S"], bsz=c["bsz"], dtype=c["dtype"],
-                   no_rope=c["no_rope"], layout=c["layout"], D=4, Dr=2)
+                   no_rope=c["rope"] == "1d", layout=c["layout"], D=4, Dr=0 if c["rope"] == "zero" else 2)
     if c["garbage_status"]:
         case.status = TG.garbage_status(case.B, case.S, case.K, case.bsz, case.L, case.g)
     # §8.9 holds for contract-abiding rows and a truthful previous ledger (a garbage ledger "keeps" ids

@@ -24,9 +24,8 @@ from torch import fx
 import offload_passes  # noqa: F401  (registers the ops)
 from offload_passes.options import OffloadOptions
 from offload_passes.passes import _fx
-from offload_passes.passes.frontends.recipe import detect
+from offload_passes.passes.frontends.recipe import check_preconditions, detect
 from offload_passes.passes.group import group
-from offload_passes.passes.preconditions import check_preconditions
 from offload_passes.passes.producers import PRODUCER_NAMES, TOPK_PRODUCERS, producer_of_call, topk_source
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,9 @@ import pytest
 import torch
 from torch import fx
 
-from offload_passes.passes.frontends import FRONT_ENDS, Detection, FrontEnd, PartialRefusal, PassFiles
+from offload_passes.passes.frontends import FRONT_ENDS
+from offload_passes.passes.frontends.protocol import (Detection, FrontEnd, PartialRefusal, PassFiles, Screening,
+                                                      Summary)
 
 PKG = Path(__file__).resolve().parents[2] / "offload_passes"
 
@@ -31,10 +33,21 @@ def protocol_members() -> set[str]:
 def test_the_protocol_declares_every_stage():
     assert protocol_members() == {
         "name", "files", "on_offload_refusal",
-        "detect", "detect_summary", "report_extras", "screen", "dense_by_design", "sparse_by_design",
+        "detect", "summarise", "screen",
         "check_preconditions",
-        "plan_anchor", "lengths", "topk", "selection", "ledger", "add_guards", "emit_site", "layer_nodes_before",
-        "finish"}
+        "plan_inputs", "selection", "add_guards", "emit_site", "finish"}
+
+
+def test_the_protocol_names_concrete_types():
+    """Every member's parameters and return are annotated, and none with ``Any`` where a type of ours exists
+    (graph inputs, ``example_inputs``, stay ``Any``: they are whatever Dynamo passes)."""
+    for name in protocol_members() - set(FrontEnd.__annotations__):
+        sig = inspect.signature(getattr(FrontEnd, name))
+        assert sig.return_annotation is not inspect.Signature.empty, name
+        for p in list(sig.parameters.values())[1:]:
+            assert p.annotation is not inspect.Parameter.empty, (name, p.name)
+            assert "Any" not in str(p.annotation) or p.name == "example_inputs", (name, p.name, p.annotation)
+        assert str(sig.return_annotation) not in ("Any", "dict", "Optional[Any]"), (name, sig.return_annotation)
 
 
 @pytest.mark.parametrize("fe", FRONT_ENDS, ids=lambda fe: fe.name)
@@ -68,10 +81,11 @@ def test_a_graph_without_dsa_belongs_to_no_front_end():
         det = fe.detect(gm)
         assert isinstance(det, Detection)
         assert not det.has_dsa and list(det.sites) == [] and det.refusals == []
-        summary = fe.detect_summary(det)
-        assert set(summary) == {"gathers", "sites", "indexers", "other_topk"}
-        assert (summary["gathers"], summary["sites"]) == (0, 0)
-        assert fe.screen(det) == ([], [])
+        summary = fe.summarise(det)
+        assert isinstance(summary, Summary)
+        assert set(summary.detect) == {"gathers", "sites", "indexers", "other_topk"}
+        assert (summary.detect["gathers"], summary.detect["sites"]) == (0, 0)
+        assert fe.screen(gm, det) == Screening()
 
 
 def _uses_of(path: Path, var: str) -> tuple[set[str], list[str]]:

@@ -97,7 +97,7 @@ def test_reset_rows_prevents_stale_rows():
     check_pool_invariants(st, m)
     res2 = run_pair(cfg, 12, be, pair=(base, m), compiled=c, start_step=100, lengths=res["lengths"])
     assert res2["max_a"] == 0 and res2["max_h"] == 0
-    with pytest.raises(RuntimeError, match="rows must be in"):
+    with pytest.raises(ValueError, match=r"OffloadState.reset: rows entries must be in \[0, 2\)"):
         st.reset(rows=[cfg.B])
 
 

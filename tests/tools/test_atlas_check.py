@@ -31,7 +31,16 @@ def test_defaults_cover_both_presets_and_modes():
     (["--modes", "eager"], "--modes: unknown value(s) ['eager']; choose from ['ge_graph', 'npugraph_ex']"),
     (["--modes", ","], "--modes: give at least one of ['ge_graph', 'npugraph_ex']"),
     (["--models", "huge"], "--models: unknown value(s) ['huge']"),
-    (["--steps", "0"], "--steps and --warmup must be >= 1, got steps=0 warmup=2"),
+    (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+    (["--warmup", "nan"], "--warmup must be an integer >= 1, got 'nan'"),
+    (["--pool-size", "1000"], "--pool-size: option pool_size must be a multiple of 16, got 1000"),
+    # --set keys and values are checked on the presets' configs before anything runs (--dry-run too)
+    (["--dry-run", "--set", "nope=1"], "--set: config key 'nope': unknown key"),
+    (["--dry-run", "--set", "pool_size=abc"], "--set: config key 'pool_size': unknown key (not a glm_moe_dsa model "
+                                              "key nor a runner key) (preset 'tiny'; --set takes model / runner keys, "
+                                              "the pool size is --pool-size)"),
+    (["--dry-run", "--set", "next_n=abc"], "--set: config key 'next_n': must be a non-negative integer, got 'abc'"),
+    (["--dry-run", "--set", "=3"], "--set expects KEY=VALUE, got '=3'"),
     (["--tol", "0"], "--tol must be > 0, got 0.0"),
     (["--set", "batch_size"], "--set expects KEY=VALUE, got 'batch_size'"),
     (["--kv-memory", "pinned"], "argument --kv-memory: invalid choice: 'pinned'"),

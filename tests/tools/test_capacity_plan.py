@@ -204,10 +204,13 @@ def test_weight_dims_missing_needs_weights_gib():
 
 @pytest.mark.parametrize("kw, message", [
     ({"next_n": 4}, r"next_n must be in \[0, 3\]"),
-    ({"pool_sizes": (1000,)}, "pool_size must be a multiple of 16 in \\(0, 16384\\]"),
-    ({"pool_sizes": (32768,)}, "pool_size must be a multiple of 16"),
-    ({"pool_sizes": (48 * 16,)}, "power-of-two set count"),
-    ({"pool_sizes": (16 * 4,)}, "pool_size must be divisible by pa_block_size 128, got 64"),
+    ({"pool_sizes": (1000,)}, r"pool_size must be a multiple of 16 \(dsa_plan / dsa_install limits\), got 1000"),
+    ({"pool_sizes": (32768,)}, r"pool_size must be in \(0, 16384\] \(dsa_plan / dsa_install limits\), got 32768"),
+    ({"pool_sizes": (48 * 16,)}, r"pool_size / 16 \(sets\) must be a power of two \(dsa_plan / dsa_install "
+                                  r"limits\), got 48"),
+    ({"pool_sizes": (16 * 4,)}, r"pool_size must be a multiple of the selection block size 128 "
+                                r"\(dsa_plan / dsa_install limits\), got 64"),
+    ({"pool_sizes": (8192.0,)}, r"pool_size must be an integer, got 8192.0"),
     ({"devices": 0}, "devices must be a positive integer, got 0"),
     ({"hbm_per_device_gib": 64.0}, "hbm_per_device_gib: 64 GiB per device leaves no room for KV"),
     ({"reserve_gib_per_rank": -1.0}, "reserve_gib_per_rank must be >= 0"),

@@ -89,7 +89,9 @@ def test_cli_what_if_json_ranges_and_question(capsys):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--pools", "3"], "--pools must be 16 x a power of two"),
+    (["--pools", "3"], "--pools must be a multiple of 16 (dsa_plan / dsa_install limits), got 3"),
+    (["--pools", "768"], "--pools / 16 (sets) must be a power of two (dsa_plan / dsa_install limits), got 48"),
+    (["--pools", "32768"], "--pools must be in (0, 16384] (dsa_plan / dsa_install limits), got 32768"),
     (["--seeds", "0"], "--seeds must be in [1, 16], got 0"),
     (["--contexts", "99999999999"], "--contexts must be in (2048, 1048576], got 99999999999"),
     (["--policies", "mru"], "unknown mru"),
@@ -185,7 +187,10 @@ def test_trace_to_latency_command(tmp_path, capsys):
 @pytest.mark.parametrize("args,msg", [
     (["--trace", "/no/such/trace.npz"], "--trace /no/such/trace.npz: trace file /no/such/trace.npz does not exist"),
     (["--policy", "mru"], "--policy: unknown 'mru'"),
-    (["--pool", "3000", "--policy", "sa_clock"], "pool_size for sa_clock must be 16 x a power of two, got 3000"),
+    (["--pool", "3000", "--policy", "sa_clock"], "--pool must be a multiple of 16 (dsa_plan / dsa_install limits), "
+                                                 "got 3000"),
+    (["--pool", "768", "--policy", "lru"], "--pool / 16 (sets) must be a power of two (dsa_plan / dsa_install "
+                                           "limits), got 48"),
     (["--fifo16k-hit", "1.5"], "--fifo16k-hit must be a hit rate in [0, 1], got 1.5"),
     (["--warmup", "500"], "--warmup must be in [0, steps=24) of the trace, got 500"),
 ])

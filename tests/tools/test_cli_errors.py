@@ -26,7 +26,8 @@ DEMO_BAD = [
     (["--config", "nope"], "config preset 'nope': unknown"),
     (["--pool-size", "1000"], "option pool_size must be a multiple of 16"),
     (["--next-n", "5"], "--next-n must be in [0, 3]"),
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+    (["--steps", "nan"], "--steps must be an integer >= 1, got 'nan'"),
     (["--dump-dir", "/proc/offload_passes_nope"], "--dump-dir '/proc/offload_passes_nope' is not a writable directory"),
     # torch's thread pool segfaulted on 100000 threads: range-checked against os.cpu_count()
     (["--threads", "100000"], f"--threads must be in [0, {NCPU}] (0 = torch default; at most "
@@ -40,7 +41,7 @@ DEMO_BAD = [
     (["--model", "hf", "--config", "tiny-w8a8"], "--config 'tiny-w8a8' is a recipe-form preset"),
     (["--config", "hf-tiny"], "--config 'hf-tiny' is a Hugging Face preset: use it with --model hf"),
     # argparse's own errors are one line too (no usage block)
-    (["--threads", "many"], "argument --threads: invalid int value: 'many'"),
+    (["--threads", "many"], "--threads must be an integer, got 'many'"),
     (["--model", "gpt"], "argument --model: invalid choice: 'gpt'"),
 ]
 
@@ -116,8 +117,10 @@ PLAN_BAD = [
     (["--hbm-gib", "nan"], "--hbm-gib must be a finite positive number, got nan"),
     (["--hbm-gib", "inf"], "--hbm-gib must be a finite positive number, got inf"),
     (["--host-gib", "-1"], "--host-gib must be a finite positive number, got -1.0"),
-    (["--devices", "0"], "--devices must be >= 1, got 0"),
-    (["--pool-size", "1000"], "--pool-size must be a positive multiple of 16, got 1000"),
+    (["--devices", "0"], "--devices must be an integer >= 1, got 0"),
+    (["--context", "nan"], "--context must be an integer >= 1, got 'nan'"),
+    (["--pool-size", "1000"], "--pool-size must be a multiple of 16 (dsa_plan / dsa_install limits), got 1000"),
+    (["--pool-size", "32768"], "--pool-size must be in (0, 16384] (dsa_plan / dsa_install limits), got 32768"),
     (["--config", "nope"], "--config 'nope'"),
 ]
 
@@ -134,7 +137,7 @@ def test_plan_alias_adds_one_note_before_the_same_error(capsys):
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert lines == ["offload-plan: note: this command is offload-capacity; the name offload-plan is deprecated "
                      "and will be removed in the next release",
-                     "offload-capacity: error: --devices must be >= 1, got 0"]
+                     "offload-capacity: error: --devices must be an integer >= 1, got 0"]
 
 
 def test_inspect_unwritable_picture_path_exits_2(tmp_path, capsys):
@@ -211,3 +214,101 @@ def test_console_script_prints_no_traceback():
     r = subprocess.run(cmd + ["--config", "nope", "--steps", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().startswith("offload-demo: error: config preset 'nope'")
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+CONFIG_PATHS = [  # (what the --config path is, what follows "--config '<path>'" in the message)
+    ("empty", " is empty: a config holds model_config / runner_config at top level"),  # was the 78-layer default
+    ("comment", " is empty: a config holds model_config / runner_config at top level"),
+    ("braces", " is empty: a config holds model_config / runner_config at top level"),
+    ("keyless", " has none of the keys model_config / runner_config (got ['other'])"),
+    ("list", ": the top level must be a mapping with model_config / runner_config, got a list"),
+    ("dir", " is a directory; give a file"),
+    ("fifo", " is not a regular file (a FIFO, a socket or a device); give a file"),  # reading it hung
+    ("missing", ": no such file"),
+]
+
+
+def _config_path(kind: str, tmp_path: Path) -> Path:
+    text = {"empty": "", "comment": "# nothing\n", "braces": "{}\n", "keyless": "other: 1\n", "list": "[1, 2]\n"}
+    if kind in text:
+        (tmp_path / "c.yaml").write_text(text[kind])
+        return tmp_path / "c.yaml"
+    return {"dir": tmp_path, "fifo": _fifo(tmp_path / "fifo.yaml"), "missing": tmp_path / "nope.yaml"}[kind]
+
+
+@pytest.mark.parametrize("kind,msg", CONFIG_PATHS, ids=[k for k, _ in CONFIG_PATHS])
+@pytest.mark.parametrize("extra", [[], ["--serve"], ["--model", "hf"]], ids=["glm", "serve", "hf"])
+def test_demo_config_that_is_no_config_exits_2_before_building(kind, msg, extra, tmp_path, monkeypatch, capsys):
+    from offload_passes import models
+
+    monkeypatch.setattr(models, "build", lambda *a, **k: pytest.fail("a model was built"))
+    path = _config_path(kind, tmp_path)
+    assert demo.main(extra + ["--config", str(path), "--steps", "1"]) == 2
+    _one_line_error(capsys, "offload-demo", f"--config {str(path)!r}{msg}")
+
+
+@pytest.mark.parametrize("kind,msg", [("empty", " is empty: give HF glm_moe_dsa keys"),
+                                      ("dir", " is a directory; give a file"),
+                                      ("fifo", " is not a regular file"), ("missing", ": no such file")])
+def test_capacity_config_that_is_no_config_exits_2(kind, msg, tmp_path, capsys):
+    path = _config_path(kind, tmp_path)
+    assert capacity_plan.main(["--config", str(path)]) == 2
+    _one_line_error(capsys, "offload-capacity", f"--config {str(path)!r}{msg}")
+
+
+def test_trace_outputs_that_cannot_be_written_name_their_flag(tmp_path, monkeypatch, capsys):
+    """--save-trace (offload-sim) and --record-trace (offload-demo): a directory or a missing folder is refused
+    before the run; a write that fails anyway names the flag (it was a bare [Errno ...])."""
+    from offload_passes.trace import cli
+
+    for target, msg in ((tmp_path, "is a directory; give a file path"), (tmp_path / "no" / "t.npz", "folder")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["synth", "--save-trace", str(target)])
+        assert e.value.code == 2
+        _one_line_error(capsys, "offload-sim", f"--save-trace {str(target)!r}")
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cli, "save_trace", denied)
+    assert cli.main(["synth:steps=4", "--pool-sizes", "64", "--save-trace", str(tmp_path / "t.npz")]) == 2
+    _one_line_error(capsys, "offload-sim", f"--save-trace {str(tmp_path / 't.npz')!r}: Permission denied")
+    import offload_passes.trace.format as fmt
+
+    monkeypatch.setattr(fmt, "save_trace", denied)
+
+    class _Rec:
+        def trace_for(self, state, config):
+            return None
+
+    with pytest.raises(demo.UsageError, match=r"--record-trace '/x/t.npz': Permission denied"):
+        demo._save_trace(_Rec(), object(), "tiny", "/x/t.npz")
+
+
+INT_FLAGS = [  # (tool, argv, message): the one integer parser (offload_passes/_cli.py::parse_ints)
+    ("offload-demo", ["--serve", "--buckets", "2,x"], "--buckets must be comma-separated integers in [1, 4], got '2,x'"),
+    ("offload-demo", ["--serve", "--buckets", "0,4"], "--buckets must be comma-separated integers in [1, 4], got '0,4'"),
+    ("offload-demo", ["--pool-size", "1e4"], "--pool-size must be an integer, got '1e4'"),
+    ("offload-capacity", ["--what-if", "--pools", "8192,nan"], "--pools must be comma-separated integers >= 1, got "
+                                                                "'8192,nan'"),
+    ("offload-capacity", ["--what-if", "--batches", "64,,128"], "--batches must be comma-separated integers >= 1"),
+    ("offload-capacity", ["--batch", "1.5"], "--batch must be an integer >= 1, got '1.5'"),
+    ("offload-capacity", ["--next-n", "-1"], "--next-n must be an integer >= 0, got -1"),
+    ("offload-inspect", ["d", "--layer", "x"], "--layer must be an integer >= 0, got 'x'"),
+]
+
+
+@pytest.mark.parametrize("prog,argv,msg", INT_FLAGS, ids=[" ".join(a) for _, a, _ in INT_FLAGS])
+def test_integer_flags_are_one_line_naming_the_flag_and_the_limit(prog, argv, msg, capsys):
+    main = {"offload-demo": demo.main, "offload-capacity": capacity_plan.main, "offload-inspect": inspect_dump.main}
+    try:
+        rc = main[prog](argv)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    _one_line_error(capsys, "offload-capacity --what-if" if "--what-if" in argv else prog, msg)

@@ -83,9 +83,11 @@ def test_unreadable_trace_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--ways", "0"], "--ways must be in [1, 1024], got 0"),
+    (["--ways", "0"], "--ways must be an integer in [1, 1024], got 0"),
     (["--plot", "/nonexistent_dir_h2/p.png"], "folder '/nonexistent_dir_h2' does not exist"),
-    (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--warmup", "-1"], "--warmup must be an integer >= 0, got -1"),
+    (["--pool-sizes", "64,nan"], "--pool-sizes must be comma-separated integers >= 1, got '64,nan'"),
+    (["--save-trace", "/nonexistent_dir_h2/t.npz"], "--save-trace '/nonexistent_dir_h2/t.npz': folder"),
 ])
 def test_bad_options_exit_2_before_the_run(args, msg, capsys):
     with pytest.raises(SystemExit) as e:

@@ -8,7 +8,11 @@ buffers feed one sparse-flash-attention call (``actual_seq_lengths_kv`` = the ga
 ``key_rope`` / ``block_table`` = the gather's selection buffers). Anything else touching the gather is a
 refusal. Layers are numbered by the order of sites in the graph; module names are never read.
 
-**Preconditions**: ``passes/preconditions.py::check_preconditions`` (shapes, layouts, block tables).
+**Preconditions** (:func:`check_preconditions`): every site's arguments (shapes and layouts from the
+nodes' example values; the selection block table's identity layout on the real example inputs, since
+serve writes the selection positionally; the full block table's layout on them picks how misses are
+read: identity, serve's ``[B, F, D]`` view; any other, through the table), then each group's consistency
+and pool geometry, with the shared checks of ``passes/preconditions.py``.
 
 **Emission** at a site, identity block table: the gather becomes ``dsa_serve`` into the model's own
 selection buffers (the SFA already reads them), the model's gather ledger is written for what serve placed
@@ -25,16 +29,23 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import fx
 
+from ...custom_ops._library import is_pow2
+from ...custom_ops.plan_kind import PlanKind
+from ...options import OffloadOptions
 from .. import _fx
-from .._fx import ancestors, bind, example, is_op, op_name, strip_views, view_users
-from ..group import GroupReport
-from ..preconditions import GroupGeometry, PreconditionReport, check_preconditions
+from .._fx import (ancestors, bind, example, input_values, is_graph_input_or_attr, is_op, op_name, strip_views,
+                   view_users)
+from ..emit import (LEDGER_SERVED, Builder, GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission, emit_serve,
+                    emit_serve_pool, guard, input_name)
+from ..group import Group, GroupReport
+from ..preconditions import (MAX_DKV, MAX_DR, MAX_SBS, MIN_SBS, Checker, GroupGeometry, PreconditionReport,
+                             SiteGeometry, check_pool_size, check_raw_seq, check_topk_width, group_geometry)
 from ..producers import PRODUCER_NAMES, producer_of_call, topk_source
 from ..refusal import Refusal
-from ..rewrite import Builder, GroupNodes, RewriteCtx, SiteRewrite, emit_serve, emit_serve_pool, guard, input_name
-from . import PartialRefusal, PassFiles
+from .protocol import PartialRefusal, PassFiles, PlanInputs, Screening, Summary
 
-__all__ = ["RecipeFrontEnd", "RECIPE", "Site", "DetectReport", "detect", "GATHER", "SFA"]
+__all__ = ["RecipeFrontEnd", "RECIPE", "Site", "DetectReport", "detect", "check_preconditions", "is_identity_table",
+           "GATHER", "SFA"]
 
 GATHER = "npu_gather_selection_kv_cache"
 SFA = "npu_sparse_flash_attention"
@@ -153,14 +164,149 @@ def detect(gm: fx.GraphModule) -> DetectReport:
     return DetectReport(sites, gathers, indexers, other, refusals)
 
 
+# -- preconditions ---------------------------------------------------------------------------------
+#: The float8 dtypes of an indexer key cache (Ascend 950), refused by check_preconditions.
+FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def is_identity_table(t: torch.Tensor, rows: int, cols: int) -> bool:
+    """The first ``cols`` columns of the ``[rows, >= cols]`` table ``t`` are ``arange(rows * cols).view(rows,
+    cols)`` (compared on ``t``'s own device: a CUDA table)."""
+    return t.dim() == 2 and t.size(0) == rows and t.size(1) >= cols and bool(torch.equal(
+        t[:, :cols], torch.arange(rows * cols, dtype=t.dtype, device=t.device).view(rows, cols)))
+
+
+def _real(node: Any, real_inputs: dict[fx.Node, torch.Tensor]) -> Optional[torch.Tensor]:
+    root = strip_views(node)
+    t = real_inputs.get(root)
+    if t is None or not isinstance(node, fx.Node):
+        return None
+    ex = example(node)
+    if ex is not None and tuple(ex.shape) != tuple(t.shape):
+        try:
+            t = t.reshape(ex.shape)
+        except RuntimeError:
+            return None
+    return t
+
+
+def _site(site: Site, opts: OffloadOptions, real: dict, chk: Checker) -> Optional[tuple]:
+    a = site.args
+    chk(a["selection_topk_block_size"] == 1, "gather_block_size",
+        f"selection_topk_block_size={a['selection_topk_block_size']} (only 1, the K > 32 ledger path, is supported)")
+    tk, fkv, frp = example(site.topk), example(a["full_kv_cache"]), example(a["full_k_rope"])
+    skv, srp, stb = example(a["selection_kv_cache"]), example(a["selection_k_rope"]), example(a["selection_kv_block_table"])
+    sts, fbt, L = example(a["selection_kv_block_status"]), example(a["full_kv_block_table"]), example(a["full_kv_actual_seq"])
+    if any(t is None for t in (tk, fkv, frp, skv, srp, stb, sts, fbt, L)):
+        chk(False, "no_example_values", f"{site.gather.name}: tensor shapes unknown")
+        return None
+    # (a quantised cache was refused by detect already)
+    if not chk(srp.dim() == 3 and frp.dim() == 3, "no_rope",
+               f"selection_k_rope {tuple(srp.shape)}, full_k_rope {tuple(frp.shape)}: only a KV cache with a "
+               f"rope cache is offloaded (the no-rope gather mode keeps the gather path)"):
+        return None
+    if not chk(fkv.dim() == 3 and skv.dim() == 3 and fbt.dim() == 2, "paged_layout",
+               f"full_kv_cache {tuple(fkv.shape)} must be [blocks, block_size, Dkv] with a 2-D block table"):
+        return None
+    K = tk.size(-1)
+    check_topk_width(chk, K, bounded_by_producer=True)
+    B, maxblk = fbt.shape
+    T = tk.numel() // max(K, 1)
+    S = T // max(B, 1)
+    chk(tk.dim() in (3, 4) and T == B * S and (tk.dim() == 3 or (tk.size(0) == B and tk.size(2) == 1)),
+        "topk_layout", f"selection_topk_indices {tuple(tk.shape)} is not [B, S, 1, K] / [B*S, 1, K] with B={B}")
+    check_raw_seq(chk, S, opts)
+    F_blocks, FBS, Dkv = fkv.shape
+    Dr = frp.size(-1)
+    chk(tuple(frp.shape[:2]) == (F_blocks, FBS), "paged_layout",
+        f"full_k_rope {tuple(frp.shape)} must match full_kv_cache blocks {(F_blocks, FBS)}")
+    # Any block table is served: the identity layout (the static batch) through serve's [B, F, D] view of
+    # the full cache, any other one (an engine's cache manager) through the model's gather, which takes
+    # the table (docs/new-requests.md, "Paged KV"). The choice is made on the example inputs.
+    t = _real(a["full_kv_block_table"], real)
+    identity = (F_blocks == B * maxblk and t is not None and t.dtype == torch.int32
+                and is_identity_table(t, B, maxblk))
+    chk(fbt.dtype == torch.int32, "paged_layout", f"full_kv_block_table dtype {fbt.dtype} must be int32")
+    if opts.pa_block_size is not None:
+        chk(FBS == opts.pa_block_size, "pa_block_size", f"graph block size {FBS} != config pa_block_size {opts.pa_block_size}")
+    chk(0 < Dkv <= MAX_DKV, "dims", f"Dkv={Dkv} must be in (0, {MAX_DKV}]")
+    chk(0 < Dr <= MAX_DR, "dims", f"Dr={Dr} must be in (0, {MAX_DR}]")
+    nb, SBS = skv.size(0), skv.size(1)
+    chk(is_pow2(SBS) and MIN_SBS <= SBS <= MAX_SBS, "selection_layout",
+        f"selection block size {SBS} must be a power of two in [{MIN_SBS}, {MAX_SBS}]")
+    chk(K % SBS == 0, "selection_layout", f"K={K} must be a multiple of the selection block size {SBS}")
+    chk(nb * SBS == B * S * K, "selection_layout",
+        f"selection_kv_cache {tuple(skv.shape)} must hold exactly B*S*K = {B * S * K} rows")
+    chk(tuple(srp.shape) == (nb, SBS, Dr) and tuple(skv.shape) == (nb, SBS, Dkv), "selection_layout",
+        f"selection buffers {tuple(skv.shape)} / {tuple(srp.shape)} do not match Dkv={Dkv}, Dr={Dr}")
+    chk(skv.dtype == fkv.dtype == frp.dtype == srp.dtype, "kv_dtype", "selection and full caches differ in dtype")
+    chk(stb.dim() == 2 and stb.size(0) == B * S, "selection_layout",
+        f"selection_kv_block_table {tuple(stb.shape)} must have B*S = {B * S} rows")
+    st = _real(a["selection_kv_block_table"], real)
+    if chk(st is not None, "selection_layout", "selection_kv_block_table is not a graph input"):
+        smax = K // SBS if SBS else 0
+        ok = is_identity_table(st, B * S, smax)
+        chk(ok, "selection_layout", "selection_kv_block_table is not the identity layout")
+    chk(sts.numel() == B * S * (K + 1), "selection_layout", f"selection_kv_block_status {tuple(sts.shape)} != [B, S, 1, K+1]")
+    chk(L.dim() == 1 and L.size(0) == B and L.dtype == torch.int32, "lengths",
+        f"full_kv_actual_seq {tuple(L.shape)} {L.dtype} must be int32 [B={B}]")
+    for name in ("selection_kv_cache", "selection_k_rope", "selection_kv_block_status", "selection_kv_block_table"):
+        chk(is_graph_input_or_attr(a[name]), "selection_not_input",
+            f"{name} of {site.gather.name} is not a graph input (in-place serve needs the buffer itself)")
+    geo = SiteGeometry(site.layer, a["full_kv_cache"], a["full_k_rope"], a["selection_kv_cache"],
+                       a["selection_k_rope"], a["selection_kv_block_table"], a["selection_kv_block_status"],
+                       maxblk * FBS, Dkv, Dr, fkv.dtype, a["full_kv_block_table"], FBS, not identity)
+    return geo, (B, S, K, SBS)
+
+
+def check_preconditions(gm: fx.GraphModule, groups: GroupReport, example_inputs: Sequence[Any],
+                        opts: OffloadOptions) -> PreconditionReport:
+    """The recipe form's precondition step: every site's arguments (shapes, layouts, block tables on the
+    real example inputs), then each group's consistency and pool geometry."""
+    real = input_values(gm, example_inputs)  # graph inputs, and module buffers Dynamo left as attributes
+    out: list[GroupGeometry] = []
+    refusals: list[Refusal] = []
+    PS = opts.resolved_pool_size
+    for g in groups.groups:
+        geos: dict[int, SiteGeometry] = {}
+        dims = set()
+        for s in g.sites:
+            chk = Checker(s.layer)
+            r = _site(s, opts, real, chk)
+            refusals.extend(chk.refusals)
+            if r is not None:
+                geos[s.layer] = r[0]
+                dims.add(r[1])
+        chk = Checker(g.owner.layer)
+        if len(dims) > 1:
+            chk(False, "group_inconsistent", f"group {g.group_id}: sites disagree on (B, S, K, BS): {sorted(dims)}")
+        roots = {strip_views(s.args["full_kv_actual_seq"], casts=True) for s in g.sites}
+        chk(len(roots) == 1, "group_inconsistent", f"group {g.group_id}: sites use different cache lengths")
+        # Float8 indexer caches (Ascend 950) have no CPU reference to verify a rewrite against.
+        ik = example(bind(g.producer).get(producer_of_call(g.producer).key_arg))
+        chk(ik is None or ik.dtype not in FLOAT8_DTYPES, "float8_indexer_cache",
+            f"group {g.group_id}: {g.producer.name} reads a {getattr(ik, 'dtype', None)} indexer key cache; "
+            f"float8 indexer caches (Ascend 950) are not supported (int8 / float16 / bfloat16 are)")
+        refusals.extend(chk.refusals)
+        if len(geos) != len(g.sites) or len(dims) != 1:
+            continue
+        B, S, K, SBS = dims.pop()
+        F = max(geo.F for geo in geos.values())
+        chk = Checker(g.owner.layer)
+        check_pool_size(chk, PS, SBS)
+        refusals.extend(chk.refusals)
+        out.append(group_geometry(g, B, S, K, SBS, F, g.owner.args["full_kv_actual_seq"], geos, opts))
+    return PreconditionReport(out, refusals)
+
+
 aten = torch.ops.aten
 
 
 class RecipeFrontEnd:
-    """The recipe form (see the module doc); implements ``frontends.FrontEnd``."""
+    """The recipe form (see the module doc); implements ``frontends/protocol.py::FrontEnd``."""
 
     name = "recipe"
-    files = PassFiles(detect="passes/frontends/recipe.py", preconditions="passes/preconditions.py",
+    files = PassFiles(detect="passes/frontends/recipe.py", preconditions="passes/frontends/recipe.py",
                       emit="passes/frontends/recipe.py")
     #: the rewrite *is* the offload: a failed precondition leaves the graph unmodified
     on_offload_refusal = PartialRefusal.NOTHING
@@ -168,66 +314,42 @@ class RecipeFrontEnd:
     def detect(self, gm: fx.GraphModule) -> DetectReport:
         return detect(gm)
 
-    def detect_summary(self, det: DetectReport) -> dict:
-        return {"gathers": det.gathers, "sites": len(det.sites), "indexers": det.indexers,
-                "other_topk": det.other_topk}
+    def summarise(self, det: DetectReport) -> Summary:
+        return Summary({"gathers": det.gathers, "sites": len(det.sites), "indexers": det.indexers,
+                        "other_topk": det.other_topk}, None)
 
-    def report_extras(self, det: DetectReport) -> None:
-        return None
-
-    def screen(self, det: DetectReport) -> tuple[list[Refusal], list[Refusal]]:
-        return list(det.refusals), []  # every detection refusal blocks; nothing is dense by design
-
-    def dense_by_design(self, gm: fx.GraphModule, det: DetectReport, blocking: Sequence[Refusal]) -> None:
-        return None
-
-    def sparse_by_design(self, det: DetectReport, offload_refusals: Sequence[Refusal]) -> None:
-        return None
+    def screen(self, gm: fx.GraphModule, det: DetectReport) -> Screening:
+        return Screening(tuple(det.refusals))  # every detection refusal blocks; nothing is dense by design
 
     def check_preconditions(self, gm: fx.GraphModule, grp: GroupReport, example_inputs: Sequence[Any],
-                            opts: Any) -> PreconditionReport:
+                            opts: OffloadOptions) -> PreconditionReport:
         return check_preconditions(gm, grp, example_inputs, opts)
 
-    def plan_anchor(self, grp: Any) -> fx.Node:
-        return grp.owner.gather
+    def plan_inputs(self, ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> PlanInputs:
+        # full_kv_actual_seq: int32 [B] (checked by check_preconditions)
+        return PlanInputs(grp.owner.gather, p.lengths)
 
-    def lengths(self, b: Builder, p: GroupGeometry) -> fx.Node:
-        return p.lengths  # full_kv_actual_seq: int32 [B] (checked by check_preconditions)
+    def selection(self, ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> dict[int, SelectionBuffers]:
+        return {l: SelectionBuffers(geo.sel_kv, geo.sel_rope, geo.sel_table) for l, geo in p.geometry.items()}
 
-    def topk(self, b: Builder, p: GroupGeometry) -> fx.Node:
-        return b(aten.view.default, p.topk, [p.B, p.S, 1, p.K])
-
-    def selection(self, ctx: RewriteCtx, grp: Any, p: GroupGeometry) -> dict:
-        return {l: (geo.sel_kv, geo.sel_rope, geo.sel_table) for l, geo in p.geometry.items()}
-
-    def ledger(self, p: GroupGeometry, layer: int) -> Optional[fx.Node]:
-        return p.geometry[layer].status
-
-    def layer_nodes_before(self, grp: GroupReport) -> dict[int, list[str]]:
-        return {s.layer: [s.producer.name, s.gather.name, s.sfa.name] if s is g.owner else [s.gather.name, s.sfa.name]
-                for g in grp.groups for s in g.sites}
-
-    def emit_site(self, ctx: RewriteCtx, grp: Any, gn: Optional[GroupNodes], s: Any) -> fx.Node:
+    def emit_site(self, ctx: RewriteCtx, grp: Group, gn: Optional[GroupNodes], s: Site) -> SiteEmission:
         """``dsa_serve`` (and the ledger write) replaces the gather; installs go after the SFA."""
         assert gn is not None, "the recipe form is only rewritten with offload"
         b = ctx.b
         geo = gn.p.geometry[s.layer]
+        before = ([s.producer.name] if s is grp.owner else []) + [s.gather.name, s.sfa.name]
         if gn.p.paged:
-            return self._emit_paged_site(ctx, grp, gn, s, geo)
+            return self._emit_paged_site(ctx, gn, s, geo, before)
         with ctx.g.inserting_before(s.gather):
             serve = emit_serve(ctx, gn, s.layer, geo.full_kv, geo.full_rope)
             ledger = [_emit_ledger(b, geo, gn, gn.p.K) if ctx.update_ledger else _emit_ledger_reset(b, geo)]
         gather_name = s.gather.name
         s.gather.replace_all_uses_with(gn.act)
         ctx.g.erase_node(s.gather)
-        sr = SiteRewrite(s.layer, grp.group_id, gather_name, s.sfa.name, serve.name)
-        gn.by_layer[s.layer] = sr
-        ctx.after[s.layer] = (([gn.plan.name] if s is grp.owner else []) + [serve.name]
-                              + [n.name for n in ledger] + [s.sfa.name])
-        ctx.sites.append(sr)
-        return s.sfa
+        return SiteEmission(gather_name, s.sfa, serve, [serve, *ledger, s.sfa], before, s.sfa)
 
-    def _emit_paged_site(self, ctx: RewriteCtx, grp: Any, gn: GroupNodes, s: Any, geo: Any) -> fx.Node:
+    def _emit_paged_site(self, ctx: RewriteCtx, gn: GroupNodes, s: Site, geo: SiteGeometry,
+                         before: list[str]) -> SiteEmission:
         """A paged group (any block table): serve places the pool hits at their top-k positions (it reads
         no full cache: the plan it gets has no miss / window rows), the ledger says which positions now
         hold their id, and the model's own gather, kept, keeps those and reads every other row from the
@@ -237,14 +359,9 @@ class RecipeFrontEnd:
         with ctx.g.inserting_before(s.gather):
             serve = emit_serve_pool(ctx, gn, s.layer)
             ledger = _emit_ledger_hits(b, geo, gn, gn.p.K)
-        sr = SiteRewrite(s.layer, grp.group_id, s.gather.name, s.sfa.name, serve.name)
-        gn.by_layer[s.layer] = sr
-        ctx.after[s.layer] = (([gn.plan.name] if s is grp.owner else []) + [serve.name, ledger.name,
-                                                                            s.gather.name, s.sfa.name])
-        ctx.sites.append(sr)
-        return s.sfa
+        return SiteEmission(s.gather.name, s.sfa, serve, [serve, ledger, s.gather, s.sfa], before, s.sfa)
 
-    def add_guards(self, ctx: RewriteCtx, groups: GroupReport, plans: dict) -> None:
+    def add_guards(self, ctx: RewriteCtx, groups: GroupReport, plans: dict[int, GroupGeometry]) -> None:
         """The identity selection block table, and the identity full block table of a group compiled on it
         (a paged group reads through any table), as check_preconditions verified them on the example inputs.
         Shapes and dtypes are static in the graph, so Dynamo's own guards recompile on any change."""
@@ -281,24 +398,27 @@ class RecipeFrontEnd:
                         f"offload guard: selection block table {input_name(st)!r} is no longer the identity layout "
                         f"arange({rows}*{smax}).view({rows}, {smax}) this graph was rewritten for")
 
-    def finish(self, ctx: RewriteCtx) -> dict:
+    def finish(self, ctx: RewriteCtx) -> dict[str, Any]:
         return {}
 
 
 def _emit_ledger_reset(b: Builder, geo: Any) -> fx.Node:
     """Without the ledger update (``update_ledger=False``, the NPU modes' default) the ledger still must
-    not claim rows serve overwrote: mark it "nothing reusable" (-1, as the model's own reset does), so a
-    step through the unmodified module in between gathers every row afresh instead of reusing stale ones.
-    One ``[B, S, 1, K+1]`` int32 write per layer."""
+    not claim rows serve overwrote: every id column -1 ("nothing reusable"), so a step through the
+    unmodified module in between gathers every row afresh, and the count column ``emit.LEDGER_SERVED``
+    (-2), not the -1 of a model's or an engine's reset, so the next step still reads an engine's reset as
+    a new request (``rewrite.invalidate_new_rows``). One ``[B, S, 1, K+1]`` int32 write per layer."""
     ex = geo.status.meta["example_value"]
-    return b(aten.copy_.default, geo.status,
-             b(aten.full.default, list(ex.shape), -1, dtype=ex.dtype, device=ex.device))
+    K = int(ex.size(-1)) - 1
+    ids = b(aten.full.default, [*ex.shape[:-1], K], -1, dtype=ex.dtype, device=ex.device)
+    cnt = b(aten.full.default, [*ex.shape[:-1], 1], LEDGER_SERVED, dtype=ex.dtype, device=ex.device)
+    return b(aten.copy_.default, geo.status, b(aten.cat.default, [ids, cnt], -1))
 
 
 def _emit_ledger_hits(b: Builder, geo: Any, gn: GroupNodes, K: int) -> fx.Node:
     """Paged groups: the ledger before the kept gather: position k holds ``topk[k]`` where serve placed a
     pool hit, -1 elsewhere (so the gather keeps exactly the hits and reads the rest through the table)."""
-    hit = b(aten.eq.Scalar, b(aten.view.default, gn.kinds, [gn.p.B * gn.p.S, K]), 1)
+    hit = b(aten.eq.Scalar, b(aten.view.default, gn.kinds, [gn.p.B * gn.p.S, K]), int(PlanKind.POOL_HIT))
     vals = b(aten.where.ScalarOther, hit, gn.tk2, -1)
     row = b(aten.cat.default, [vals, b(aten.unsqueeze.default, gn.act, 1)], 1)
     shape = list(geo.status.meta["example_value"].shape)

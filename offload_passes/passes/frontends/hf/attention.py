@@ -65,10 +65,11 @@ def hf_sparse_attention(query: torch.Tensor, latent: torch.Tensor, rope: torch.T
     ``[B,1,T,C]`` / ``[B,1,T,r]``, expanded through ``weight`` (kv_b_proj); returns ``[B,H,S,v]``."""
     B, _, T, C = latent.shape
     S, K = topk.shape[1], topk.shape[2]
-    safe = topk.long().clamp(0, T - 1).reshape(B, S * K)
-    bidx = torch.arange(B, device=topk.device).view(B, 1)
-    rows = latent[:, 0][bidx, safe].view(B, S, K, C)  # row gather (indexing kernel: ~8x torch.gather here)
-    rrows = rope[:, 0][bidx, safe].view(B, S, K, rope.shape[-1])
+    # the gather runs where the cache lives (host KV: offload_passes/hf_cache.py), the K rows then move
+    safe = topk.long().clamp(0, T - 1).reshape(B, S * K).to(latent.device)
+    bidx = torch.arange(B, device=latent.device).view(B, 1)
+    rows = latent[:, 0][bidx, safe].view(B, S, K, C).to(query.device)  # row gather (indexing: ~8x torch.gather here)
+    rrows = rope[:, 0][bidx, safe].view(B, S, K, rope.shape[-1]).to(query.device)
     return _attend(query, rows, rrows, weight, topk, base_mask, T, scaling, nope, vdim, kind, fill, sinks,
                    softmax_dtype, dedup)
 

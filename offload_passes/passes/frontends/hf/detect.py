@@ -117,9 +117,19 @@ def _shape(n: Any) -> Optional[tuple]:
     return tuple(ex.shape) if ex is not None else None
 
 
+def _device_move(n: Any) -> bool:
+    """``x.to(device)``: same shape, dtype and values on another device (a host-KV cache's update hands the
+    dense attention device copies of its host caches, ``offload_passes/hf_cache.py``)."""
+    if not (isinstance(n, fx.Node) and (_method_or_fn(n, "to") or _method_or_fn(n, "_to_copy")) and n.args):
+        return False
+    a, b = example(n.args[0]), example(n)
+    return (a is not None and b is not None and a.device != b.device and a.dtype == b.dtype
+            and tuple(a.shape) == tuple(b.shape))
+
+
 def _input_root(n: Any) -> Any:
-    """The graph input behind views / expands (the cache tensors are Dynamo placeholders)."""
-    while isinstance(n, fx.Node) and (is_view(n) or _method_or_fn(n, "expand")):
+    """The graph input behind views / expands / device copies (the cache tensors are Dynamo placeholders)."""
+    while isinstance(n, fx.Node) and (is_view(n) or _method_or_fn(n, "expand") or _device_move(n)):
         n = n.args[0]
     return n
 
@@ -165,6 +175,8 @@ def _expansion(key: fx.Node, value: fx.Node) -> dict:
     bias = _arg(lin, 2, "bias", None)
     _need(bias is None, f"{lin.name}: kv_b_proj with a bias is not supported")
     latent, weight = lin.args[0], lin.args[1]
+    if _device_move(latent):  # host KV: the site reads (and the offload serves from) the host cache itself
+        latent = latent.args[0]
     _need(isinstance(latent, fx.Node) and is_graph_input_or_attr(_input_root(latent)),
           f"{lin.name}: kv_b_proj input {latent} is not the latent cache (a graph input)")
     _need(isinstance(weight, fx.Node) and weight.op in ("placeholder", "get_attr"),

@@ -13,12 +13,12 @@ from torch import fx
 from .... import _compat
 from ....options import OffloadOptions
 from ... import _fx
-from ...group import GroupReport
+from ...emit import GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission, emit_serve
+from ...group import Group, GroupReport
 from ...preconditions import (MAX_DKV, MAX_DR, Checker, GroupGeometry, PreconditionReport, SiteGeometry,
                               check_pool_size, check_raw_seq, check_topk_width, group_geometry)
 from ...refusal import Refusal
-from ...rewrite import Builder, GroupNodes, RewriteCtx, SiteRewrite, emit_serve
-from .. import PartialRefusal, PassFiles
+from ..protocol import PartialRefusal, PassFiles, PlanInputs, Screening, Summary
 from .attention import hf_sparse_attention, hf_sparse_attention_rows
 from .detect import HfDetectReport, HfSite, detect_hf
 
@@ -102,10 +102,14 @@ def _dce(g: fx.Graph, seeds: Sequence[fx.Node]) -> int:
 
 # -- offload preconditions ----------------------------------------------------------------------------
 def _cache_length(site: HfSite) -> Optional[fx.Node]:
-    """The index the model writes this step's latent rows at (``index_copy_`` into the latent cache)."""
+    """The index the model writes this step's latent rows at: ``index_copy_`` into the latent cache
+    (``StaticCache``), or ``offload_ref::static_cache_write_``'s ``cache_position`` (the host-KV cache,
+    ``offload_passes/hf_cache.py``)."""
     for u in site.latent.users:
         if _name(u) in ("index_copy_", "index_copy") and u.args and u.args[0] is site.latent and len(u.args) >= 3:
             return u.args[2]
+        if _fx.op_name(u) == "offload_ref::static_cache_write_" and u.args and u.args[0] is site.latent:
+            return u.args[2] if len(u.args) >= 3 else u.kwargs.get("cache_position")
     return None
 
 
@@ -117,15 +121,17 @@ def _selection_block(K: int) -> int:
 
 
 def check_hf_preconditions(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOptions) -> PreconditionReport:
-    """Each group's geometry (as the recipe form's, ``passes/preconditions.py``) from the HF cache shapes;
+    """Each group's geometry (as the recipe form's, ``passes/frontends/recipe.py``) from the HF cache shapes;
     refusals. The group-level rules (top-k width, raw_seq / next_n, pool geometry, id range) are the shared
-    ones; the per-site checks are this form's (latent cache dtype and widths, the cache-length write).
-    Once a group is refused, later groups are checked (their refusals reported) but not offloaded."""
+    ones (``passes/preconditions.py``); the per-site checks are this form's (latent cache dtype and widths,
+    the cache-length write). Every group is checked; which of those that pass are offloaded is the
+    pipeline's decision (``outcome.py``). Refusals that are only ``raw_seq`` are a prefill's design
+    (``PreconditionReport.by_design``): the offload serves decode graphs, sparse attention is exact."""
     refusals: list[Refusal] = []
     plans: list[GroupGeometry] = []
     PS = opts.resolved_pool_size
     for g in grp.groups:
-        chk = Checker(g.owner.layer, refusals)
+        chk = Checker(g.owner.layer)
         d0 = g.owner.dims
         B, S, K = d0["B"], d0["S"], d0["K"]
         for s in g.sites:
@@ -137,18 +143,24 @@ def check_hf_preconditions(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOp
             chk(0 < d["C"] <= MAX_DKV and 0 < d["R"] <= MAX_DR, "dims",
                 f"Dkv={d['C']} must be in (0, {MAX_DKV}], Dr={d['R']} in (0, {MAX_DR}]", s.layer)
             chk(_cache_length(s) is not None, "cache_layout",
-                f"{s.latent.name}: no index_copy_ write into the latent cache (cache length unknown)", s.layer)
+                f"{s.latent.name}: no index_copy_ / static_cache_write_ into the latent cache (cache length unknown)",
+                s.layer)
         check_topk_width(chk, K, bounded_by_producer=False)  # HF's topk() has no schema limit
         check_raw_seq(chk, S, opts)
         SBS = _selection_block(K)
         check_pool_size(chk, PS, SBS)
-        if refusals:
+        refusals.extend(chk.refusals)
+        if chk.refusals:
             continue
         T = max(s.dims["T"] for s in g.sites)
         geos = {s.layer: SiteGeometry(s.layer, s.latent, s.rope, None, None, None, None, s.dims["T"], s.dims["C"],
                                       s.dims["R"], s.dtype) for s in g.sites}
         plans.append(group_geometry(g, B, S, K, SBS, T, _cache_length(g.owner), geos, opts))
-    return PreconditionReport(plans if not refusals else [], refusals)
+    by_design = None
+    if refusals and {r.reason for r in refusals} == {"raw_seq"}:
+        by_design = (f"a prefill of S = {grp.groups[0].owner.dims['S']} query tokens: sparse attention without the "
+                     "offload (it serves decode graphs)")
+    return PreconditionReport(plans, refusals, by_design)
 
 
 _ALLOC = {"zeros", "empty", "full", "ones", "new_zeros", "new_empty", "new_full", "zeros_like", "empty_like"}
@@ -187,26 +199,29 @@ class HfFrontEnd:
     def detect(self, gm: fx.GraphModule) -> HfDetectReport:
         return detect_hf(gm)
 
-    def detect_summary(self, det: HfDetectReport) -> dict:
-        return {"gathers": det.candidates, "sites": len(det.sites), "indexers": det.topk_nodes, "other_topk": []}
+    def summarise(self, det: HfDetectReport) -> Summary:
+        return Summary({"gathers": det.candidates, "sites": len(det.sites), "indexers": det.topk_nodes,
+                        "other_topk": []},
+                       {"form": "transformers", "sites": [s.to_dict() for s in det.sites], "offload": False,
+                        "offload_refusals": []})
 
-    def report_extras(self, det: HfDetectReport) -> dict:
-        return {"form": "transformers", "sites": [s.to_dict() for s in det.sites], "offload": False,
-                "offload_refusals": []}
-
-    def screen(self, det: HfDetectReport) -> tuple[list[Refusal], list[Refusal]]:
-        """(refusals that leave the graph unmodified with a warning, notes that leave it so quietly)."""
-        blocking = list(det.refusals)  # hf_site_not_verified, or a named form the offload cannot apply to
+    def screen(self, gm: fx.GraphModule, det: HfDetectReport) -> Screening:
+        """Detection refusals block (hf_site_not_verified, or a named form the offload cannot apply to),
+        unless the graph allocates the caches it writes (a prefill: dense by design); a graph where the
+        dense attention reads fewer rows than the sparse one is left as it is, quietly."""
+        blocking = tuple(det.refusals)
+        if blocking:
+            return Screening(blocking, dense_by_design=self._allocates_caches(gm))
         dense = [s for s in det.sites if s.dims["S"] * s.dims["K"] >= s.dims["T"]]
-        quiet = []
-        if dense and not blocking:
-            # e.g. a prefill graph (S = prompt length): S*K selected rows cost more than the T dense ones
-            d = dense[0].dims
-            quiet.append(Refusal("dense_cheaper", f"S*K = {d['S']}*{d['K']} >= T = {d['T']} cached positions: the "
-                                 "dense attention reads fewer rows; graph left as it is", dense[0].layer))
-        return blocking, quiet
+        if not dense:
+            return Screening()
+        # e.g. a prefill graph (S = prompt length): S*K selected rows cost more than the T dense ones
+        d = dense[0].dims
+        return Screening(quiet=(Refusal("dense_cheaper", f"S*K = {d['S']}*{d['K']} >= T = {d['T']} cached positions: "
+                                        "the dense attention reads fewer rows; graph left as it is", dense[0].layer),))
 
-    def dense_by_design(self, gm: fx.GraphModule, det: HfDetectReport, blocking: Sequence[Refusal]) -> Optional[str]:
+    @staticmethod
+    def _allocates_caches(gm: fx.GraphModule) -> Optional[str]:
         # the first call on a new StaticCache allocates the cache inside the graph (HF's lazy
         # initialisation, i.e. generate()'s prefill): there is no cache to keep a pool of yet, and the
         # whole prompt attends densely anyway. Dense by design, not a refusal; strict does not apply.
@@ -217,67 +232,50 @@ class HfFrontEnd:
                 f"{', ...' if len(alloc) > 2 else ''}): a prefill on a new cache runs dense by design; the decode "
                 "graphs that read the cache are rewritten")
 
-    def sparse_by_design(self, det: HfDetectReport, offload_refusals: Sequence[Refusal]) -> Optional[str]:
-        # a prompt (chunk) of S > MAX_RAW_SEQ tokens on an existing cache: the offload serves decode
-        # graphs; sparse attention is exact here, so this is the prefill's design, not a refusal
-        if {r.reason for r in offload_refusals} != {"raw_seq"}:
-            return None
-        return (f"a prefill of S = {det.sites[0].dims['S']} query tokens: sparse attention without the offload "
-                "(it serves decode graphs)")
-
     def check_preconditions(self, gm: fx.GraphModule, grp: GroupReport, example_inputs: Sequence[Any],
                             opts: OffloadOptions) -> PreconditionReport:
         return check_hf_preconditions(gm, grp, opts)
 
-    def plan_anchor(self, grp: Any) -> fx.Node:
-        return grp.owner.attn
-
-    def lengths(self, b: Builder, p: GroupGeometry) -> fx.Node:
+    def plan_inputs(self, ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> PlanInputs:
         # this step's cache positions [S] (StaticCache: the same for every row); L = last position + 1
-        L = b(aten.add.Tensor, b(aten.amax.default, p.lengths, [0]), 1)
-        return b(aten.repeat.default, b(aten.view.default, b(aten._to_copy.default, L, dtype=torch.int32), [1]), [p.B])
+        b, anchor = ctx.b, grp.owner.attn
+        with ctx.g.inserting_before(anchor):
+            L = b(aten.add.Tensor, b(aten.amax.default, p.lengths, [0]), 1)
+            L = b(aten.repeat.default, b(aten.view.default, b(aten._to_copy.default, L, dtype=torch.int32), [1]), [p.B])
+        return PlanInputs(anchor, L)
 
-    def topk(self, b: Builder, p: GroupGeometry) -> fx.Node:
-        tk = p.topk
-        if _fx.example(tk) is None or _fx.example(tk).dtype != torch.int32:
-            tk = b(aten._to_copy.default, tk, dtype=torch.int32)
-        return b(aten.view.default, tk, [p.B, p.S, 1, p.K])
-
-    def selection(self, ctx: RewriteCtx, grp: Any, p: GroupGeometry) -> dict:
+    def selection(self, ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> dict[int, SelectionBuffers]:
         """Selection buffers and their identity block table: scratch of the graph (HF has none)."""
         B, S, K, SBS = p.B, p.S, p.K, p.BS
         dev = ctx.state.pools[grp.owner.layer][0].device
         nb = B * S * K // SBS
+        # a tensor of its own, not a view of the arange (a graph buffer; fake-tensor conversion keeps a view's base)
         table = ctx.attr(f"sel_table_g{grp.group_id}",
-                         torch.arange(nb, dtype=torch.int32, device=dev).view(B * S, K // SBS))
+                         torch.arange(nb, dtype=torch.int32, device=dev).view(B * S, K // SBS).clone())
         out = {}
         for s in grp.sites:
             geo = p.geometry[s.layer]
-            out[s.layer] = (ctx.attr(f"sel_kv_l{s.layer}", torch.zeros(nb, SBS, geo.Dkv, dtype=geo.dtype, device=dev)),
-                            ctx.attr(f"sel_rope_l{s.layer}", torch.zeros(nb, SBS, geo.Dr, dtype=geo.dtype, device=dev)),
-                            table)
+            out[s.layer] = SelectionBuffers(
+                ctx.attr(f"sel_kv_l{s.layer}", torch.zeros(nb, SBS, geo.Dkv, dtype=geo.dtype, device=dev)),
+                ctx.attr(f"sel_rope_l{s.layer}", torch.zeros(nb, SBS, geo.Dr, dtype=geo.dtype, device=dev)),
+                table)
         return out
 
-    def ledger(self, p: GroupGeometry, layer: int) -> None:
-        return None  # transformers keeps no gather ledger
-
-    def layer_nodes_before(self, grp: GroupReport) -> dict[int, list[str]]:
-        return {s.layer: [s.scatter.name, s.combine.name, s.attn.name] for g in grp.groups for s in g.sites}
-
-    def add_guards(self, ctx: RewriteCtx, groups: GroupReport, plans: dict) -> None:
+    def add_guards(self, ctx: RewriteCtx, groups: GroupReport, plans: dict[int, GroupGeometry]) -> None:
         return None  # no block tables: the shared lengths guard is all the assumptions there are
 
-    def emit_site(self, ctx: RewriteCtx, grp: Any, gn: Optional[GroupNodes], s: HfSite) -> fx.Node:
+    def emit_site(self, ctx: RewriteCtx, grp: Group, gn: Optional[GroupNodes], s: HfSite) -> SiteEmission:
         """The sparse attention (reading what ``dsa_serve`` placed when offloaded) replaces the dense one."""
         b, d = ctx.b, s.dims
         fill = float(s.combine.args[2]) if s.kind == "eager" else 0.0
+        before = [s.scatter.name, s.combine.name, s.attn.name]
         serve = None
         with ctx.g.inserting_before(s.attn):
             if gn is not None:
                 serve = emit_serve(ctx, gn, s.layer, s.latent, s.rope)
-                skv, srp, _ = gn.sel[s.layer]
-                new_attn = b(hf_sparse_attention_rows, s.query, skv, srp, s.weight, s.topk, s.base_mask, d["T"],
-                             s.scaling, d["n"], d["v"], s.kind, fill, s.sinks, s.softmax_dtype, s.dedup)
+                sel = gn.sel[s.layer]
+                new_attn = b(hf_sparse_attention_rows, s.query, sel.kv, sel.rope, s.weight, s.topk, s.base_mask,
+                             d["T"], s.scaling, d["n"], d["v"], s.kind, fill, s.sinks, s.softmax_dtype, s.dedup)
             else:
                 new_attn = b(hf_sparse_attention, s.query, s.latent, s.rope, s.weight, s.topk, s.base_mask,
                              s.scaling, d["n"], d["v"], s.kind, fill, s.sinks, s.softmax_dtype, s.dedup)
@@ -286,16 +284,10 @@ class HfFrontEnd:
         dense_name = s.attn.name
         s.attn.replace_all_uses_with(new_attn)
         ctx.scratch.setdefault("dead", []).append(s.attn)
-        rw = SiteRewrite(s.layer, grp.group_id, dense_name, new_attn.name,
-                         serve.name if serve is not None else None, kind=s.kind)
-        ctx.sites.append(rw)
-        if gn is not None:
-            gn.by_layer[s.layer] = rw
-        ctx.after[s.layer] = ([gn.plan.name] if gn is not None and s is grp.owner else []) + \
-            ([serve.name] if serve is not None else []) + [new_attn.name]
-        return new_attn
+        nodes = ([serve] if serve is not None else []) + [new_attn]
+        return SiteEmission(dense_name, new_attn, serve, nodes, before, new_attn, kind=s.kind)
 
-    def finish(self, ctx: RewriteCtx) -> dict:
+    def finish(self, ctx: RewriteCtx) -> dict[str, Any]:
         erased = _dce(ctx.g, ctx.scratch.get("dead", []))
         return {"erased_nodes": erased, "dense_masks_left": dense_masks_left(ctx.g)}
 

@@ -1,0 +1,116 @@
+"""What a graph with DSA sites becomes: a pure function (:func:`decide`) of the facts the passes found.
+
+The pipeline (``pipeline.py::_run``) does the work — detection, screening, the preconditions, the
+rewrite — and asks :func:`decide` what to make of it; nothing here reads a graph. The four outcomes:
+
+* **rewritten** — the front-end's rewrite, with the offload in every group that asked for it;
+* **partial** — the front-end's rewrite, some groups without the offload (the Hugging Face form keeps
+  its exact sparse attention, ``PartialRefusal.SPARSE_WITHOUT_OFFLOAD``): a warning naming the reasons
+  (``strict`` raises) unless the refusals are the design (a prefill);
+* **dense** — compiled unmodified by design (a prefill, a graph the dense attention serves cheaper): no
+  warning, ``strict`` does not apply;
+* **refused** — compiled unmodified: a warning naming each reason (``strict`` raises).
+
+The offload is decided per group (:attr:`Facts.group_refusals`, :attr:`Outcome.offload_groups`); today a
+front-end whose offload is refused in one group serves every group without it (:func:`offload_groups`).
+The table of cases is ``tests/test_outcome.py``.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from .passes.frontends.protocol import PartialRefusal, Screening
+from .passes.refusal import Refusal
+
+__all__ = ["Verdict", "Facts", "Outcome", "decide", "offload_groups", "DISABLED"]
+
+#: The refusal of a front-end whose rewrite is the offload when the configuration turns the offload off.
+DISABLED = Refusal("disabled", "enable_offload / shared_indexer_offload is off in the config")
+
+
+class Verdict(enum.Enum):
+    REWRITTEN = "rewritten"
+    PARTIAL = "partial"
+    DENSE = "dense"
+    REFUSED = "refused"
+
+    @property
+    def unmodified(self) -> bool:
+        """The graph compiles as it is (no rewrite at all)."""
+        return self in (Verdict.DENSE, Verdict.REFUSED)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the passes found about one graph (with DSA sites), before anything is rewritten."""
+
+    #: what an offload refusal leaves of the front-end's rewrite (``FrontEnd.on_offload_refusal``)
+    on_offload_refusal: PartialRefusal
+    #: the detection's refusals and notes (``FrontEnd.screen``)
+    screening: Screening
+    #: ``enable_offload`` and ``shared_indexer_offload`` of the options
+    offload_enabled: bool
+    #: every group's id, in order
+    groups: tuple[int, ...]
+    #: the unmet offload preconditions, as the front-end listed them (``PreconditionReport.refusals``)
+    offload_refusals: tuple[Refusal, ...] = ()
+    #: per group its unmet preconditions (empty: it passes; ``PreconditionReport.by_group``)
+    group_refusals: Mapping[int, tuple[Refusal, ...]] = field(default_factory=dict)
+    #: the offload refusals are the design, with this detail (``PreconditionReport.by_design``)
+    by_design: Optional[str] = None
+
+    @property
+    def rewritable(self) -> bool:
+        """Screening leaves the graph to the rewrite: the preconditions are worth checking."""
+        return not self.screening.blocking and not self.screening.quiet
+
+
+@dataclass(frozen=True)
+class Outcome:
+    verdict: Verdict
+    #: the groups that get plan / serve / install
+    offload_groups: tuple[int, ...] = ()
+    #: ``GraphReport.refusals`` (refused; dense: the quiet notes)
+    refusals: tuple[Refusal, ...] = ()
+    #: partial: the offload refusals the front-end's own report section lists
+    offload_refusals: tuple[Refusal, ...] = ()
+    #: ``GraphReport.dense``: ``(reason, detail)``
+    dense: Optional[tuple[str, str]] = None
+    #: the info line logged (the graph is dense or served without offload by design)
+    note: Optional[str] = None
+    #: one warning naming :attr:`refusals` (refused) or :attr:`offload_refusals` (partial); ``strict`` raises
+    warn: bool = False
+
+
+def offload_groups(f: Facts) -> tuple[int, ...]:
+    """The groups a front-end whose offload was refused somewhere still offloads: none (a graph is served
+    with the offload in every group or in none)."""
+    return ()
+
+
+def decide(f: Facts) -> Outcome:
+    """The outcome of a graph with DSA sites from the facts ``f`` (see the module doc)."""
+    s = f.screening
+    partial = f.on_offload_refusal is PartialRefusal.SPARSE_WITHOUT_OFFLOAD
+    disabled = () if f.offload_enabled or partial else (DISABLED,)
+    if s.blocking:
+        if s.dense_by_design is not None:
+            return Outcome(Verdict.DENSE, dense=("prefill", s.dense_by_design), note=s.dense_by_design)
+        return Outcome(Verdict.REFUSED, refusals=disabled + s.blocking, warn=True)
+    if s.quiet:
+        return Outcome(Verdict.DENSE, refusals=s.quiet, dense=(s.quiet[0].reason, s.quiet[0].detail),
+                       note="; ".join(r.detail for r in s.quiet))
+    if disabled:
+        return Outcome(Verdict.REFUSED, refusals=disabled, warn=True)
+    if not f.offload_enabled:  # sparse only: the offload was not asked for
+        return Outcome(Verdict.REWRITTEN)
+    if not f.offload_refusals:
+        return Outcome(Verdict.REWRITTEN, offload_groups=f.groups)
+    if not partial:
+        return Outcome(Verdict.REFUSED, refusals=f.offload_refusals, warn=True)
+    if f.by_design is not None:
+        return Outcome(Verdict.PARTIAL, offload_groups(f), offload_refusals=f.offload_refusals,
+                       dense=("prefill", f.by_design), note=f.by_design)
+    return Outcome(Verdict.PARTIAL, offload_groups(f), offload_refusals=f.offload_refusals, warn=True)
