@@ -85,7 +85,7 @@ SECTIONS = {s.name: s for s in (
     Section("equal", 90, 55, "process start 10 s; about 30 kernel compiles of 1-1.5 s; chains at two geometries x 2 "
             "policies, gather, 2 host writes, 6 opchecks"),
     Section("models", 100, 70, "process start 10 s; 7 compiles (tiny x 2, hf-tiny x 3, hf-glm5-attn x 2) of 5-8 s, "
-            "4 decode steps each; the recipe ops' host fallback"),
+            "4 decode steps each; the recipe ops on the device"),
     Section("serve", 45, 25, "process start 10 s; 2.4 GB pinned host cache; 9 serve cases and their ceilings, "
             "each a captured graph of 20 calls"),
     Section("kernels", 35, 20, "process start 10 s; plan and 2 policies x 2 installs at 3 batch sizes, captured"),

@@ -291,6 +291,35 @@ def indexer_window(
     return n, (int(n.max().item()) if n.numel() > 0 else 0)
 
 
+# The indexers' fp32 sums in one defined order. A BLAS product leaves its summation order to the library
+# (torch's CPU bmm already rounds differently when only the width of the key window changes), so a top-k
+# computed that way is not reproducible by any other kernel. In this order every IEEE single operation is
+# fixed, and custom_ops/cuda/npu_lightning_indexer.py computes the same bits on any device.
+
+
+def pairwise_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum of fp32 ``x`` over ``dim`` in a fixed order: padded with ``-0.0`` (the exact identity of addition)
+    to a power of two ``w``, then halves, ``x[i] + x[i + w/2]``, until one element is left."""
+    n = x.size(dim)
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        pad = list(x.shape)
+        pad[dim] = width - n
+        x = torch.cat([x, x.new_full(pad, -0.0)], dim=dim)
+    while width > 1:
+        width //= 2
+        x = x.narrow(dim, 0, width) + x.narrow(dim, width, width)
+    return x.squeeze(dim)
+
+
+def fold_heads(terms: torch.Tensor) -> torch.Tensor:
+    """``[T, N, W] -> [T, W]``: the head terms summed in head order, ``((t0 + t1) + t2) + ...`` (fp32)."""
+    acc = terms[:, 0]
+    for h in range(1, terms.size(1)):
+        acc = acc + terms[:, h]
+    return acc
+
+
 def indexer_topk(score: torch.Tensor, n: torch.Tensor, needed: torch.Tensor, K: int) -> torch.Tensor:
     """``[T, K]`` int32 ids of the ``min(K, n[t])`` largest ``score[t, :n[t]]``, -1 padded.
 

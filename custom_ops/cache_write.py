@@ -45,6 +45,7 @@ SCATTER_SPEC = OpSpec(
     schema="npu_scatter_nd_update_(Tensor(a!) self, Tensor indices, Tensor updates) -> ()",
     role="cache_write",
     summary="test double of torch_npu.npu_scatter_nd_update_ (self[indices[i]] := updates[i])",
+    cuda_kernel="scatter_nd_update",  # the indexer-cache write of models/glm on CUDA (custom_ops/cuda/scatter_nd_update.py)
 )
 SPECS = (PROLOG_SPEC, SCATTER_SPEC)
 PROLOG, SCATTER = PROLOG_SPEC.name, SCATTER_SPEC.name

@@ -5,7 +5,7 @@ clashes with torch_npu. Semantics (per query token ``t`` of batch ``b``, ``i`` =
 the ``Sq`` query tokens of ``b``)::
 
     n     = L[b] - Sq + i + 1   (sparse_mode 3, right-down causal)   |   L[b]   (sparse_mode 0)
-    score_j = sum_h weights[t, h] * relu(query[t, h] . key_j)          for j < n   (fp32 accumulate)
+    score_j = sum_h weights[t, h] * relu(query[t, h] . key_j)          for j < n   (fp32, fixed order)
     out[t, 0, :min(K, n)] = ids of the largest scores (score desc, ties: smaller id first); rest = -1
 
 Supported layouts: query ``TND`` (``[T, N, D]``, ``actual_seq_lengths_query`` cumulative, required) or
@@ -33,8 +33,10 @@ from ._attention_common import (  # noqa: F401  (REF_NAMESPACE, FLOAT_DTYPES: re
     check_layouts,
     check_query_shape,
     check_sparse_count,
+    fold_heads,
     indexer_out_shape,
     indexer_reference,
+    pairwise_sum,
     ref_check,
     ref_define,
     ref_impl,
@@ -59,8 +61,12 @@ SPEC = OpSpec(
     limits=shared_limits("INDEXER_MAX_SPARSE_COUNT"),
     ge=GeOp("LightningIndexer", outputs=("sparse_indices", "sparse_values"),
             attr_names={"return_value": "return_values"}),
+    cuda_kernel="npu_lightning_indexer",  # custom_ops/cuda/npu_lightning_indexer.py
 )
 OP = SPEC.name
+
+#: elements of the reference's product tensor per chunk of the key window (about 4 MB of fp32)
+_SCORE_CHUNK = 1 << 20
 
 #: torch_npu's documented upper limit of ``sparse_count``.
 MAX_SPARSE_COUNT = SPEC.limit("INDEXER_MAX_SPARSE_COUNT")
@@ -152,10 +158,19 @@ def reference_npu_lightning_indexer(
     T, N, D = info["T"], info["N"], info["D"]
 
     def score(rows: torch.Tensor) -> torch.Tensor:
-        keys = key.reshape(-1, D)[rows]  # [T, nmax, D]
-        # score[t, j] = sum_h w[t, h] * relu(q[t, h] . k[t, j])   (fp32 accumulate)
-        dots = torch.bmm(query.reshape(T, N, D).float(), keys.float().transpose(1, 2))  # [T, N, nmax]
-        return torch.bmm(weights.reshape(T, N).float().unsqueeze(1), torch.relu(dots)).squeeze(1)  # [T, nmax]
+        nmax = rows.size(1)
+        keys = key.reshape(-1, D)[rows].float().permute(2, 0, 1)  # [D, T, nmax]
+        q = query.reshape(T, N, D).float().permute(2, 1, 0).unsqueeze(-1)  # [D, N, T, 1]
+        w = weights.reshape(T, N).float().t().unsqueeze(-1)  # [N, T, 1]
+        # score[t, j] = sum_h w[t, h] * relu(q[t, h] . k[t, j]) in fp32, in the order docs/ops.md §6.1 fixes:
+        # each dot a pairwise sum of its products, the heads summed in order. Products [D, N, T, chunk], the
+        # sum over D first: its halves are contiguous (the same arithmetic in any layout; a few MB per chunk)
+        terms = torch.empty((N, T, nmax), dtype=torch.float32)
+        step = max(1, _SCORE_CHUNK // (D * N * max(T, 1)))
+        for j0 in range(0, nmax, step):
+            chunk = keys[:, None, :, j0:j0 + step]
+            terms[:, :, j0:j0 + step] = w * torch.relu(pairwise_sum(q * chunk, dim=0))
+        return fold_heads(terms.transpose(0, 1))  # [T, nmax]
 
     # window, key gather and top-k (score desc, ties by ascending id, -1 beyond min(K, n)) are shared
     # with the int8 indexer

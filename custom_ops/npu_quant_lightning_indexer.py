@@ -30,7 +30,7 @@ import torch
 
 # the layout / length / block-table checks and the top-k core are npu_lightning_indexer's (shared module)
 from ._attention_common import (REF_NAMESPACE, check_indexer_key, check_indexer_query_lengths, check_kv_layout,
-                                check_layouts, check_query_shape, check_sparse_count, indexer_out_shape,
+                                check_layouts, check_query_shape, check_sparse_count, fold_heads, indexer_out_shape,
                                 indexer_reference, ref_check, ref_define, ref_impl, ref_register_fake)
 from .opspec import OpSpec, shared_limits
 
@@ -52,6 +52,7 @@ SPEC = OpSpec(
     # ge=None: no converter of ours; on an NPU the model calls torch.ops.npu.npu_quant_lightning_indexer,
     # which TorchAir's own converter lowers
     limits=shared_limits("INDEXER_MAX_SPARSE_COUNT"),
+    cuda_kernel="npu_quant_lightning_indexer",  # custom_ops/cuda/npu_quant_lightning_indexer.py
 )
 OP = SPEC.name
 
@@ -182,7 +183,7 @@ def reference_npu_quant_lightning_indexer(
         qscale = query_dequant_scale.reshape(T, N).float()
         scaled = torch.relu((qscale.unsqueeze(2) * kscale.unsqueeze(1)) * dots)  # [T, N, nmax]
         w = weights.reshape(T, N).float()
-        return torch.bmm(w.unsqueeze(1), scaled).squeeze(1)  # [T, nmax]
+        return fold_heads(w.unsqueeze(2) * scaled)  # [T, nmax]: the heads summed in order (docs/ops.md §6.3)
 
     # window, key gather and top-k are shared with npu_lightning_indexer
     return indexer_reference(

@@ -56,6 +56,7 @@ SPEC = OpSpec(
     role="decode",
     summary="CPU reference of torch_npu's sparse flash attention over the selected KV rows",
     ge=GeOp("SparseFlashAttention", outputs=("attention_out", "softmax_max", "softmax_sum"), omit_if_none=("sinks",)),
+    cuda_kernel="npu_sparse_flash_attention",  # custom_ops/cuda/npu_sparse_flash_attention.py
 )
 OP = SPEC.name
 

@@ -2,7 +2,9 @@
 
 One module per op, named by the op's ``OpSpec.cuda_kernel`` (``dsa_plan``, ``dsa_serve``, ``dsa_install``,
 ``npu_gather_selection_kv_cache``, ``dsa_install_sc``, ``cache_write``: the host-KV write of
-``offload_ref::npu_mla_prolog_cache_write_``); ``guard.py`` is the kernel of the ``cuda`` mode's guards.
+``offload_ref::npu_mla_prolog_cache_write_``; the recipe model's decode ops ``npu_lightning_indexer``,
+``npu_quant_lightning_indexer``, ``npu_sparse_flash_attention``, and ``scatter_nd_update``: its indexer-cache
+write ``offload_ref::npu_scatter_nd_update_``); ``guard.py`` is the kernel of the ``cuda`` mode's guards.
 Each op module builds one ``_common.CudaOp`` from the op's ``OpSpec``: ``run(...)`` / ``run_functional(...)``
 take the arguments as the schema does (``custom_ops/_library.py`` ``bind``), validate with the op's own
 ``validate_<op>`` once per signature, then launch; ``register()`` adds them as the CUDA kernels. The tests
@@ -11,9 +13,9 @@ call ``run`` on CPU tensors under ``TRITON_INTERPRET=1``.
 Registration: ``import offload_passes`` calls :func:`autoregister`, which registers the CUDA kernels only
 when torch sees a CUDA device *and* ``triton`` is installed (the ``[cuda]`` extra); on a CPU-only machine
 triton is never imported. :func:`register_all` (``force=True``) registers them anyway (tests).
-The C++ CPU kernels stay the reference twins; nothing here changes CPU dispatch. The decode-path
-reference ops (``offload_ref::`` indexer / attention / cache writes) get a host *fallback* on CUDA
-(``fallback.py``: correctness only, counted, never a performance path).
+The C++ CPU kernels and the ``offload_ref::`` references stay the twins; nothing here changes CPU dispatch.
+Every op the recipe model calls on its decode step has a kernel here, so no op of a compiled step runs on
+the host (tests/cuda/test_decode_ops_on_device.py).
 """
 from __future__ import annotations
 
@@ -50,14 +52,11 @@ def register_all(specs: Iterable | None = None, force: bool = False) -> List[str
         return []
     if specs is None:
         from .. import OP_SPECS as specs  # noqa: N811
-    from . import fallback
-
     specs = list(specs)
     done: List[str] = []
     for spec in specs:
         if spec.cuda_kernel is not None:
             done += kernel_module(spec).register()
-    done += fallback.register(specs)  # decode-path references: host fallback (correctness only)
     _registered.extend(done)
     if done:
         log.info("registered Triton CUDA kernels: %s", ", ".join(done))

@@ -10,8 +10,8 @@ the lowering's own capture instead:
   host), no device-side assert (``aten._assert_async``: the ``cuda`` lowering turns the rewrite's guards
   into ``offload_cuda::guard``), no op whose output shape depends on data (``nonzero``, boolean-mask
   indexing), no host tensor except the full caches at the operand positions of the ops whose Triton
-  kernels read or write them through their pinned address (:data:`HOST_OPERANDS`), and no op whose CUDA
-  kernel is the host fallback of ``custom_ops/cuda/fallback.py`` (it copies to the host and back).
+  kernels read or write them through their pinned address (:data:`HOST_OPERANDS`), and no op of ours whose
+  ``OpSpec`` names no CUDA kernel (``custom_ops/cuda/``: it could not run on the device).
 * :class:`GraphReplay` wraps the lowered step: a warm-up call runs it eagerly (Triton's first compile, the
   caching allocator's first blocks, the once-per-allocation host checks), the next call captures it
   (plan, serve, install, the cache-write stores through the pinned address, the side-stream scope and
@@ -79,17 +79,16 @@ def _host_operands() -> dict:
 HOST_OPERANDS = _host_operands()
 
 
-def _fallback_ops() -> dict:
-    """The ops whose CUDA kernel is the host fallback of ``custom_ops/cuda/fallback.py`` (same rule)."""
+def _ops_without_cuda_kernel() -> dict:
+    """Our ops (``custom_ops.OP_SPECS``) whose spec names no CUDA kernel (``OpSpec.cuda_kernel`` is None)."""
     from ..custom_ops import OP_SPECS
-    from ..custom_ops._attention_common import REF_NAMESPACE
 
     out = {}
     for spec in OP_SPECS:
-        if spec.namespace != REF_NAMESPACE or spec.role not in ("decode", "cache_write") or spec.cuda_kernel:
+        if spec.cuda_kernel:
             continue
         for name in spec.op_names:
-            op = getattr(getattr(torch.ops, REF_NAMESPACE), name, None)
+            op = getattr(getattr(torch.ops, spec.namespace), name, None)
             if op is not None:
                 out[op.default] = name
     return out
@@ -140,7 +139,7 @@ def capture_problems(gm: "fx.GraphModule | fx.Graph") -> List[str]:
     """What would keep ``gm`` (a lowered graph with ``meta["val"]`` on its nodes) out of one CUDA-graph
     capture: one line per node, ``"<node>: <target>: <reason>"``; empty when it is capturable."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
-    fallbacks = _fallback_ops()
+    host_only = _ops_without_cuda_kernel()
     host_kv = _host_kv_nodes(graph)
     out: List[str] = []
     for n in graph.nodes:
@@ -157,9 +156,8 @@ def capture_problems(gm: "fx.GraphModule | fx.Graph") -> List[str]:
         if t in SYNC_OPS:
             out.append(f"{n.name}: {t}: {SYNC_OPS[t]}")
             continue
-        if t in fallbacks:
-            out.append(f"{n.name}: {t}: its CUDA kernel is the host fallback (custom_ops/cuda/fallback.py: a "
-                       "copy to the host and back, a synchronisation)")
+        if t in host_only:
+            out.append(f"{n.name}: {t}: has no CUDA kernel (its OpSpec.cuda_kernel is None)")
             continue
         if t is aten.index.Tensor and any(isinstance(i, fx.Node) and isinstance(_val(i), torch.Tensor)
                                           and _val(i).dtype == torch.bool for i in (n.args[1] or ())):

@@ -7,8 +7,9 @@
 Triton's own compiler (``triton.compile`` of an ``ASTSource``) for ``GPUTarget("cuda", arch, 32)``, down
 to a cubin (Triton's bundled ``ptxas``); no CUDA driver is touched. A separate process because the
 kernels must be imported with ``TRITON_INTERPRET`` unset (``triton.jit`` decides at import time).
-Results: per launch ``{"ok", "cubin_bytes", "shared", "regs", "spill_stores", "spill_loads", "stack", "error"}``:
-shared memory (bytes, Triton's metadata); registers per thread and spill / stack bytes from ``ptxas -v``.
+Results: per launch ``{"ok", "cubin_bytes", "shared", "fma", "regs", "spill_stores", "spill_loads", "stack",
+"error"}``: shared memory (bytes, Triton's metadata); floating-point fused multiply-adds in the PTX; registers per thread
+and spill / stack bytes from ``ptxas -v``.
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             c = triton.compile(src, target=target, options=rec["options"])
             md = c.metadata
             res = {"ok": bool(c.asm.get("cubin")), "cubin_bytes": len(c.asm.get("cubin", b"")),
-                   "shared": int(getattr(md, "shared", 0)), **resource_usage(c.asm["ptx"], a.arch)}
+                   "shared": int(getattr(md, "shared", 0)), "fma": len(re.findall(r"\bfma\.[\w.]*f(?:32|64)\b", c.asm["ptx"])),
+                   **resource_usage(c.asm["ptx"], a.arch)}
         except Exception as e:  # reported per launch; the test names the kernel and the error
             res["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
         out.append(res)

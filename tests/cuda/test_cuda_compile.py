@@ -27,11 +27,12 @@ from offload_passes.custom_ops import _library as Lib
 
 H100_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 SPILL_LIMIT = 128  # bytes per thread: 32 registers' worth; a tile that does not fit spills kilobytes
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion")
 MODULES = ("dsa_plan", "dsa_serve", "dsa_install", "npu_gather_selection_kv_cache", "cache_write", "guard",
-           "static_cache_write")
+           "static_cache_write", "npu_lightning_indexer", "npu_sparse_flash_attention", "scatter_nd_update")
 TRITON_DTYPE = {torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
-                torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.bool: "i1"}
+                torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+                torch.bool: "i1"}
 
 
 def _modules():
@@ -83,7 +84,8 @@ def signature_of(fn, args, kwargs) -> dict:
 
 
 class Recorder:
-    """Stands in for ``mod.<kernel>``: records each launch's signature, then runs it (interpreter)."""
+    """Stands in for ``mod.<kernel>``: records each launch's signature, then runs it (interpreter) unless the
+    phase says record only (``phase[1]`` False: what follows needs only the outputs' shapes)."""
 
     def __init__(self, module: str, name: str, kern, log: list, phase: list):
         self.module, self.name, self.kern, self.log, self.phase = module, name, kern, log, phase
@@ -93,7 +95,7 @@ class Recorder:
             rec = signature_of(self.kern.fn, args, dict(kwargs))
             self.log.append({"module": f"offload_passes.custom_ops.cuda.{self.module}", "kernel": self.name,
                              "geometry": self.phase[0], **rec})
-            return self.kern[grid](*args, **kwargs)
+            return self.kern[grid](*args, **kwargs) if self.phase[1] else None
         return launch
 
 
@@ -140,10 +142,31 @@ def _gather(mods, K, bsz, dtype, no_rope, D, Dr, B=1, S=1):
     mods["npu_gather_selection_kv_cache"].run(*case.args(tk, case.clone_state()), case.bsz)
 
 
+def _decode_ops(T, N, D, Dr, Hi, Di, K, bs, maxblk, int8_indexer: bool):
+    """One step of the recipe model's decode ops (``_decode_cases.Case``: TND query, paged keys): an indexer,
+    sparse attention over the paged cache, the indexer-cache write of ``cache_write: inplace``."""
+    import _decode_cases as DC
+    from offload_passes.custom_ops.cuda import npu_quant_lightning_indexer as QLI
+    mods = _modules()
+    c = DC.Case(seed=5, B=T, S=1, bs=bs, maxblk=maxblk, kv_len=[maxblk * bs - 3] * T)
+    if int8_indexer:
+        args, kw = c.quant_indexer(Hi, Di, K)
+        QLI.run(*args, **kw)
+    else:
+        args, kw = c.indexer(Hi, Di, K)
+        mods["npu_lightning_indexer"].run(*args, **kw)
+    args, kw = c.sfa(N, D, Dr, K)
+    mods["npu_sparse_flash_attention"].run(*args, **kw)
+    cache = torch.zeros(c.num_blocks, bs, 1, Di, dtype=torch.int8 if int8_indexer else torch.bfloat16)
+    slots = torch.arange(T, dtype=torch.int64) * 3
+    mods["scatter_nd_update"].run(cache, torch.stack((slots // bs, slots % bs), -1),
+                                  torch.ones(T, 1, Di, dtype=cache.dtype))
+
+
 @pytest.fixture(scope="module")
 def launches(triton_interpreted):
     mods = _modules()
-    log, phase = [], ["small"]
+    log, phase = [], ["small", True]
     mp = pytest.MonkeyPatch()
     for m, names in launched_kernels(mods).items():
         for n in names:
@@ -164,6 +187,8 @@ def launches(triton_interpreted):
                     _gather(mods, K, bsz, dtype, no_rope, 4, 2)
         _gather(mods, 64, 1, torch.bfloat16, False, 4, 0)  # the gather's zero-width rope
         _host_write_and_guard(mods, 8, 4, 2, torch.bfloat16)
+        for int8_indexer in (False, True):  # the recipe's decode ops at tiny's geometry, both indexers
+            _decode_ops(T=2, N=4, D=64, Dr=16, Hi=4, Di=32, K=64, bs=16, maxblk=8, int8_indexer=int8_indexer)
         # the GLM-5 decode geometry (topk 2048, selection block 128, latent 512 + rope 64, pool 8192 rows,
         # context 8192, next_n 0 and 3): the block sizes, so registers and shared memory, of production
         phase[0] = "glm5"
@@ -172,6 +197,12 @@ def launches(triton_interpreted):
             _plan_serve_install(mods, c, 1, False)
         _gather(mods, 2048, 1, torch.bfloat16, False, 512, 64)
         _host_write_and_guard(mods, 4 * 128, 512, 64, torch.bfloat16)  # B=128 rows, next_n 3: one step's writes
+        # 64 heads of 512 + 64, indexer 32 heads of 128, a 4096-token table; recorded, not run (the interpreter
+        # takes minutes for one such step; test_decode_kernels.py runs the GLM-5 head dims at a smaller K)
+        phase[1] = False
+        for int8_indexer in (False, True):
+            _decode_ops(T=1, N=64, D=512, Dr=64, Hi=32, Di=128, K=2048, bs=128, maxblk=32, int8_indexer=int8_indexer)
+        phase[1] = True
     finally:
         mp.undo()
         torch.set_num_threads(threads)
@@ -200,8 +231,12 @@ def test_every_launched_kernel_is_recorded(launches):
     got = {(r["module"], r["kernel"]) for r in recs}
     assert want == got
     # plan 1, serve 1, install 6 (second chance's reference pass), gather 5 (the block-table check and its
-    # report, ledger, copies, the K <= 32 swap), host writes 2 (the recipe's, the HF cache's), guard 1
-    assert len(want) == 16
+    # report, ledger, copies, the K <= 32 swap), host writes 2 (the recipe's, the HF cache's), guard 1,
+    # indexer 2 (scores, finish), sparse attention 3, indexer-cache write 1
+    assert len(want) == 22
+    assert {r["constexprs"]["QUANT"] for r in recs if r["kernel"] == "_indexer_score_kernel"} == {False, True}
+    # the indexer adds in the reference's order: no contraction into fused multiply-adds
+    assert {r["options"].get("enable_fp_fusion") for r in recs if r["kernel"] == "_indexer_score_kernel"} == {False}
     # both policies and both metadata modes reached the install's victim kernel
     assign = {(r["constexprs"]["SECOND_CHANCE"], r["constexprs"]["UPDATE"]) for r in recs
               if r["kernel"] == "_assign_kernel"}
@@ -235,7 +270,22 @@ def test_no_tile_spills_at_the_glm5_geometry(compiled):
     glm5 = {r["kernel"] for r in recs if r["geometry"] == "glm5"}
     assert glm5 == {"_plan_kernel", "_serve_kernel", "_first_kernel", "_cand_kernel", "_assign_kernel",
                     "_keys_kernel", "_apply_kernel", "_check_kernel", "_report_kernel", "_ledger_kernel",
-                    "_copy_kernel", "_write_kernel", "_static_write_kernel", "_guard_kernel"}
+                    "_copy_kernel", "_write_kernel", "_static_write_kernel", "_guard_kernel",
+                    "_indexer_score_kernel", "_indexer_finish_kernel", "_sfa_score_kernel", "_sfa_stats_kernel",
+                    "_sfa_out_kernel", "_scatter_kernel"}
+
+
+def test_indexer_scores_compile_without_fused_multiply_adds(compiled):
+    """The indexer's score is the reference's fixed order of IEEE single operations (docs/ops.md §6.1): a
+    fused multiply-add would round once where the reference rounds twice. Its launches disable contraction,
+    and its PTX holds no FMA; sparse attention's softmax (fp64 ``exp``, Triton's default) shows the count
+    finds them where they are."""
+    recs, results = compiled
+    fma = {(r["geometry"], r["constexprs"]["QUANT"]): res["fma"] for r, res in zip(recs, results)
+           if r["kernel"] == "_indexer_score_kernel"}
+    assert set(fma) == {(g, q) for g in ("small", "glm5") for q in (False, True)}
+    assert set(fma.values()) == {0}, fma
+    assert all(res["fma"] > 0 for r, res in zip(recs, results) if r["kernel"] == "_sfa_stats_kernel")
 
 
 def test_shared_memory_fits_one_sm90_block(compiled):

@@ -115,18 +115,28 @@ def test_the_cache_itself_read_by_an_aten_op_is_reported():
 
 
 @F.needs_tracing_context_fake_mode
-def test_tiny_decode_graph_offload_part_is_capturable(flow):
+def test_tiny_decode_graph_is_capturable(flow):
     """The lowered decode step of the tiny recipe model on fake CUDA: plan, serve, install, the host cache
-    writes, the side-stream scope and the guards raise no capture problem. What remains are exactly the
-    decode-path *reference* ops, whose CUDA kernel is the host fallback (custom_ops/cuda/fallback.py):
-    the recipe model needs device kernels of its own indexer and sparse attention to be captured."""
+    writes, the side-stream scope, the guards and the model's own indexer and sparse attention (device
+    kernels, custom_ops/cuda/) raise no capture problem; tiny-w8a8 with in-place cache writes:
+    tests/cuda/test_decode_ops_on_device.py."""
     g = flow["be"].final_graph()
-    problems = capture_problems(g)
-    targets = sorted({p.split(": ")[1] for p in problems})
-    assert targets == ["offload_ref.npu_lightning_indexer.default", "offload_ref.npu_sparse_flash_attention.default"]
-    n_ref = sum(1 for n in g.nodes if str(n.target) in targets)
-    assert len(problems) == n_ref == 10  # 2 indexers (shared) + 8 attentions
-    assert all("host fallback" in p for p in problems)
+    assert capture_problems(g) == []
+    assert sum(1 for n in g.nodes if str(n.target) in ("offload_ref.npu_lightning_indexer.default",
+                                                       "offload_ref.npu_sparse_flash_attention.default")) == 10
+
+
+def test_an_op_without_a_cuda_kernel_is_reported():
+    """An op of ours whose OpSpec names no CUDA kernel (here the MoE dispatch reference) cannot run on the
+    device: a capture problem naming it."""
+    dispatch = torch.ops.offload_ref.npu_moe_distribute_dispatch_v2.default
+
+    def build(g, ph, call, mode):
+        x = ph("x", (4, 8))
+        return g.call_function(dispatch, (x,))
+
+    problems = capture_problems(_graph(build))
+    assert len(problems) == 1 and "has no CUDA kernel (its OpSpec.cuda_kernel is None)" in problems[0]
 
 
 # ------------------------------------------------------------------------------------ replay (TEST DOUBLE)
