@@ -47,6 +47,20 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped, but OFFLOAD_PASSES_NO_SKIP=1 forbids skips: {reason}"
 
 
+@pytest.fixture(autouse=True)
+def no_plan_observer_outlives_its_test():
+    """A ``dsa_plan`` observer (a trace recorder) is process-wide: one a test leaves registered turns the C++
+    entry's shortcut off for every later test of its worker (custom_ops/dsa_plan.py). Removed here, and the
+    test that left it fails, so a leak is found where it happens."""
+    from offload_passes.custom_ops import dsa_plan
+
+    yield
+    left = list(dsa_plan.PLAN_OBSERVERS)
+    for fn in left:
+        dsa_plan.remove_plan_observer(fn)
+    assert not left, f"the test left dsa_plan observers registered: {left} (stop the recorder in a finally)"
+
+
 @pytest.fixture(scope="session")
 def triton_interpreted():
     """triton imported in interpreter mode (the kernels then run on CPU tensors)."""

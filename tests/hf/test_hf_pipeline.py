@@ -36,9 +36,12 @@ def test_second_chance_on_hf_is_exact_and_replays_to_sa_clock():
     st.reset()  # cold, counters cleared: the replay starts from the same empty pool
     st.record_trace()
     diffs = []
-    for _ in range(6):
-        a, b = db.step(), dc.step(fn)
-        diffs.append(float((a.float() - b.float()).abs().max() / a.float().abs().max()))
+    try:
+        for _ in range(6):
+            a, b = db.step(), dc.step(fn)
+            diffs.append(float((a.float() - b.float()).abs().max() / a.float().abs().max()))
+    finally:
+        st.record_trace(False)
     tr = st.trace("hf-tiny")
     tot = st.totals()
     sc = sim.simulate(tr, "sa_clock", PS)
