@@ -37,12 +37,15 @@ Torch-version differences found (and where they are handled):
   ``past_key_values`` to ``cache`` (:func:`hf_cache_kwarg`; ``models/hf``, ``decorator.static_cache_state``).
 * Dynamo 2.8 does not trace boolean-mask indexing in a full graph by default
   (:func:`dynamo_traces_mask_indexing`; transformers' ``glm5_next``, tests/hf/test_zoo.py).
+* Tests only: a second Python kernel for an op at one dispatch key is refused by torch 2.11 without
+  ``allow_override`` and replaced with a warning by 2.13 (:func:`library_impl_override`).
 * Tests only: on torch 2.10 nothing in torch keeps a finished decoder's caches alive (2.13 did), so
   the offload state they key is gone with them; ``tests/hf/hf_helpers.py`` keeps the decoder.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Iterator, Optional
 
 import torch
@@ -96,6 +99,16 @@ def resolve_library_path(path: str) -> str:
 def has_storage(t: Any) -> bool:
     """A tensor with real storage (not a fake / meta / functional wrapper); no public query (2.8-2.15)."""
     return torch._C._has_storage(t)
+
+
+def library_impl_override(lib: Any, op: str, fn: Any, dispatch_key: str) -> None:
+    """``lib.impl`` that replaces a kernel another Python library registered for ``op`` at ``dispatch_key``
+    (a test putting another implementation behind an op). torch 2.11 refuses that ("already a kernel
+    registered from python") unless ``allow_override=True``; 2.13 replaces it with a warning."""
+    if "allow_override" in inspect.signature(lib.impl).parameters:
+        lib.impl(op, fn, dispatch_key, allow_override=True)
+    else:
+        lib.impl(op, fn, dispatch_key)
 
 
 def dispatcher_has_kernel(qualname: str, dispatch_key: str) -> bool:

@@ -22,6 +22,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import _decode_cases as DC
+from offload_passes import _compat
 from offload_passes.custom_ops.cuda import _common
 
 indexer_op = torch.ops.offload_ref.npu_lightning_indexer.default
@@ -389,7 +390,7 @@ def device_implementations_as_cpu_kernels(kernels):
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
         for op, key in (("npu_lightning_indexer", "indexer"), ("npu_quant_lightning_indexer", "quant"),
                         ("npu_sparse_flash_attention", "sfa"), ("npu_scatter_nd_update_", "scatter")):
-            lib.impl(op, counted(key, kernels[key].run), "CPU")
+            _compat.library_impl_override(lib, op, counted(key, kernels[key].run), "CPU")
     try:
         yield calls
     finally:
