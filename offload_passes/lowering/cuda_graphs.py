@@ -1,9 +1,9 @@
-"""CUDA graphs for the lowered decode step of ``exe_mode="cuda"`` (option ``cuda_graphs=True``).
+"""CUDA graphs for the lowered decode step of ``exe_mode="cuda"`` (``torch.compile(mode="reduce-overhead")`` or
+the option ``cuda_graphs=True``: the same capture).
 
 The ``cuda`` lowering runs the offload graph op by op (``lowering/cuda.py``: Inductor would reorder its ops
-across the install side stream), so ``torch.compile(mode="reduce-overhead")`` (Inductor's cudagraph trees)
-cannot apply, and cudagraph trees refuse CPU inputs, which the host-resident KV caches are. This module is
-the lowering's own capture instead:
+across the install side stream), so Inductor's cudagraph trees cannot apply, and they refuse CPU inputs,
+which the host-resident KV caches are. This module is the lowering's own capture instead:
 
 * :func:`capture_problems` checks the lowered FX graph structurally before any capture: nothing that reads
   a device value on the host (``.item()``, ``aten._local_scalar_dense``, ``aten.equal``, a copy to the
@@ -12,11 +12,14 @@ the lowering's own capture instead:
   indexing), no host tensor except the full caches at the operand positions of the ops whose Triton
   kernels read or write them through their pinned address (:data:`HOST_OPERANDS`), and no op of ours whose
   ``OpSpec`` names no CUDA kernel (``custom_ops/cuda/``: it could not run on the device).
-* :class:`GraphReplay` wraps the lowered step: a warm-up call runs it eagerly (Triton's first compile, the
-  caching allocator's first blocks, the once-per-allocation host checks), the next call captures it
+* :class:`GraphReplay` wraps the lowered step: per input signature (shapes, strides, dtypes, devices, the
+  non-tensor arguments) a warm-up call runs it eagerly (Triton's first compile, the caching allocator's
+  first blocks, the once-per-allocation host checks), the next call with that signature captures it
   (plan, serve, install, the cache-write stores through the pinned address, the side-stream scope and
   joins, the guard kernels: everything the step launches) and every later call copies the inputs that
-  may change address into static buffers and replays.
+  may change address into static buffers and replays. A signature seen once (a prompt's prefill through
+  a graph Dynamo made dynamic) never costs a capture; a decode step, called with one signature per step,
+  is one graph replay per step.
 
 What replays do not repeat, and why that is safe: the op wrappers' Python validation
 (``custom_ops/cuda/*.py``: shapes, dtypes, layouts, the pinned check of a host cache per allocation) runs
@@ -30,6 +33,7 @@ next call.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, List, Sequence
 
@@ -42,7 +46,7 @@ from ..custom_ops.cuda._common import raise_device_errors
 log = logging.getLogger("offload_passes.lowering.cuda_graphs")
 
 __all__ = ["capture_problems", "HOST_OPERANDS", "GraphReplay", "TorchCudaGraph", "CaptureRefused",
-           "InputSpec", "input_specs"]
+           "InputSpec", "input_specs", "GRAPH_FACTORY", "MAX_CAPTURES"]
 
 aten = torch.ops.aten
 
@@ -179,7 +183,8 @@ def capture_problems(gm: "fx.GraphModule | fx.Graph") -> List[str]:
 
 
 class CaptureRefused(RuntimeError):
-    """A call :class:`GraphReplay` cannot replay (the message names the input and what changed)."""
+    """A call :class:`GraphReplay` cannot replay, or a step whose capture failed (the message names the input
+    or the operation)."""
 
 
 @dataclass(frozen=True)
@@ -188,19 +193,25 @@ class InputSpec:
 
     ``kind``: ``"fixed"`` (same allocation every call: parameters, buffers, host caches, offload state),
     ``"copy"`` (copied into a static buffer before each replay: the token ids, positions), ``"value"`` (a
-    non-tensor argument: equal every call)."""
+    non-tensor argument: part of the signature a capture is made for)."""
 
     name: str
     kind: str
 
 
 class TorchCudaGraph:
-    """The capture API :class:`GraphReplay` uses, over ``torch.cuda.CUDAGraph``. Tests replace it with a
-    TEST DOUBLE of the same two methods (tests/cuda/test_cuda_graphs.py)."""
+    """The capture API :class:`GraphReplay` uses, over ``torch.cuda.CUDAGraph``. Tests replace it
+    (:data:`GRAPH_FACTORY`) with a TEST DOUBLE of the same methods (tests/cuda/_capture_double.py)."""
 
     def __init__(self, pool: Any = None):
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
+
+    @staticmethod
+    def applies(example_inputs: Sequence[Any]) -> bool:
+        """Whether a graph with these inputs has anything to capture: a CUDA tensor among them (a graph on
+        host tensors runs op by op, as cudagraph trees skip a CPU graph)."""
+        return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
 
     def capture(self, fn: Callable[[], Any]) -> Any:
         """Capture ``fn()`` (its launches on the capturing stream and the streams that join it)."""
@@ -211,24 +222,45 @@ class TorchCudaGraph:
         self.graph.replay()
 
 
+#: What :class:`GraphReplay` captures with when the lowering builds it (a class with ``applies``,
+#: ``capture`` and ``replay``); tests/cuda swap in a TEST DOUBLE.
+GRAPH_FACTORY: Any = TorchCudaGraph
+
+#: captures kept per lowered graph (one per input signature); calls with further signatures run eagerly
+MAX_CAPTURES = 8
+
+
 def _sig(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
+@dataclass
+class _Capture:
+    """One signature's captured graph: its static inputs (the fixed inputs themselves, static buffers for
+    the copied ones) and the captured outputs."""
+
+    graph: Any
+    static: List[Any]
+    out: Any
+    replays: int = 0
+
+
 class GraphReplay:
-    """The lowered step as one captured graph (see the module doc).
+    """The lowered step as captured graphs, one per input signature (see the module doc).
 
     ``fn(*args)``: the lowered step. ``specs``: one :class:`InputSpec` per argument. ``mutated``: indices of
     the inputs the step writes in place; a ``"copy"`` input among them is copied back from its static buffer
     after each replay. ``graph_factory()``: a :class:`TorchCudaGraph` (or a test double). ``warmup``: eager
-    calls before the capture (at least 1: Triton compiles and the once-per-allocation checks run eagerly).
+    calls of a signature before its capture (at least 1: Triton compiles and the once-per-allocation checks
+    run eagerly). ``max_captures``: signatures captured; a call with another signature runs eagerly.
 
-    The outputs of a replay are the captured step's static outputs: the next call overwrites them (clone
-    what must outlive a step), as with ``torch.compile(mode="reduce-overhead")``.
+    The outputs of a replay are the captured step's static outputs: the next call with the same signature
+    overwrites them (clone what must outlive a step), as with cudagraph trees.
     """
 
     def __init__(self, fn: Callable, specs: Sequence[InputSpec], *, mutated: Sequence[int] = (),
-                 graph_factory: Callable[[], Any] = TorchCudaGraph, warmup: int = 1):
+                 graph_factory: Callable[[], Any] = TorchCudaGraph, warmup: int = 1,
+                 max_captures: int = MAX_CAPTURES):
         if warmup < 1:
             raise ValueError(f"GraphReplay: warmup must be >= 1 (the first call compiles the Triton kernels and "
                              f"runs the host checks eagerly), got {warmup}")
@@ -237,33 +269,46 @@ class GraphReplay:
         self.mutated = tuple(mutated)
         self.graph_factory = graph_factory
         self.warmup = warmup
+        self.max_captures = max_captures
         self.calls = 0
+        #: replays over every signature (a capture's own first replay not counted)
         self.replays = 0
-        self.graph: Any = None
-        self._static: List[Any] = []
-        self._sigs: List[Any] = []
-        self._out: Any = None
+        #: calls run eagerly: warm-ups, and signatures beyond ``max_captures``
+        self.eager_calls = 0
+        self.captures: dict = {}
+        self._seen: dict = {}  # signature -> eager calls so far
 
-    def _check(self, args: Sequence[Any]) -> None:
+    @property
+    def graph(self) -> Any:
+        """The graph of the first capture (None before any)."""
+        return next(iter(self.captures.values())).graph if self.captures else None
+
+    @property
+    def _static(self) -> List[Any]:
+        return next(iter(self.captures.values())).static if self.captures else []
+
+    def _signature(self, args: Sequence[Any]) -> tuple:
         if len(args) != len(self.specs):
             raise CaptureRefused(f"captured step: called with {len(args)} inputs, captured with {len(self.specs)}")
-        for a, spec, sig, st in zip(args, self.specs, self._sigs, self._static):
+        key = []
+        for a, spec in zip(args, self.specs):
             if spec.kind == "value":
-                if a != st:
-                    raise CaptureRefused(f"captured step: input {spec.name} is {a!r}, captured as {st!r} (a value "
-                                         "baked into the CUDA graph; recompile for a new value)")
-                continue
-            if not isinstance(a, torch.Tensor) or _sig(a) != sig:
-                got = _sig(a) if isinstance(a, torch.Tensor) else type(a).__name__
-                raise CaptureRefused(f"captured step: input {spec.name} has (shape, stride, dtype, device) {got}, "
-                                     f"captured with {sig}: a CUDA graph replays fixed shapes")
+                key.append(("value", a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)))
+            elif not isinstance(a, torch.Tensor):
+                raise CaptureRefused(f"captured step: input {spec.name} is a {type(a).__name__}, traced as a tensor")
+            else:
+                key.append(_sig(a))
+        return tuple(key)
+
+    def _check_fixed(self, args: Sequence[Any], cap: _Capture) -> None:
+        for a, spec, st in zip(args, self.specs, cap.static):
             if spec.kind == "fixed" and a.data_ptr() != st.data_ptr():
                 raise CaptureRefused(f"captured step: input {spec.name} is a different allocation than at capture "
                                      f"(address {a.data_ptr():#x}, captured {st.data_ptr():#x}); parameters, "
                                      "buffers, host caches and the offload state must stay in place between "
                                      "replays")
 
-    def _capture(self, args: Sequence[Any]) -> Any:
+    def _capture(self, args: Sequence[Any]) -> _Capture:
         static = []
         for a, spec in zip(args, self.specs):
             if spec.kind == "copy":
@@ -272,49 +317,78 @@ class GraphReplay:
                 static.append(buf)
             else:
                 static.append(a)
-        self._static = static
-        self._sigs = [_sig(a) if isinstance(a, torch.Tensor) else None for a in args]
-        self.graph = self.graph_factory()
-        self._out = self.graph.capture(lambda: self.fn(*static))
-        log.info("captured the step (%d inputs, %d copied per replay)", len(args),
-                 sum(s.kind == "copy" for s in self.specs))
+        graph = self.graph_factory()
+        try:
+            out = graph.capture(lambda: self.fn(*static))
+        except CaptureRefused:
+            raise
+        except RuntimeError as e:
+            # a host synchronisation inside the capture (torch: "operation not permitted when stream is
+            # capturing"); the eager step ran in the warm-up, so it is the capture that refuses it
+            raise CaptureRefused(f"captured step: the capture failed: {e}") from e
+        cap = _Capture(graph, static, out)
+        log.info("captured the step (%d inputs, %d copied per replay; capture %d of this graph)", len(args),
+                 sum(s.kind == "copy" for s in self.specs), len(self.captures) + 1)
         # the capture recorded the launches without running them: run once for this call's results
-        self.graph.replay()
-        return self._out
+        graph.replay()
+        return cap
 
     def __call__(self, *args: Any) -> Any:
         # a guard or kernel flagged on the device by the previous call raises here, on the host
         raise_device_errors()
         self.calls += 1
-        if self.calls <= self.warmup:
-            return self.fn(*args)
-        if self.graph is None:
-            out = self._capture(args)
+        key = self._signature(args)
+        cap = self.captures.get(key)
+        if cap is None:
+            seen = self._seen.get(key, 0)
+            if seen < self.warmup or len(self.captures) >= self.max_captures:
+                if seen == self.warmup:  # warmed up, but no capture left: said once per signature
+                    log.warning("captured step: %d signatures captured (max_captures); this one runs eagerly",
+                                len(self.captures))
+                self._seen[key] = seen + 1
+                self.eager_calls += 1
+                return self.fn(*args)
+            cap = self.captures[key] = self._capture(args)
+            static = cap.static
         else:
-            self._check(args)
-            for a, spec, st in zip(args, self.specs, self._static):
+            self._check_fixed(args, cap)
+            static = cap.static
+            for a, spec, st in zip(args, self.specs, static):
                 if spec.kind == "copy" and a.data_ptr() != st.data_ptr():
                     st.copy_(a)
-            self.graph.replay()
+            cap.graph.replay()
+            cap.replays += 1
             self.replays += 1
-            out = self._out
         for i in self.mutated:
-            if self.specs[i].kind == "copy" and args[i].data_ptr() != self._static[i].data_ptr():
-                args[i].copy_(self._static[i])
-        return out
+            if self.specs[i].kind == "copy" and args[i].data_ptr() != static[i].data_ptr():
+                args[i].copy_(static[i])
+        return cap.out
+
+
+def _call_argument(source: Any) -> bool:
+    """Whether a Dynamo source names an argument of the call itself (``L['input_ids']``, ``L['kwargs']['x']``,
+    ``L['args'][0]``), not a tensor reached through an object (``L['self']._buffers['kv']``,
+    ``L['past_key_values'].layers[0].keys``): the caller may pass a new tensor each call."""
+    return bool(_CALL_ARGUMENT.match(str(source)))
+
+
+_CALL_ARGUMENT = re.compile(r"^L\['[^']+'\](\[(\d+|'[^']+')\])*$")
 
 
 def input_specs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> List[InputSpec]:
     """The :class:`InputSpec` of each input of ``gm`` (the graph the lowering receives, the offload state
     appended by the backend as its last inputs, ``passes/state_inputs.py``).
 
-    Fixed: a host tensor (a full cache), a ``torch.nn.Parameter``, an input Dynamo marked static
-    (``_dynamo_static_input_type``), an input whose Dynamo source is a module's parameter or buffer, and an
-    input with no Dynamo source (the offload state: chosen by the caches, allocated once); copied: every
-    other tensor (the token ids, positions); non-tensors are values."""
+    Copied: a tensor argument of the call itself (the token ids, positions: Dynamo source ``L['name']``).
+    Fixed: everything else, checked by address before each replay: a ``torch.nn.Parameter``, an input
+    Dynamo marked static (``_dynamo_static_input_type``), a tensor reached through an object (a module's
+    parameters and buffers, a cache's tensors), an input with no Dynamo source (the offload state: chosen
+    by the caches, allocated once), and, in a graph with CUDA tensors, every host tensor (the full caches:
+    :func:`capture_problems` allows no other host input). Non-tensors are values (part of the signature)."""
     nodes = [p for p in gm.graph.nodes if p.op == "placeholder"]
     if len(nodes) != len(example_inputs):
         raise ValueError(f"input_specs: the graph has {len(nodes)} inputs, example_inputs {len(example_inputs)}")
+    on_device = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
     specs: List[InputSpec] = []
     for node, x in zip(nodes, example_inputs):
         if not isinstance(x, torch.Tensor):
@@ -323,10 +397,9 @@ def input_specs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> List[Input
         ga = node.meta.get("grapharg")
         source = getattr(ga, "source", None) or getattr(node, "_dynamo_source", None)
         example = getattr(ga, "example", None)
-        static = (source is None or x.device.type == "cpu" or isinstance(x, torch.nn.Parameter)
-                  or isinstance(example, torch.nn.Parameter)
+        static = (source is None or not _call_argument(source) or (on_device and x.device.type == "cpu")
+                  or isinstance(x, torch.nn.Parameter) or isinstance(example, torch.nn.Parameter)
                   or getattr(x, "_dynamo_static_input_type", None) is not None
-                  or getattr(example, "_dynamo_static_input_type", None) is not None
-                  or "_buffers[" in str(source) or "_parameters[" in str(source))
+                  or getattr(example, "_dynamo_static_input_type", None) is not None)
         specs.append(InputSpec(node.name, "fixed" if static else "copy"))
     return specs
