@@ -145,6 +145,8 @@ def capture_problems(gm: "fx.GraphModule | fx.Graph") -> List[str]:
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     host_only = _ops_without_cuda_kernel()
     host_kv = _host_kv_nodes(graph)
+    # a graph without any CUDA value (the cuda mode on host tensors) has no host/device boundary to check
+    on_device = any(d.type == "cuda" for n in graph.nodes for d in _devices(_val(n)))
     out: List[str] = []
     for n in graph.nodes:
         if n.op not in ("call_function", "call_method", "call_module", "placeholder"):
@@ -170,7 +172,7 @@ def capture_problems(gm: "fx.GraphModule | fx.Graph") -> List[str]:
         if isinstance(t, HigherOrderOperator):
             out.append(f"{n.name}: {t}: a higher-order op (control flow) is not checked for capture")
             continue
-        if n in host_kv:
+        if n in host_kv or not on_device:
             continue
         if torch.device("cpu") in _devices(_val(n)):
             what = "a host input" if n.op == "placeholder" else "a host tensor"
@@ -369,7 +371,8 @@ def _call_argument(source: Any) -> bool:
     """Whether a Dynamo source names an argument of the call itself (``L['input_ids']``, ``L['kwargs']['x']``,
     ``L['args'][0]``), not a tensor reached through an object (``L['self']._buffers['kv']``,
     ``L['past_key_values'].layers[0].keys``): the caller may pass a new tensor each call."""
-    return bool(_CALL_ARGUMENT.match(str(source)))
+    name = getattr(source, "name", source)  # a Dynamo Source's name: a property (a method in older torch)
+    return bool(_CALL_ARGUMENT.match(str(name() if callable(name) else name)))
 
 
 _CALL_ARGUMENT = re.compile(r"^L\['[^']+'\](\[(\d+|'[^']+')\])*$")
