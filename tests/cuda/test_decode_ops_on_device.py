@@ -112,3 +112,58 @@ def test_host_caches_are_touched_only_by_kernels(step_graph):
 def test_the_step_has_no_capture_problem(step_graph):
     _, g = step_graph
     assert capture_problems(g) == []
+
+
+# ------------------------------------------------------------------------------------ the HF path
+
+STATIC_WRITE = torch.ops.offload_ref.static_cache_write_.default
+
+
+@pytest.fixture(scope="module")
+def hf_graph(triton_interpreted):
+    """``hf-tiny`` (2 DSA layers, one IndexShare group) with ``HostStaticCache`` on fake CUDA, its decode step
+    compiled in ``exe_mode="cuda"`` (``test_fake_cuda_hf._flow``)."""
+    from offload_passes.custom_ops import cuda
+    from test_fake_cuda_hf import _flow
+
+    cuda.register_all(force=True)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        return _flow("bfloat16")["graph"]
+
+
+def test_hf_every_op_of_ours_dispatches_to_its_device_kernel(hf_graph):
+    """The HF step's ops of ours (plan, serve, the default policy's installs, the host-KV write) have device
+    kernels and CUDA operands; the model's own attention and indexer are ATen ops."""
+    ours = {}
+    for n in hf_graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        qual = n.target._schema.name
+        ns = qual.split("::")[0]
+        if ns == STREAM_NAMESPACE:
+            continue
+        if ns not in ("custom", "offload_ref"):
+            assert ns == "aten", (n.name, qual)
+            continue
+        assert SPECS[qual].cuda_kernel is not None, qual
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CUDA"), qual
+        assert any(t.device.type == "cuda" for t in _tensors(n.args) + _tensors(n.kwargs)), (n.name, qual)
+        ours[qual.split("::")[1]] = ours.get(qual.split("::")[1], 0) + 1
+    assert ours == {"dsa_plan": 1, "dsa_serve": 2, "dsa_install_sc": 2, "static_cache_write_": 2}
+
+
+def test_hf_host_caches_are_touched_only_by_kernels(hf_graph):
+    uses = set()
+    host = [p for p in hf_graph.nodes
+            if p.op == "placeholder" and isinstance(_val(p), torch.Tensor) and _val(p).device == CPU]
+    assert len(host) == 4  # the latent (keys) and rope (values) host KV of 2 layers, nothing else on the host
+    for p in host:
+        for u in _fx.view_users(p):
+            at = {i for i, a in enumerate(u.args) if _fx.strip_views(a) is p}
+            assert at and not any(_fx.strip_views(a) is p for a in u.kwargs.values()), u
+            uses |= {(u.target, i) for i in at}
+    assert uses == {(SERVE, 1), (SERVE, 2), (STATIC_WRITE, 0), (STATIC_WRITE, 1)}
+    on_host = [n.name for n in hf_graph.nodes if n.op == "call_function" and not _fx.is_view(n)
+               and any(t.device == CPU for t in _tensors(n))]
+    assert on_host == []
+    assert capture_problems(hf_graph) == []
