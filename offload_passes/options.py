@@ -52,8 +52,9 @@ class OffloadOptions:
     npu_bookkeeping: in the NPU modes (ge_graph / npugraph_ex), keep the per-step pool statistics and the
         ledger update in the graph. Off by default there: main-stream work the reference does not do
         (``state.counters()`` then stays zero and the ledger is not kept). Ignored on CPU (always on).
-    cuda_graphs: in ``exe_mode="cuda"``, capture each lowered step in one CUDA graph and replay it
-        (``lowering/cuda_graphs.py``; docs/cuda.md). Only with ``exe_mode="cuda"``.
+    cuda_graphs: in ``exe_mode="cuda"``, capture each lowered step in one CUDA graph per input signature and
+        replay it (``lowering/cuda_graphs.py``; docs/cuda.md), as ``torch.compile(mode="reduce-overhead")`` does
+        there. Only with ``exe_mode="cuda"``.
     """
 
     pool_size: int | None = None

@@ -60,7 +60,8 @@ from ..state import OffloadState
 log = logging.getLogger("offload_passes.lowering.cuda")
 
 __all__ = ["CudaLowering", "CudaInstallHook", "CUDA_MODE", "STREAM_NAMESPACE", "STREAM_OPS", "GUARD_OP",
-           "StreamRuntime", "RUNTIME", "UNSUPPORTED_COMPILE_MODES", "CAPTURE_COMPILE_MODES", "device_safe_guards", "raise_device_errors"]
+           "StreamRuntime", "RUNTIME", "UNSUPPORTED_COMPILE_MODES", "CAPTURE_COMPILE_MODES", "device_safe_guards",
+           "raise_device_errors"]
 
 CUDA_MODE = "cuda"
 STREAM_NAMESPACE = "offload_cuda"

@@ -25,8 +25,8 @@ What replays do not repeat, and why that is safe: the op wrappers' Python valida
 (``custom_ops/cuda/*.py``: shapes, dtypes, layouts, the pinned check of a host cache per allocation) runs
 at capture time only. Before every replay :class:`GraphReplay` checks that every tensor input has the
 shape, stride, dtype and device it had at capture, and that every *fixed* input (parameters, buffers,
-host caches, the offload state) is the same allocation, so everything those checks read is what they
-checked. What depends on values (the rewrite's guards, the cache-write row bounds) is checked on the
+host caches, the offload state) is the same allocation (else that capture is dropped: the call runs eagerly
+and the next one captures the new allocations), so everything those checks read is what they checked. What depends on values (the rewrite's guards, the cache-write row bounds) is checked on the
 device and flagged in pinned error words (``custom_ops/cuda/_common.py``), raised on the host before the
 next call.
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import fx
@@ -256,6 +256,9 @@ class GraphReplay:
     calls of a signature before its capture (at least 1: Triton compiles and the once-per-allocation checks
     run eagerly). ``max_captures``: signatures captured; a call with another signature runs eagerly.
 
+    A fixed input at another address than at its signature's capture (a new cache and its offload state at the
+    same shapes) drops that capture; the call runs eagerly and the next one captures again.
+
     The outputs of a replay are the captured step's static outputs: the next call with the same signature
     overwrites them (clone what must outlive a step), as with cudagraph trees.
     """
@@ -278,6 +281,8 @@ class GraphReplay:
         #: calls run eagerly: warm-ups, and signatures beyond ``max_captures``
         self.eager_calls = 0
         self.captures: dict = {}
+        #: captures dropped because a fixed input moved (a new cache or state at the same shapes)
+        self.recaptures = 0
         self._seen: dict = {}  # signature -> eager calls so far
 
     @property
@@ -302,13 +307,13 @@ class GraphReplay:
                 key.append(_sig(a))
         return tuple(key)
 
-    def _check_fixed(self, args: Sequence[Any], cap: _Capture) -> None:
+    def _moved(self, args: Sequence[Any], cap: _Capture) -> Optional[str]:
+        """The first fixed input at another address than at ``cap``'s capture (a new cache, its new state), or
+        None."""
         for a, spec, st in zip(args, self.specs, cap.static):
             if spec.kind == "fixed" and a.data_ptr() != st.data_ptr():
-                raise CaptureRefused(f"captured step: input {spec.name} is a different allocation than at capture "
-                                     f"(address {a.data_ptr():#x}, captured {st.data_ptr():#x}); parameters, "
-                                     "buffers, host caches and the offload state must stay in place between "
-                                     "replays")
+                return f"{spec.name} (address {a.data_ptr():#x}, captured {st.data_ptr():#x})"
+        return None
 
     def _capture(self, args: Sequence[Any]) -> _Capture:
         static = []
@@ -353,7 +358,17 @@ class GraphReplay:
             cap = self.captures[key] = self._capture(args)
             static = cap.static
         else:
-            self._check_fixed(args, cap)
+            moved = self._moved(args, cap)
+            if moved is not None:
+                # a graph replays fixed addresses: the capture of the old allocations is dropped (nothing keeps
+                # them alive), this call runs eagerly for the new ones (their first use: the once-per-allocation
+                # checks) and the next call with them captures again
+                log.info("captured step: fixed input %s moved; capturing again", moved)
+                del self.captures[key]
+                self._seen[key] = self.warmup  # this eager call is the new allocations' warm-up
+                self.recaptures += 1
+                self.eager_calls += 1
+                return self.fn(*args)
             static = cap.static
             for a, spec, st in zip(args, self.specs, static):
                 if spec.kind == "copy" and a.data_ptr() != st.data_ptr():

@@ -248,10 +248,11 @@ def test_host_checks_run_once_outside_replay(replay):
     assert r.replays == 4
 
 
-def test_a_new_signature_gets_its_own_capture_a_moved_fixed_input_is_refused(replay):
+def test_a_new_signature_gets_its_own_capture_a_moved_fixed_input_a_new_one(replay):
     """A call with another shape, dtype or value is another signature: warmed up eagerly once, then captured
-    on its own; the first signature still replays its own graph. A fixed input at another address, or
-    another number of inputs, is refused by name and replays nothing."""
+    on its own; the first signature still replays its own graph. A fixed input at another address drops its
+    signature's capture (eager call, then a new capture on the new allocation); another number of inputs or
+    a non-tensor where a tensor was traced is refused by name."""
     r, step = replay
     w, acc = torch.ones(4), torch.zeros(4)
     r(torch.ones(4), w, acc, 0)
@@ -265,13 +266,17 @@ def test_a_new_signature_gets_its_own_capture_a_moved_fixed_input_is_refused(rep
     assert r(torch.full((4,), 3.0), w, acc, 0)[0].tolist() == [3.0] * 4  # the (4,) graph replays
     assert r(torch.full((4,), 3.0), w, acc, 7)[0].tolist() == [10.0] * 4  # value 7: a new signature (warm-up)
     assert step.host_checks == 5 and r.replays == 1
-    with pytest.raises(CaptureRefused, match=r"input w is a different allocation than at capture"):
-        r(torch.ones(4), torch.ones(4), acc, 0)
+    w2 = torch.full((4,), 2.0)
+    assert r(torch.ones(4), w2, acc, 0)[0].tolist() == [2.0] * 4  # w moved: eager, the (4,) capture dropped
+    assert (r.recaptures, len(r.captures), step.host_checks) == (1, 1, 6)
+    assert r(torch.ones(4), w2, acc, 0)[0].tolist() == [2.0] * 4  # captured on w2
+    assert r(torch.full((4,), 5.0), w2, acc, 0)[0].tolist() == [10.0] * 4 and r.replays == 2
+    assert (len(r.captures), step.host_checks) == (2, 7)
     with pytest.raises(CaptureRefused, match=r"called with 3 inputs, captured with 4"):
         r(torch.ones(4), w, acc)
     with pytest.raises(CaptureRefused, match=r"input w is a float, traced as a tensor"):
         r(torch.ones(4), 1.0, acc, 0)
-    assert step.host_checks == 5 and r.replays == 1
+    assert step.host_checks == 7 and r.replays == 2
 
 
 def test_signatures_beyond_the_bound_run_eagerly():

@@ -265,11 +265,23 @@ def test_captured_hf_generate_with_host_kv_equals_the_op_by_op_compile(double, p
         outs.append(m.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                past_key_values=cache, output_scores=True, return_dict_in_generate=True,
                                pad_token_id=0))
+        if kw == REDUCE:  # a second generate() on a new cache: its state moved, the step is captured again
+            again = HostStaticCache(m.config, max_cache_len=L + NEW, batch_size=B, device="cpu",
+                                    dtype=torch.bfloat16)
+            second = m.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                past_key_values=again, output_scores=True, return_dict_in_generate=True,
+                                pad_token_id=0)
     eager, captured, unmodified = outs
+    assert torch.equal(second.sequences, captured.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(second.scores, captured.scores))
     assert torch.equal(eager.sequences, captured.sequences)
     assert all(torch.equal(a, b) for a, b in zip(eager.scores, captured.scores))
     assert torch.equal(captured.sequences, unmodified.sequences)
     be = bes[1]
-    decode = [r for r in be.lowering.replays.values() if r.captures]
-    assert len(decode) == 1 and (decode[0].calls, len(decode[0].captures), decode[0].replays) == (NEW - 1, 1, NEW - 3)
+    # (calls, captures held, replays, captures dropped, eager calls) per lowered graph. The prefill graph: one call
+    # per generate(), its second call (the same signature) is a capture. The decode graph: NEW - 1 calls per
+    # generate(); the first warms up, the second captures, the rest replay; on the new cache the first call finds
+    # the state moved (the old capture dropped, an eager call), the next captures again, the rest replay.
+    assert [(r.calls, len(r.captures), r.replays, r.recaptures, r.eager_calls) for r in be.lowering.replays.values()] \
+        == [(2, 1, 0, 0, 1), (2 * (NEW - 1), 1, 2 * (NEW - 3), 1, 2)]
     assert be.state.totals()["hits"] > 0 and be.lowering.replays != {} and bes[0].lowering.replays == {}
