@@ -68,7 +68,10 @@ SYNC_OPS = {
 
 
 def _host_operands() -> dict:
-    ops = {torch.ops.custom.dsa_serve.default: (1, 2), torch.ops.custom.dsa_serve_functional.default: (1, 2)}
+    ops = {torch.ops.custom.dsa_serve.default: (1, 2), torch.ops.custom.dsa_serve_functional.default: (1, 2),
+           # the baseline gather of a paged group with host KV (full_k_rope, full_kv_cache)
+           torch.ops.custom.npu_gather_selection_kv_cache.default: (5, 6),
+           torch.ops.custom.npu_gather_selection_kv_cache_functional.default: (5, 6)}
     try:
         ops[torch.ops.offload_ref.npu_mla_prolog_cache_write_.default] = (0, 1)
         ops[torch.ops.offload_ref.static_cache_write_.default] = (0, 1)
@@ -78,8 +81,8 @@ def _host_operands() -> dict:
 
 
 #: op -> positions of the arguments its CUDA kernel reads or writes through a pinned host address
-#: (``custom_ops/cuda/dsa_serve.py``: the full caches; ``custom_ops/cuda/cache_write.py``,
-#: ``custom_ops/cuda/static_cache_write.py``: the caches written)
+#: (``custom_ops/cuda/dsa_serve.py``, ``custom_ops/cuda/npu_gather_selection_kv_cache.py``: the full caches read;
+#: ``custom_ops/cuda/cache_write.py``, ``custom_ops/cuda/static_cache_write.py``: the caches written)
 HOST_OPERANDS = _host_operands()
 
 

@@ -128,6 +128,29 @@ def test_recipe_capture_holds_the_whole_step(recipe_capture):
     assert other not in ops
 
 
+@F.needs_tracing_context_fake_mode
+def test_paged_recipe_step_with_host_kv_is_one_captured_graph(double):
+    """A permuted block table (both groups paged): the model's kept gather reads the host caches through the
+    pinned address (``HOST_OPERANDS``) and checks the table on the device, so the paged step captures too."""
+    from test_cuda_paged import _permuted_table
+    from test_fake_cuda_flow import run_flow
+
+    n0 = len(double.made)
+    table = _permuted_table(models.build("tiny", enable_offload=True, decode_steps=5).model)
+    gen = run_flow("tiny", table=table, reset=False, steps=4, compile_kw=REDUCE)
+    f = next(gen)
+    try:
+        assert [g["paged"] for g in f["be"].reports[-1]["groups"]] == [True, True]
+        r = _the_replay(f["be"])
+        assert (r.calls, len(r.captures), r.replays) == (5, 1, 3) and len(double.made) == n0 + 1
+        ops = double.made[n0].ops
+        _check_capture(ops, INSTALL["second_chance"], layers=8, groups=2, writes=8,
+                       write_op="offload_ref::npu_mla_prolog_cache_write_", scopes=6)
+        assert _count(ops, "custom::npu_gather_selection_kv_cache") == 8
+    finally:
+        gen.close()
+
+
 @pytest.fixture(scope="module", params=POLICIES)
 def hf_capture(request, double):
     from test_fake_cuda_hf import _flow
