@@ -22,8 +22,9 @@ the CPU twins of the ``equal`` section get copies of it.
 * ``serve``: ``dsa_serve`` hits against a device-to-device copy of the same bytes, misses (sequential and
   random rows) from pinned host memory against a host-to-device copy of the same bytes, at B = 1, 32, 128.
 * ``kernels``: ``dsa_plan`` and each replacement policy's install (``metadata_update`` 0 and 1) at B = 1, 32, 128.
-* ``graphs``: ``hf-glm5-attn`` at 16K with host KV, compiled with ``cuda_graphs=True``
-  (``offload_passes/lowering/cuda_graphs.py``) against the same step run eagerly: ms per step, logits equal.
+* ``graphs``: one CUDA graph per decode step on both paths: the recipe ``tiny`` model and ``hf-glm5-attn`` at 16K,
+  host KV, compiled with ``mode="reduce-overhead"`` (``offload_passes/lowering/cuda_graphs.py``) against the same
+  compile without it: ms per step, logits equal, the decode graph's capture check.
 * ``capacity``: a GLM-5-shaped attention stack (:class:`StackGeo`) at 64K and 128K context: the largest batch
   that fits one HBM budget with dense device KV and with the offload (host budget: what this machine pins),
   the measured peak device memory, tokens/s of each at its batch and the measured pool hit rate; the
@@ -80,7 +81,7 @@ class Section(NamedTuple):
     why: str
 
 
-#: the sections, in run order; limits 470 s together (under 8 minutes), estimates 310 s
+#: the sections, in run order; limits 470 s together (under 8 minutes), estimates 315 s
 SECTIONS = {s.name: s for s in (
     Section("equal", 90, 55, "process start 10 s; about 30 kernel compiles of 1-1.5 s; chains at two geometries x 2 "
             "policies, gather, 2 host writes, 6 opchecks"),
@@ -89,12 +90,13 @@ SECTIONS = {s.name: s for s in (
     Section("serve", 45, 25, "process start 10 s; 2.4 GB pinned host cache; 9 serve cases and their ceilings, "
             "each a captured graph of 20 calls"),
     Section("kernels", 35, 20, "process start 10 s; plan and 2 policies x 2 installs at 3 batch sizes, captured"),
-    Section("graphs", 60, 40, "process start 10 s; 2 compiles of hf-glm5-attn at 16K (eager, captured), 8 steps each"),
+    Section("graphs", 60, 45, "process start 10 s; 2 compiles of tiny and 2 of hf-glm5-attn at 16K (op by op, "
+            "captured), 8 steps each"),
     Section("capacity", 140, 100, "process start 10 s; up to 64 GiB pinned and filled from the device twice; "
             "dense and offloaded stacks at 2 contexts, 12 steps each, captured"),
 )}
 #: the dry run's limits: CPU seconds (the interpreter runs every program in Python; the models compile on 2 cores)
-DRY_LIMITS = {"equal": 500, "models": 600, "serve": 120, "kernels": 30, "graphs": 30, "capacity": 300}
+DRY_LIMITS = {"equal": 500, "models": 600, "serve": 120, "kernels": 30, "graphs": 300, "capacity": 300}
 
 
 # ------------------------------------------------------------------------------------ pure parts
@@ -857,38 +859,92 @@ def section_kernels(dev: torch.device, dry: bool, args: Any) -> list:
 
 # ------------------------------------------------------------------------------------ graphs
 
+def _step_times(dev: torch.device, timings: Optional[list], fn: Callable) -> Any:
+    """``fn()``, its wall time on the device appended to ``timings`` (CUDA events; nothing on the CPU)."""
+    if timings is None or dev.type != "cuda":
+        return fn()
+    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    out = fn()
+    e.record()
+    e.synchronize()
+    timings.append(a.elapsed_time(e) / 1e3)
+    return out
+
+
+def recipe_graph_logits(dev: torch.device, steps: int, captured: bool, timings: Optional[list] = None) -> tuple:
+    """The recipe ``tiny`` model with host KV (pinned on a GPU), its decode step compiled in exe_mode "cuda"
+    with ``mode="reduce-overhead"`` (captured: the lowering's own capture) or without (op by op): the logits of
+    ``steps`` steps and the backend."""
+    from offload_passes import models
+
+    torch._dynamo.reset()
+    b = models.build("tiny", enable_offload=True, decode_steps=steps, device=dev)
+    if dev.type == "cuda":
+        from offload_passes.cuda import place_full_caches
+
+        place_full_caches(b.model, dev)
+    be = cuda_backend(pool_size=1024)
+    fn = torch.compile(b.model, backend=be, **({"mode": "reduce-overhead"} if captured else {}))
+    b.driver.prefill()
+    out = [_step_times(dev, timings, lambda: b.driver.step(fn)).logits.detach().clone() for _ in range(steps)]
+    return out, be
+
+
+GRAPH_PATHS = ("tiny (recipe, host KV)", "hf-glm5-attn (HF, host KV, 16K)")
+
+
 def section_graphs(dev: torch.device, dry: bool, args: Any) -> list:
-    """The offload step of ``hf-glm5-attn`` at 16K (pool 8192, host KV) run eagerly and as one captured CUDA graph
-    (``cuda_graphs=True``: the lowering's own capture)."""
-    checks = ("CUDA graph replay vs eager (ms/step ratio)", "CUDA graph replay == eager (max abs diff)")
-    if dry:
-        return [row("graphs", c, NO_GPU, None, "needs torch.cuda.CUDAGraph; the capture check and the replay logic "
-                    "run on CPU in tests/cuda/test_cuda_graphs.py", host_us=NO_GPU) for c in checks]
+    """One CUDA graph per decode step on both paths: the recipe ``tiny`` model and ``hf-glm5-attn`` at 16K (pool
+    8192), host KV, compiled with ``mode="reduce-overhead"`` (the lowering's own capture,
+    ``offload_passes/lowering/cuda_graphs.py``) against the same compile without it (op by op): ms per step,
+    logits equal, the decode graph's capture check. ``--dry-run``: ``tiny`` and ``hf-tiny`` on host tensors,
+    where nothing is captured (no CUDA tensor): the capture check and the logits of the compile with the mode."""
     from offload_passes.cuda import raise_device_errors
+    from offload_passes.lowering.cuda_graphs import capture_problems
     from offload_passes.models import hf
 
-    ctx, steps = 16384, max(args.steps, 4) + 2
-    b = hf.build("hf-glm5-attn")
-    model = b.model.to(dev)
-    out: dict = {}
-    for graphs in (False, True):
+    rows = []
+    steps = 3 if dry else max(args.steps, 4) + 2
+    for path in GRAPH_PATHS:
+        name = path if not dry else path.replace("hf-glm5-attn (HF, host KV, 16K)", "hf-tiny (HF, host KV, 128)")
+        checks = (f"{name}: replay vs op by op (ms/step ratio)", f"{name}: replay == op by op (max abs diff)",
+                  f"{name}: decode graph capture problems")
+        out: dict = {}
         try:
-            torch._dynamo.reset()
-            fn = torch.compile(model, backend=cuda_backend(pool_size=8192, cuda_graphs=graphs), fullgraph=True,
-                               dynamic=False)
-            times: list = []
-            logits = hf_logits(b, model, fn, True, ctx, steps, dev, timings=times)
-            raise_device_errors()
-            out[graphs] = (statistics.median(times[2:]), logits)  # the warm-up and capture calls left out
+            for captured in (False, True):
+                times: list = []
+                if path.startswith("tiny"):
+                    logits, be = recipe_graph_logits(dev, steps, captured, times)
+                else:
+                    torch._dynamo.reset()
+                    b = hf.build("hf-tiny" if dry else "hf-glm5-attn")
+                    model = b.model.to(dev)
+                    be = cuda_backend(pool_size=1024 if dry else 8192)
+                    fn = torch.compile(model, backend=be, fullgraph=True, dynamic=False,
+                                       **({"mode": "reduce-overhead"} if captured else {}))
+                    logits = hf_logits(b, model, fn, True, 128 if dry else 16384, steps, dev, timings=times)
+                _sync()
+                raise_device_errors()
+                replays = sum(r.replays for r in be.lowering.replays.values())
+                t = statistics.median(times[2:]) if len(times) > 2 else None  # warm-up and capture left out
+                out[captured] = (t, logits, capture_problems(be.final_graph()), replays)
         except Exception as e:
             traceback.print_exc()
-            return [row("graphs", c, None, None, f"{'captured' if graphs else 'eager'}: {_err(e)}", ok=False)
-                    for c in checks]
-    (t_eager, l_eager), (t_graph, l_graph) = out[False], out[True]
-    diff = _max_diff(l_eager, l_graph)
-    note = f"host KV, {ctx} tokens; eager {t_eager * 1e3:.3g} ms, replay {t_graph * 1e3:.3g} ms"
-    return [row("graphs", checks[0], ratio(t_eager, t_graph), None, note),
-            row("graphs", checks[1], diff, 0, note, ok=diff == 0)]
+            rows += [row("graphs", c, None, None, _err(e), ok=False) for c in checks]
+            continue
+        (t_eager, l_eager, _, _), (t_graph, l_graph, problems, replays) = out[False], out[True]
+        diff = _max_diff(l_eager, l_graph)
+        if dry:
+            note = "host tensors: nothing captured, the lowered step op by op (tests/cuda/test_step_capture.py: the " \
+                   "capture on fake CUDA)"
+            rows.append(row("graphs", checks[0], NO_GPU, None, "needs torch.cuda.CUDAGraph", host_us=NO_GPU))
+        else:
+            note = f"{steps} steps, {replays} replays; op by op {t_eager * 1e3:.3g} ms, replay {t_graph * 1e3:.3g} ms"
+            rows.append(row("graphs", checks[0], ratio(t_eager, t_graph), None, note))
+        rows.append(row("graphs", checks[1], diff, 0, note, ok=diff == 0 and (dry or replays == steps - 2)))
+        rows.append(row("graphs", checks[2], len(problems), 0, "; ".join(problems[:3]), ok=not problems))
+    return rows
 
 
 # ------------------------------------------------------------------------------------ capacity

@@ -27,7 +27,7 @@ WAYS = _INSTALL.limit("WAYS")
 MAX_NEXT_N = _INSTALL.limit("MAX_RAW_SEQ") - 1  # raw_seq = 1 + next_n
 #: id_to_slot is [B, id_range] int32 per group: bounded by the install kernel's limit (1.4 M ids, 5.4 MiB a row)
 MAX_ID_RANGE = _INSTALL.limit("MAX_ID_RANGE")
-from .modes import check_exe_mode, check_replacement_policy  # noqa: E402  (modes.py: the one list of each)
+from .modes import MODES, check_exe_mode, check_replacement_policy  # noqa: E402  (modes.py: the one list of each)
 
 RECIPE_KEYS = ("enable_offload", "shared_indexer_offload", "enlarge_pool_size", "pa_block_size", "next_n",
                "exe_mode")
@@ -44,14 +44,17 @@ class OffloadOptions:
     id_range: ``id_to_slot`` width (IR); ``None`` = max(131072, cache length F) (``custom_ops/_pool.py``:
         ``id_range_for``).
     update_ledger: keep the model's gather ledger (``sel_status``) valid after serve.
-    replacement_policy: ``fifo`` (default: CANN's 16-way set-associative FIFO, ``custom::dsa_install``) or
-        ``second_chance`` (opt-in, CPU modes only: ``offload_ref::dsa_install_sc``, 16-way second chance, one
-        reference bit per way; CANN's kernels implement only FIFO).
+    replacement_policy: ``fifo`` (CANN's 16-way set-associative FIFO, ``custom::dsa_install``) or
+        ``second_chance`` (CPU and CUDA modes: ``offload_ref::dsa_install_sc``, 16-way second chance, one
+        reference bit per way; CANN's kernels implement only FIFO). ``None`` (default): the mode's default,
+        :attr:`resolved_replacement_policy` (``modes.Mode.default_policy``: ``second_chance`` in
+        ``exe_mode="cuda"``, ``fifo`` elsewhere).
     npu_bookkeeping: in the NPU modes (ge_graph / npugraph_ex), keep the per-step pool statistics and the
         ledger update in the graph. Off by default there: main-stream work the reference does not do
         (``state.counters()`` then stays zero and the ledger is not kept). Ignored on CPU (always on).
-    cuda_graphs: in ``exe_mode="cuda"``, capture each lowered step in one CUDA graph and replay it
-        (``lowering/cuda_graphs.py``; docs/cuda.md). Only with ``exe_mode="cuda"``.
+    cuda_graphs: in ``exe_mode="cuda"``, capture each lowered step in one CUDA graph per input signature and
+        replay it (``lowering/cuda_graphs.py``; docs/cuda.md), as ``torch.compile(mode="reduce-overhead")`` does
+        there. Only with ``exe_mode="cuda"``.
     """
 
     pool_size: int | None = None
@@ -66,7 +69,7 @@ class OffloadOptions:
     next_n: int | None = None
     update_ledger: bool = True
     npu_bookkeeping: bool = False
-    replacement_policy: str = "fifo"
+    replacement_policy: str | None = None
     cuda_graphs: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -87,7 +90,7 @@ class OffloadOptions:
                              f"{MAX_NEXT_N + 1}), got {self.next_n}")
         if self.pa_block_size is not None and not (is_pow2(self.pa_block_size) and 16 <= self.pa_block_size <= 128):
             raise ValueError(f"option pa_block_size must be a power of two in [16, 128], got {self.pa_block_size}")
-        check_replacement_policy(self.replacement_policy, self.exe_mode, name="option replacement_policy")
+        check_replacement_policy(self.resolved_replacement_policy, self.exe_mode, name="option replacement_policy")
         if self.cuda_graphs and self.exe_mode != "cuda":
             raise ValueError(f"option cuda_graphs applies to exe_mode='cuda' only, got exe_mode={self.exe_mode!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):  # a PathLike: keep it as text
@@ -100,12 +103,20 @@ class OffloadOptions:
         return LARGE_POOL_SIZE if self.enlarge_pool_size else DEFAULT_POOL_SIZE
 
     @property
+    def resolved_replacement_policy(self) -> str:
+        """The policy the rewrite installs with: the option, or the mode's default (``modes.Mode.default_policy``)."""
+        if self.replacement_policy is not None:
+            return self.replacement_policy
+        return MODES[self.exe_mode].default_policy
+
+    @property
     def resolved_dump_dir(self) -> str | None:
         return self.dump_dir or os.environ.get("OFFLOAD_PASSES_DUMP") or None
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         d["resolved_pool_size"] = self.resolved_pool_size
+        d["resolved_replacement_policy"] = self.resolved_replacement_policy
         return d
 
     def replace(self, **kw: Any) -> "OffloadOptions":

@@ -168,7 +168,7 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
             state = build_state(gm, plans, example_inputs, graph_id, state_from_caches)
     with timed(report, "rewrite"):
         rr = rewrite(gm, fe, grp, plans, state, opts.update_ledger, install_hook, in_graph_guards, True,
-                     opts.replacement_policy)
+                     opts.resolved_replacement_policy)
     report.groups = _group_rows(grp, plans if rr.offload else [])
     report.rewritten = True
     report.sites = [s.to_dict() for s in rr.sites]

@@ -33,7 +33,7 @@ import torch
 
 from .. import npu_gather_selection_kv_cache as M
 from ._common import (COPY_TILE, ERR_GATHER_TABLE, GATHER_TABLE_WORDS, CudaOp, bits, commit, error_flags,
-                      error_record, next_pow2, out_buffer, require_triton)
+                      error_record, host_operand, next_pow2, out_buffer, require_triton)
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -310,6 +310,10 @@ def launch(a: tuple, cfg: _Launch) -> torch.Tensor:
     entry writes nothing and leaves an error record that ``_common.raise_device_errors`` (``offload_passes.
     cuda.raise_device_errors``) raises with the C++ kernel's message; no host synchronisation."""
     sel_rope, sel_kv, sbt, status, topk, full_rope, full_kv, fbt, kv_len = a[:9]
+    if sel_kv.is_cuda:  # paged host KV: the copies read the full caches through the pinned address
+        host_operand(full_kv, OP, "full_kv")
+        if not cfg.geo.no_rope:
+            host_operand(full_rope, OP, "full_rope")
     geo, R = cfg.geo, cfg.R
     S, K, bsz = geo.S, geo.K, geo.bsz
     topk2 = topk.contiguous()

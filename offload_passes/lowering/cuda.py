@@ -17,11 +17,14 @@ What the mode is (the decisions; docs/cuda.md has the reasons at length):
   (``lowering/side_stream.py join_points``). They are ops of the ``offload_cuda`` namespace with side effects (never
   dead-code eliminated), traced by AOT in program order; on a machine without CUDA they do nothing.
 * **Inductor** would reorder the ops across the stream switches (it has no notion of the current stream
-  of a custom op), so this mode never hands the graph to Inductor; ``torch.compile(mode=...)`` (Inductor
-  settings, ``"reduce-overhead"`` = CUDA graphs / cudagraph trees) is refused by name.
-* **CUDA graphs**: option ``cuda_graphs=True`` captures the lowered step in one CUDA graph (the lowering's
-  own capture, ``lowering/cuda_graphs.py``): refused at compile time, naming the nodes, when
+  of a custom op), so this mode never hands the graph to Inductor; ``torch.compile(mode="max-autotune" |
+  "max-autotune-no-cudagraphs")`` (Inductor's tuning) is refused by name.
+* **CUDA graphs**: ``torch.compile(mode="reduce-overhead")`` (what the mode means to a user: the step as
+  CUDA-graph replays) or the option ``cuda_graphs=True`` captures the lowered step in one CUDA graph per
+  input signature (the lowering's own capture, ``lowering/cuda_graphs.py``; not cudagraph trees, which
+  would run Inductor and refuse the host caches): refused at compile time, naming the nodes, when
   :func:`~offload_passes.lowering.cuda_graphs.capture_problems` finds a host synchronisation in the graph.
+  A graph without a CUDA tensor has nothing to capture and runs op by op.
 * **Host-resident KV**: the full caches may be pinned host tensors (:mod:`offload_passes.cuda`); the
   serve kernel reads their missed rows zero-copy. Nothing here copies them. The model writes its new rows
   into them with the cache-write op (device stores through the pinned address, ``custom_ops/cuda/cache_write.py``);
@@ -45,6 +48,7 @@ from ..custom_ops.cuda._common import raise_device_errors
 from ..passes import _fx
 from . import LowerContext
 from .cpu import CpuLowering
+from . import cuda_graphs
 from .cuda_graphs import GraphReplay, capture_problems, input_specs
 from .side_stream import SideStreamHook
 from ..modes import CUDA_EXE_MODES, check_exe_mode
@@ -56,12 +60,15 @@ from ..state import OffloadState
 log = logging.getLogger("offload_passes.lowering.cuda")
 
 __all__ = ["CudaLowering", "CudaInstallHook", "CUDA_MODE", "STREAM_NAMESPACE", "STREAM_OPS", "GUARD_OP",
-           "StreamRuntime", "RUNTIME", "UNSUPPORTED_COMPILE_MODES", "device_safe_guards", "raise_device_errors"]
+           "StreamRuntime", "RUNTIME", "UNSUPPORTED_COMPILE_MODES", "CAPTURE_COMPILE_MODES", "device_safe_guards",
+           "raise_device_errors"]
 
 CUDA_MODE = "cuda"
 STREAM_NAMESPACE = "offload_cuda"
-#: torch.compile(mode=...) values: each selects Inductor settings this mode does not use.
-UNSUPPORTED_COMPILE_MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: torch.compile(mode=...) values: each selects Inductor tuning this mode does not use.
+UNSUPPORTED_COMPILE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
+#: torch.compile(mode=...) values this mode honours as its own CUDA-graph capture (``cuda_graphs=True``)
+CAPTURE_COMPILE_MODES = ("reduce-overhead",)
 
 
 class StreamRuntime:
@@ -284,10 +291,16 @@ class CudaLowering:
         if mode in UNSUPPORTED_COMPILE_MODES:
             raise RuntimeError(
                 f"exe_mode='cuda' does not support torch.compile(mode={mode!r}): the mode runs the offload graph "
-                "op by op after AOT (Inductor would reorder the ops across the install side stream), and Inductor's "
-                "cudagraph trees refuse the host-resident caches; call torch.compile without mode= and set the "
-                "backend option cuda_graphs=True for the lowering's own CUDA-graph capture (docs/cuda.md)")
-        specs = input_specs(gm, example_inputs) if ctx.options.cuda_graphs else None
+                "op by op after AOT (Inductor would reorder the ops across the install side stream, and its "
+                "cudagraph trees refuse the host-resident caches); call torch.compile without mode=, or with "
+                "mode='reduce-overhead' for the lowering's own CUDA-graph capture (docs/cuda.md)")
+        capture = ctx.options.cuda_graphs or mode in CAPTURE_COMPILE_MODES
+        factory = cuda_graphs.GRAPH_FACTORY
+        if capture and not factory.applies(example_inputs):
+            log.info("graph %s: no CUDA tensor among its inputs, nothing to capture: it runs op by op",
+                     ctx.graph_id)
+            capture = False
+        specs = input_specs(gm, example_inputs) if capture else None
         mutated = _fx.mutated_placeholders(gm) if specs is not None else []
         fn = self._eager.lower(gm, example_inputs, ctx)
         gid = str(ctx.graph_id)
@@ -295,11 +308,12 @@ class CudaLowering:
             problems = capture_problems(ctx.final_graph if ctx.final_graph is not None else gm.graph)
             self.capture_problems[gid] = problems
             if problems:
-                raise RuntimeError(f"cuda_graphs=True: graph {gid} cannot be captured in one CUDA graph ("
+                how = "mode='reduce-overhead'" if mode in CAPTURE_COMPILE_MODES else "cuda_graphs=True"
+                raise RuntimeError(f"{how}: graph {gid} cannot be captured in one CUDA graph ("
                                    f"{len(problems)} problems): " + "; ".join(problems[:8])
                                    + ("; ..." if len(problems) > 8 else "")
-                                   + " (docs/cuda.md, CUDA graphs; or compile with cuda_graphs=False)")
-            replay = GraphReplay(fn, specs, mutated=mutated)
+                                   + " (docs/cuda.md, CUDA graphs; or compile without it)")
+            replay = GraphReplay(fn, specs, mutated=mutated, graph_factory=factory)
             self.replays[gid] = replay
             self.steps[gid] = replay
             return replay

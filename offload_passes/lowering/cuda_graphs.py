@@ -1,9 +1,9 @@
-"""CUDA graphs for the lowered decode step of ``exe_mode="cuda"`` (option ``cuda_graphs=True``).
+"""CUDA graphs for the lowered decode step of ``exe_mode="cuda"`` (``torch.compile(mode="reduce-overhead")`` or
+the option ``cuda_graphs=True``: the same capture).
 
 The ``cuda`` lowering runs the offload graph op by op (``lowering/cuda.py``: Inductor would reorder its ops
-across the install side stream), so ``torch.compile(mode="reduce-overhead")`` (Inductor's cudagraph trees)
-cannot apply, and cudagraph trees refuse CPU inputs, which the host-resident KV caches are. This module is
-the lowering's own capture instead:
+across the install side stream), so Inductor's cudagraph trees cannot apply, and they refuse CPU inputs,
+which the host-resident KV caches are. This module is the lowering's own capture instead:
 
 * :func:`capture_problems` checks the lowered FX graph structurally before any capture: nothing that reads
   a device value on the host (``.item()``, ``aten._local_scalar_dense``, ``aten.equal``, a copy to the
@@ -12,26 +12,30 @@ the lowering's own capture instead:
   indexing), no host tensor except the full caches at the operand positions of the ops whose Triton
   kernels read or write them through their pinned address (:data:`HOST_OPERANDS`), and no op of ours whose
   ``OpSpec`` names no CUDA kernel (``custom_ops/cuda/``: it could not run on the device).
-* :class:`GraphReplay` wraps the lowered step: a warm-up call runs it eagerly (Triton's first compile, the
-  caching allocator's first blocks, the once-per-allocation host checks), the next call captures it
+* :class:`GraphReplay` wraps the lowered step: per input signature (shapes, strides, dtypes, devices, the
+  non-tensor arguments) a warm-up call runs it eagerly (Triton's first compile, the caching allocator's
+  first blocks, the once-per-allocation host checks), the next call with that signature captures it
   (plan, serve, install, the cache-write stores through the pinned address, the side-stream scope and
   joins, the guard kernels: everything the step launches) and every later call copies the inputs that
-  may change address into static buffers and replays.
+  may change address into static buffers and replays. A signature seen once (a prompt's prefill through
+  a graph Dynamo made dynamic) never costs a capture; a decode step, called with one signature per step,
+  is one graph replay per step.
 
 What replays do not repeat, and why that is safe: the op wrappers' Python validation
 (``custom_ops/cuda/*.py``: shapes, dtypes, layouts, the pinned check of a host cache per allocation) runs
 at capture time only. Before every replay :class:`GraphReplay` checks that every tensor input has the
 shape, stride, dtype and device it had at capture, and that every *fixed* input (parameters, buffers,
-host caches, the offload state) is the same allocation, so everything those checks read is what they
-checked. What depends on values (the rewrite's guards, the cache-write row bounds) is checked on the
+host caches, the offload state) is the same allocation (else that capture is dropped: the call runs eagerly
+and the next one captures the new allocations), so everything those checks read is what they checked. What depends on values (the rewrite's guards, the cache-write row bounds) is checked on the
 device and flagged in pinned error words (``custom_ops/cuda/_common.py``), raised on the host before the
 next call.
 """
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import fx
@@ -42,7 +46,7 @@ from ..custom_ops.cuda._common import raise_device_errors
 log = logging.getLogger("offload_passes.lowering.cuda_graphs")
 
 __all__ = ["capture_problems", "HOST_OPERANDS", "GraphReplay", "TorchCudaGraph", "CaptureRefused",
-           "InputSpec", "input_specs"]
+           "InputSpec", "input_specs", "GRAPH_FACTORY", "MAX_CAPTURES"]
 
 aten = torch.ops.aten
 
@@ -64,7 +68,10 @@ SYNC_OPS = {
 
 
 def _host_operands() -> dict:
-    ops = {torch.ops.custom.dsa_serve.default: (1, 2), torch.ops.custom.dsa_serve_functional.default: (1, 2)}
+    ops = {torch.ops.custom.dsa_serve.default: (1, 2), torch.ops.custom.dsa_serve_functional.default: (1, 2),
+           # the baseline gather of a paged group with host KV (full_k_rope, full_kv_cache)
+           torch.ops.custom.npu_gather_selection_kv_cache.default: (5, 6),
+           torch.ops.custom.npu_gather_selection_kv_cache_functional.default: (5, 6)}
     try:
         ops[torch.ops.offload_ref.npu_mla_prolog_cache_write_.default] = (0, 1)
         ops[torch.ops.offload_ref.static_cache_write_.default] = (0, 1)
@@ -74,8 +81,8 @@ def _host_operands() -> dict:
 
 
 #: op -> positions of the arguments its CUDA kernel reads or writes through a pinned host address
-#: (``custom_ops/cuda/dsa_serve.py``: the full caches; ``custom_ops/cuda/cache_write.py``,
-#: ``custom_ops/cuda/static_cache_write.py``: the caches written)
+#: (``custom_ops/cuda/dsa_serve.py``, ``custom_ops/cuda/npu_gather_selection_kv_cache.py``: the full caches read;
+#: ``custom_ops/cuda/cache_write.py``, ``custom_ops/cuda/static_cache_write.py``: the caches written)
 HOST_OPERANDS = _host_operands()
 
 
@@ -141,6 +148,8 @@ def capture_problems(gm: "fx.GraphModule | fx.Graph") -> List[str]:
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     host_only = _ops_without_cuda_kernel()
     host_kv = _host_kv_nodes(graph)
+    # a graph without any CUDA value (the cuda mode on host tensors) has no host/device boundary to check
+    on_device = any(d.type == "cuda" for n in graph.nodes for d in _devices(_val(n)))
     out: List[str] = []
     for n in graph.nodes:
         if n.op not in ("call_function", "call_method", "call_module", "placeholder"):
@@ -166,7 +175,7 @@ def capture_problems(gm: "fx.GraphModule | fx.Graph") -> List[str]:
         if isinstance(t, HigherOrderOperator):
             out.append(f"{n.name}: {t}: a higher-order op (control flow) is not checked for capture")
             continue
-        if n in host_kv:
+        if n in host_kv or not on_device:
             continue
         if torch.device("cpu") in _devices(_val(n)):
             what = "a host input" if n.op == "placeholder" else "a host tensor"
@@ -179,7 +188,8 @@ def capture_problems(gm: "fx.GraphModule | fx.Graph") -> List[str]:
 
 
 class CaptureRefused(RuntimeError):
-    """A call :class:`GraphReplay` cannot replay (the message names the input and what changed)."""
+    """A call :class:`GraphReplay` cannot replay, or a step whose capture failed (the message names the input
+    or the operation)."""
 
 
 @dataclass(frozen=True)
@@ -188,19 +198,25 @@ class InputSpec:
 
     ``kind``: ``"fixed"`` (same allocation every call: parameters, buffers, host caches, offload state),
     ``"copy"`` (copied into a static buffer before each replay: the token ids, positions), ``"value"`` (a
-    non-tensor argument: equal every call)."""
+    non-tensor argument: part of the signature a capture is made for)."""
 
     name: str
     kind: str
 
 
 class TorchCudaGraph:
-    """The capture API :class:`GraphReplay` uses, over ``torch.cuda.CUDAGraph``. Tests replace it with a
-    TEST DOUBLE of the same two methods (tests/cuda/test_cuda_graphs.py)."""
+    """The capture API :class:`GraphReplay` uses, over ``torch.cuda.CUDAGraph``. Tests replace it
+    (:data:`GRAPH_FACTORY`) with a TEST DOUBLE of the same methods (tests/cuda/_capture_double.py)."""
 
     def __init__(self, pool: Any = None):
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
+
+    @staticmethod
+    def applies(example_inputs: Sequence[Any]) -> bool:
+        """Whether a graph with these inputs has anything to capture: a CUDA tensor among them (a graph on
+        host tensors runs op by op, as cudagraph trees skip a CPU graph)."""
+        return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
 
     def capture(self, fn: Callable[[], Any]) -> Any:
         """Capture ``fn()`` (its launches on the capturing stream and the streams that join it)."""
@@ -211,24 +227,48 @@ class TorchCudaGraph:
         self.graph.replay()
 
 
+#: What :class:`GraphReplay` captures with when the lowering builds it (a class with ``applies``,
+#: ``capture`` and ``replay``); tests/cuda swap in a TEST DOUBLE.
+GRAPH_FACTORY: Any = TorchCudaGraph
+
+#: captures kept per lowered graph (one per input signature); calls with further signatures run eagerly
+MAX_CAPTURES = 8
+
+
 def _sig(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
+@dataclass
+class _Capture:
+    """One signature's captured graph: its static inputs (the fixed inputs themselves, static buffers for
+    the copied ones) and the captured outputs."""
+
+    graph: Any
+    static: List[Any]
+    out: Any
+    replays: int = 0
+
+
 class GraphReplay:
-    """The lowered step as one captured graph (see the module doc).
+    """The lowered step as captured graphs, one per input signature (see the module doc).
 
     ``fn(*args)``: the lowered step. ``specs``: one :class:`InputSpec` per argument. ``mutated``: indices of
     the inputs the step writes in place; a ``"copy"`` input among them is copied back from its static buffer
     after each replay. ``graph_factory()``: a :class:`TorchCudaGraph` (or a test double). ``warmup``: eager
-    calls before the capture (at least 1: Triton compiles and the once-per-allocation checks run eagerly).
+    calls of a signature before its capture (at least 1: Triton compiles and the once-per-allocation checks
+    run eagerly). ``max_captures``: signatures captured; a call with another signature runs eagerly.
 
-    The outputs of a replay are the captured step's static outputs: the next call overwrites them (clone
-    what must outlive a step), as with ``torch.compile(mode="reduce-overhead")``.
+    A fixed input at another address than at its signature's capture (a new cache and its offload state at the
+    same shapes) drops that capture; the call runs eagerly and the next one captures again.
+
+    The outputs of a replay are the captured step's static outputs: the next call with the same signature
+    overwrites them (clone what must outlive a step), as with cudagraph trees.
     """
 
     def __init__(self, fn: Callable, specs: Sequence[InputSpec], *, mutated: Sequence[int] = (),
-                 graph_factory: Callable[[], Any] = TorchCudaGraph, warmup: int = 1):
+                 graph_factory: Callable[[], Any] = TorchCudaGraph, warmup: int = 1,
+                 max_captures: int = MAX_CAPTURES):
         if warmup < 1:
             raise ValueError(f"GraphReplay: warmup must be >= 1 (the first call compiles the Triton kernels and "
                              f"runs the host checks eagerly), got {warmup}")
@@ -237,33 +277,48 @@ class GraphReplay:
         self.mutated = tuple(mutated)
         self.graph_factory = graph_factory
         self.warmup = warmup
+        self.max_captures = max_captures
         self.calls = 0
+        #: replays over every signature (a capture's own first replay not counted)
         self.replays = 0
-        self.graph: Any = None
-        self._static: List[Any] = []
-        self._sigs: List[Any] = []
-        self._out: Any = None
+        #: calls run eagerly: warm-ups, and signatures beyond ``max_captures``
+        self.eager_calls = 0
+        self.captures: dict = {}
+        #: captures dropped because a fixed input moved (a new cache or state at the same shapes)
+        self.recaptures = 0
+        self._seen: dict = {}  # signature -> eager calls so far
 
-    def _check(self, args: Sequence[Any]) -> None:
+    @property
+    def graph(self) -> Any:
+        """The graph of the first capture (None before any)."""
+        return next(iter(self.captures.values())).graph if self.captures else None
+
+    @property
+    def _static(self) -> List[Any]:
+        return next(iter(self.captures.values())).static if self.captures else []
+
+    def _signature(self, args: Sequence[Any]) -> tuple:
         if len(args) != len(self.specs):
             raise CaptureRefused(f"captured step: called with {len(args)} inputs, captured with {len(self.specs)}")
-        for a, spec, sig, st in zip(args, self.specs, self._sigs, self._static):
+        key = []
+        for a, spec in zip(args, self.specs):
             if spec.kind == "value":
-                if a != st:
-                    raise CaptureRefused(f"captured step: input {spec.name} is {a!r}, captured as {st!r} (a value "
-                                         "baked into the CUDA graph; recompile for a new value)")
-                continue
-            if not isinstance(a, torch.Tensor) or _sig(a) != sig:
-                got = _sig(a) if isinstance(a, torch.Tensor) else type(a).__name__
-                raise CaptureRefused(f"captured step: input {spec.name} has (shape, stride, dtype, device) {got}, "
-                                     f"captured with {sig}: a CUDA graph replays fixed shapes")
-            if spec.kind == "fixed" and a.data_ptr() != st.data_ptr():
-                raise CaptureRefused(f"captured step: input {spec.name} is a different allocation than at capture "
-                                     f"(address {a.data_ptr():#x}, captured {st.data_ptr():#x}); parameters, "
-                                     "buffers, host caches and the offload state must stay in place between "
-                                     "replays")
+                key.append(("value", a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)))
+            elif not isinstance(a, torch.Tensor):
+                raise CaptureRefused(f"captured step: input {spec.name} is a {type(a).__name__}, traced as a tensor")
+            else:
+                key.append(_sig(a))
+        return tuple(key)
 
-    def _capture(self, args: Sequence[Any]) -> Any:
+    def _moved(self, args: Sequence[Any], cap: _Capture) -> Optional[str]:
+        """The first fixed input at another address than at ``cap``'s capture (a new cache, its new state), or
+        None."""
+        for a, spec, st in zip(args, self.specs, cap.static):
+            if spec.kind == "fixed" and a.data_ptr() != st.data_ptr():
+                return f"{spec.name} (address {a.data_ptr():#x}, captured {st.data_ptr():#x})"
+        return None
+
+    def _capture(self, args: Sequence[Any]) -> _Capture:
         static = []
         for a, spec in zip(args, self.specs):
             if spec.kind == "copy":
@@ -272,49 +327,89 @@ class GraphReplay:
                 static.append(buf)
             else:
                 static.append(a)
-        self._static = static
-        self._sigs = [_sig(a) if isinstance(a, torch.Tensor) else None for a in args]
-        self.graph = self.graph_factory()
-        self._out = self.graph.capture(lambda: self.fn(*static))
-        log.info("captured the step (%d inputs, %d copied per replay)", len(args),
-                 sum(s.kind == "copy" for s in self.specs))
+        graph = self.graph_factory()
+        try:
+            out = graph.capture(lambda: self.fn(*static))
+        except CaptureRefused:
+            raise
+        except RuntimeError as e:
+            # a host synchronisation inside the capture (torch: "operation not permitted when stream is
+            # capturing"); the eager step ran in the warm-up, so it is the capture that refuses it
+            raise CaptureRefused(f"captured step: the capture failed: {e}") from e
+        cap = _Capture(graph, static, out)
+        log.info("captured the step (%d inputs, %d copied per replay; capture %d of this graph)", len(args),
+                 sum(s.kind == "copy" for s in self.specs), len(self.captures) + 1)
         # the capture recorded the launches without running them: run once for this call's results
-        self.graph.replay()
-        return self._out
+        graph.replay()
+        return cap
 
     def __call__(self, *args: Any) -> Any:
         # a guard or kernel flagged on the device by the previous call raises here, on the host
         raise_device_errors()
         self.calls += 1
-        if self.calls <= self.warmup:
-            return self.fn(*args)
-        if self.graph is None:
-            out = self._capture(args)
+        key = self._signature(args)
+        cap = self.captures.get(key)
+        if cap is None:
+            seen = self._seen.get(key, 0)
+            if seen < self.warmup or len(self.captures) >= self.max_captures:
+                if seen == self.warmup:  # warmed up, but no capture left: said once per signature
+                    log.warning("captured step: %d signatures captured (max_captures); this one runs eagerly",
+                                len(self.captures))
+                self._seen[key] = seen + 1
+                self.eager_calls += 1
+                return self.fn(*args)
+            cap = self.captures[key] = self._capture(args)
+            static = cap.static
         else:
-            self._check(args)
-            for a, spec, st in zip(args, self.specs, self._static):
+            moved = self._moved(args, cap)
+            if moved is not None:
+                # a graph replays fixed addresses: the capture of the old allocations is dropped (nothing keeps
+                # them alive), this call runs eagerly for the new ones (their first use: the once-per-allocation
+                # checks) and the next call with them captures again
+                log.info("captured step: fixed input %s moved; capturing again", moved)
+                del self.captures[key]
+                self._seen[key] = self.warmup  # this eager call is the new allocations' warm-up
+                self.recaptures += 1
+                self.eager_calls += 1
+                return self.fn(*args)
+            static = cap.static
+            for a, spec, st in zip(args, self.specs, static):
                 if spec.kind == "copy" and a.data_ptr() != st.data_ptr():
                     st.copy_(a)
-            self.graph.replay()
+            cap.graph.replay()
+            cap.replays += 1
             self.replays += 1
-            out = self._out
         for i in self.mutated:
-            if self.specs[i].kind == "copy" and args[i].data_ptr() != self._static[i].data_ptr():
-                args[i].copy_(self._static[i])
-        return out
+            if self.specs[i].kind == "copy" and args[i].data_ptr() != static[i].data_ptr():
+                args[i].copy_(static[i])
+        return cap.out
+
+
+def _call_argument(source: Any) -> bool:
+    """Whether a Dynamo source names an argument of the call itself (``L['input_ids']``, ``L['kwargs']['x']``,
+    ``L['args'][0]``), not a tensor reached through an object (``L['self']._buffers['kv']``,
+    ``L['past_key_values'].layers[0].keys``): the caller may pass a new tensor each call."""
+    name = getattr(source, "name", source)  # a Dynamo Source's name: a property (a method in older torch)
+    return bool(_CALL_ARGUMENT.match(str(name() if callable(name) else name)))
+
+
+_CALL_ARGUMENT = re.compile(r"^L\['[^']+'\](\[(\d+|'[^']+')\])*$")
 
 
 def input_specs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> List[InputSpec]:
     """The :class:`InputSpec` of each input of ``gm`` (the graph the lowering receives, the offload state
     appended by the backend as its last inputs, ``passes/state_inputs.py``).
 
-    Fixed: a host tensor (a full cache), a ``torch.nn.Parameter``, an input Dynamo marked static
-    (``_dynamo_static_input_type``), an input whose Dynamo source is a module's parameter or buffer, and an
-    input with no Dynamo source (the offload state: chosen by the caches, allocated once); copied: every
-    other tensor (the token ids, positions); non-tensors are values."""
+    Copied: a tensor argument of the call itself (the token ids, positions: Dynamo source ``L['name']``).
+    Fixed: everything else, checked by address before each replay: a ``torch.nn.Parameter``, an input
+    Dynamo marked static (``_dynamo_static_input_type``), a tensor reached through an object (a module's
+    parameters and buffers, a cache's tensors), an input with no Dynamo source (the offload state: chosen
+    by the caches, allocated once), and, in a graph with CUDA tensors, every host tensor (the full caches:
+    :func:`capture_problems` allows no other host input). Non-tensors are values (part of the signature)."""
     nodes = [p for p in gm.graph.nodes if p.op == "placeholder"]
     if len(nodes) != len(example_inputs):
         raise ValueError(f"input_specs: the graph has {len(nodes)} inputs, example_inputs {len(example_inputs)}")
+    on_device = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
     specs: List[InputSpec] = []
     for node, x in zip(nodes, example_inputs):
         if not isinstance(x, torch.Tensor):
@@ -323,10 +418,9 @@ def input_specs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> List[Input
         ga = node.meta.get("grapharg")
         source = getattr(ga, "source", None) or getattr(node, "_dynamo_source", None)
         example = getattr(ga, "example", None)
-        static = (source is None or x.device.type == "cpu" or isinstance(x, torch.nn.Parameter)
-                  or isinstance(example, torch.nn.Parameter)
+        static = (source is None or not _call_argument(source) or (on_device and x.device.type == "cpu")
+                  or isinstance(x, torch.nn.Parameter) or isinstance(example, torch.nn.Parameter)
                   or getattr(x, "_dynamo_static_input_type", None) is not None
-                  or getattr(example, "_dynamo_static_input_type", None) is not None
-                  or "_buffers[" in str(source) or "_parameters[" in str(source))
+                  or getattr(example, "_dynamo_static_input_type", None) is not None)
         specs.append(InputSpec(node.name, "fixed" if static else "copy"))
     return specs

@@ -248,22 +248,46 @@ def test_host_checks_run_once_outside_replay(replay):
     assert r.replays == 4
 
 
-def test_changed_shape_address_or_value_is_refused_by_name(replay):
+def test_a_new_signature_gets_its_own_capture_a_moved_fixed_input_a_new_one(replay):
+    """A call with another shape, dtype or value is another signature: warmed up eagerly once, then captured
+    on its own; the first signature still replays its own graph. A fixed input at another address drops its
+    signature's capture (eager call, then a new capture on the new allocation); another number of inputs or
+    a non-tensor where a tensor was traced is refused by name."""
     r, step = replay
     w, acc = torch.ones(4), torch.zeros(4)
     r(torch.ones(4), w, acc, 0)
     r(torch.ones(4), w, acc, 0)
-    with pytest.raises(CaptureRefused, match=r"input x has \(shape, stride, dtype, device\) \(\(5,\)"):
-        r(torch.ones(5), torch.ones(5), torch.zeros(5), 0)
-    with pytest.raises(CaptureRefused, match=r"input w is a different allocation than at capture"):
-        r(torch.ones(4), torch.ones(4), acc, 0)
-    with pytest.raises(CaptureRefused, match=r"input acc has .*torch.float64"):
-        r(torch.ones(4), w, torch.zeros(4, dtype=torch.float64), 0)
-    with pytest.raises(CaptureRefused, match=r"input n is 3, captured as 0"):
-        r(torch.ones(4), w, acc, 3)
+    assert len(r.captures) == 1 and step.host_checks == 2
+    w5, acc5 = torch.ones(5), torch.zeros(5)
+    assert r(torch.ones(5), w5, acc5, 0)[0].tolist() == [1.0] * 5  # eager warm-up of (5,)
+    assert len(r.captures) == 1 and r.eager_calls == 2
+    assert r(torch.full((5,), 2.0), w5, acc5, 0)[0].tolist() == [2.0] * 5  # its capture
+    assert len(r.captures) == 2 and step.host_checks == 4
+    assert r(torch.full((4,), 3.0), w, acc, 0)[0].tolist() == [3.0] * 4  # the (4,) graph replays
+    assert r(torch.full((4,), 3.0), w, acc, 7)[0].tolist() == [10.0] * 4  # value 7: a new signature (warm-up)
+    assert step.host_checks == 5 and r.replays == 1
+    w2 = torch.full((4,), 2.0)
+    assert r(torch.ones(4), w2, acc, 0)[0].tolist() == [2.0] * 4  # w moved: eager, the (4,) capture dropped
+    assert (r.recaptures, len(r.captures), step.host_checks) == (1, 1, 6)
+    assert r(torch.ones(4), w2, acc, 0)[0].tolist() == [2.0] * 4  # captured on w2
+    assert r(torch.full((4,), 5.0), w2, acc, 0)[0].tolist() == [10.0] * 4 and r.replays == 2
+    assert (len(r.captures), step.host_checks) == (2, 7)
     with pytest.raises(CaptureRefused, match=r"called with 3 inputs, captured with 4"):
         r(torch.ones(4), w, acc)
-    assert step.host_checks == 2 and r.replays == 0
+    with pytest.raises(CaptureRefused, match=r"input w is a float, traced as a tensor"):
+        r(torch.ones(4), 1.0, acc, 0)
+    assert step.host_checks == 7 and r.replays == 2
+
+
+def test_signatures_beyond_the_bound_run_eagerly():
+    raise_device_errors()
+    step = Step()
+    r = GraphReplay(step, SPECS, mutated=[2], graph_factory=RecordingGraph, max_captures=1)
+    w, acc = torch.ones(2), torch.zeros(2)
+    for n in (0, 0, 1, 1, 1):
+        out = r(torch.ones(2), w, acc, n)
+        assert out[0].tolist() == [1.0 + n] * 2
+    assert len(r.captures) == 1 and r.eager_calls == 4 and step.host_checks == 5
 
 
 def test_a_guard_flagged_in_a_replay_raises_on_the_next_call(replay):
@@ -285,12 +309,21 @@ def test_warmup_must_be_positive():
 
 # ------------------------------------------------------------------------------------ the lowering's wiring
 
-def _ctx(gid):
+def _ctx(gid, cuda_graphs=True, compile_mode=None):
     report = SimpleNamespace(rewritten=False, timings={})
-    return LowerContext(gid, OffloadOptions(exe_mode="cuda", cuda_graphs=True), None, report, None)
+    return LowerContext(gid, OffloadOptions(exe_mode="cuda", cuda_graphs=cuda_graphs), None, report, None,
+                        compile_mode=compile_mode)
 
 
-def test_lowering_refuses_a_graph_with_a_sync_by_node_name():
+@pytest.fixture
+def double(monkeypatch):
+    """The lowering captures with the TEST DOUBLE (tests/cuda/_capture_double.py), which captures host graphs."""
+    import _capture_double
+
+    return _capture_double.install(monkeypatch)
+
+
+def test_lowering_refuses_a_graph_with_a_sync_by_node_name(double):
     def build(g, ph, call, mode):
         x = ph("x", (3,))
         s = call(aten.sum.default, (x,), lambda: torch.empty((), device="cuda"))
@@ -303,20 +336,43 @@ def test_lowering_refuses_a_graph_with_a_sync_by_node_name():
         low.lower(gm, [torch.ones(3)], _ctx("g1"))
     assert low.capture_problems["g1"] == [
         "the_item: aten._local_scalar_dense.default: reads a device value on the host (.item())"]
+    with pytest.raises(RuntimeError, match=r"mode='reduce-overhead': graph g3 cannot be captured in one CUDA graph"):
+        low.lower(gm, [torch.ones(3)], _ctx("g3", cuda_graphs=False, compile_mode="reduce-overhead"))
 
 
-def test_lowering_wraps_a_clean_graph_in_a_replay():
+@pytest.mark.parametrize("how", [dict(cuda_graphs=True), dict(cuda_graphs=False, compile_mode="reduce-overhead")])
+def test_lowering_wraps_a_clean_graph_in_a_replay(double, how):
     def build(g, ph, call, mode):
         x, w = ph("x", (3,)), ph("w", (3,))
         return (call(aten.mul.Tensor, (x, w), lambda: torch.empty(3, device="cuda")),)
 
     gm = fx.GraphModule(torch.nn.Module(), _graph(build))
     low = CudaLowering()
-    step = low.lower(gm, [torch.ones(3), torch.ones(3)], _ctx("g2"))
+    step = low.lower(gm, [torch.ones(3), torch.ones(3)], _ctx("g2", **how))
     assert isinstance(step, GraphReplay) and low.replays["g2"] is step and low.capture_problems["g2"] == []
-    # no Dynamo source on these placeholders (and host tensors): both are fixed inputs
+    # no Dynamo source on these placeholders: both are fixed inputs
     assert [s.kind for s in step.specs] == ["fixed", "fixed"]
-    assert step(torch.ones(3), torch.full((3,), 2.0))[0].tolist() == [2.0, 2.0, 2.0]  # the eager warm-up
+    x, w = torch.ones(3), torch.full((3,), 2.0)
+    assert step(x, w)[0].tolist() == [2.0, 2.0, 2.0]  # the eager warm-up
+    assert step(x, w)[0].tolist() == [2.0, 2.0, 2.0] and len(double.made) == 1  # captured, replayed once
+    x.fill_(3.0)
+    assert step(x, w)[0].tolist() == [6.0, 6.0, 6.0] and step.replays == 1 and double.made[0].ops == ["aten::mul"]
+
+
+@pytest.mark.parametrize("how", [dict(cuda_graphs=True), dict(cuda_graphs=False, compile_mode="reduce-overhead")])
+def test_a_graph_without_cuda_tensors_runs_op_by_op(how):
+    """With torch.cuda.CUDAGraph (no test double), a graph whose inputs are all host tensors has nothing to
+    capture (as cudagraph trees skip a CPU graph): the lowered step runs op by op, no replay is made."""
+    def build(g, ph, call, mode):
+        x, w = ph("x", (3,), "cpu"), ph("w", (3,), "cpu")
+        return (call(aten.mul.Tensor, (x, w), lambda: torch.empty(3)),)
+
+    gm = fx.GraphModule(torch.nn.Module(), _graph(build))
+    low = CudaLowering()
+    step = low.lower(gm, [torch.ones(3), torch.ones(3)], _ctx("g4", **how))
+    assert not isinstance(step, GraphReplay) and low.replays == {}
+    for _ in range(3):
+        assert step(torch.ones(3), torch.full((3,), 2.0))[0].tolist() == [2.0, 2.0, 2.0]
 
 
 def test_input_specs_sort_dynamo_inputs():
@@ -330,11 +386,16 @@ def test_input_specs_sort_dynamo_inputs():
     nodes[1].meta["grapharg"] = src(source="L['self']._modules['lin']._parameters['weight']", example=None)
     nodes[2].meta["grapharg"] = src(source="L['self']._modules['attn']._buffers['kv_cache']", example=None)
     nodes[3].meta["grapharg"] = src(source="L['n']", example=None)
-    dev = [torch.ones(2, device="meta") for _ in range(3)]  # device tensors (a host tensor is always fixed)
+    dev = [torch.ones(2, device="meta") for _ in range(3)]
     specs = input_specs(gm, [*dev, 7, torch.ones(2, device="meta")])
     assert [(s.name, s.kind) for s in specs] == [("tokens", "copy"), ("weight", "fixed"), ("cache", "fixed"),
                                                  ("n", "value"), ("pool", "fixed")]
-    assert input_specs(gm, [torch.ones(2)] * 3 + [7, torch.ones(2)])[0].kind == "fixed"  # a host tensor
+    # in a graph with CUDA tensors a host tensor is a full cache (capture_problems allows no other): fixed;
+    # on host tensors only (the cuda mode on a CPU) the call's arguments are copied all the same
+    with F.new_mode():
+        cuda_w = torch.ones(2, device="cuda")
+    assert input_specs(gm, [torch.ones(2), cuda_w, torch.ones(2), 7, torch.ones(2)])[0].kind == "fixed"
+    assert input_specs(gm, [torch.ones(2)] * 3 + [7, torch.ones(2)])[0].kind == "copy"
     with pytest.raises(ValueError, match="the graph has 5 inputs, example_inputs 4"):
         input_specs(gm, [torch.ones(2)] * 4)
 

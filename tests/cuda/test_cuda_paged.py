@@ -85,7 +85,9 @@ def test_paged_graph_keeps_the_gather_and_scopes_the_installs(cpu_run):
     nodes = list(g.nodes)
     enters = [i for i, n in enumerate(nodes) if n.target is STREAM_OPS["scope_enter"]]
     exits = [i for i, n in enumerate(nodes) if n.target is STREAM_OPS["scope_exit"]]
-    installs = [i for i, n in enumerate(nodes) if n.op == "call_function" and "custom.dsa_install" in str(n.target)]
+    installs = [i for i, n in enumerate(nodes) if n.op == "call_function" and "dsa_install" in str(n.target)]
+    # the cuda mode's default policy: second chance (offload_passes/modes.py)
+    assert {str(nodes[i].target) for i in installs} == {"offload_ref.dsa_install_sc.default"}
     # per group of 4: the 3 shared layers' md=0 installs, the owner's md=1 one in the last layer's scope
     assert len(enters) == len(exits) == 6 and len(installs) == 8
     assert all(any(a < i < b for a, b in zip(enters, exits)) for i in installs)

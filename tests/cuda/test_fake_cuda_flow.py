@@ -27,16 +27,18 @@ CUDA0, CPU = torch.device("cuda", 0), torch.device("cpu")
 B_ROWS = 2
 
 
-def run_flow(preset: str = "tiny", table=None, record=None, reset: bool = True, **overrides):
+def run_flow(preset: str = "tiny", table=None, record=None, reset: bool = True, backend_kw=None, compile_kw=None,
+             steps: int = 2, **overrides):
     """The flow (a generator: the session fixture ``flow`` of ``conftest.py`` yields its one value).
     ``table``: a block table ``[B, cache_len]`` set before the prefill (a paged layout; default the model's
     identity table). ``record(model, driver)``: a context manager entered around the re-fill of row 1.
     ``reset=False``: no ``torch._dynamo.reset()`` before and after (it would drop the session flow's graphs);
-    Dynamo compiles the new model beside them."""
+    Dynamo compiles the new model beside them. ``backend_kw``: more backend options; ``compile_kw``: torch.compile's
+    own arguments (``mode=``); ``steps``: decode steps before the re-fill."""
     F.install_fake_cuda_guard()
     if reset:
         torch._dynamo.reset()
-    built = models.build(preset, enable_offload=True, decode_steps=3, first_k_dense_replace=8, **overrides)
+    built = models.build(preset, enable_offload=True, decode_steps=steps + 1, first_k_dense_replace=8, **overrides)
     m = built.model
     assert m.batch_size == B_ROWS
     if table is not None:
@@ -44,17 +46,17 @@ def run_flow(preset: str = "tiny", table=None, record=None, reset: bool = True, 
     mode = F.new_mode()
     host = {(id(o), a) for o, a, _, where in cuda._targets(m) if where == cuda.HOST}
     twins = F.fake_cuda_model(m, mode, host)
-    be = make_offload_backend(exe_mode="cuda", pool_size=64)
+    be = make_offload_backend(exe_mode="cuda", pool_size=64, **(backend_kw or {}))
 
-    def backend(gm, example_inputs):  # Dynamo compiles outside the caller's mode: the state is made in it
+    def backend(gm, example_inputs, **kw):  # Dynamo compiles outside the caller's mode: the state is made in it
         with mode:
-            return be(gm, example_inputs)
+            return be(gm, example_inputs, **kw)
 
     out = {}
     with mode, F.values_from_twins(twins), F.sdpa_without_device():
         out["prefill"] = built.driver.prefill()
-        step = torch.compile(m, backend=backend)
-        out["steps"] = [built.driver.step(step), built.driver.step(step)]
+        step = torch.compile(m, backend=backend, **(compile_kw or {}))
+        out["steps"] = [built.driver.step(step) for _ in range(steps)]
         with record(m, built.driver) if record is not None else contextlib.nullcontext():
             out["refill"] = built.driver.reset_row(1, prompt_len=5)
         out["steps"].append(built.driver.step(step))
@@ -131,4 +133,6 @@ def test_compiled_step_has_no_host_read_of_a_device_value(flow):
     assert len([n for n in nodes if n.target is GUARD_OP]) > 0
     refs = sorted({str(n.target) for n in nodes if str(n.target).startswith("offload_ref.")
                    and "cache_write" not in str(n.target)})
-    assert refs == ["offload_ref.npu_lightning_indexer.default", "offload_ref.npu_sparse_flash_attention.default"]
+    # dsa_install_sc: the cuda mode's default policy, second chance (offload_passes/modes.py)
+    assert refs == ["offload_ref.dsa_install_sc.default", "offload_ref.npu_lightning_indexer.default",
+                    "offload_ref.npu_sparse_flash_attention.default"]

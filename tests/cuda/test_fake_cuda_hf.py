@@ -30,7 +30,7 @@ CUDA0, CPU = torch.device("cuda", 0), torch.device("cpu")
 B, P, T, STEPS = 2, 72, 80, 3
 
 
-def _flow(dtype: str):
+def _flow(dtype: str, compile_kw=None, backend_kw=None, steps: int = STEPS):
     from offload_passes.hf_cache import HostStaticCache
     from offload_passes.models import hf
 
@@ -39,13 +39,13 @@ def _flow(dtype: str):
                  mlp_layer_types=["dense", "dense"]).model
     mode = F.new_mode()
     twins = F.fake_cuda_model(m, mode, set())  # an HF model's caches are not module buffers: all on cuda:0
-    be = make_offload_backend(exe_mode="cuda", pool_size=1024)
+    be = make_offload_backend(exe_mode="cuda", pool_size=1024, **(backend_kw or {}))
 
     moved, watch = [], []
 
-    def backend(gm, example_inputs):  # Dynamo compiles outside the caller's mode: the state is made in it
+    def backend(gm, example_inputs, **kw):  # Dynamo compiles outside the caller's mode: the state is made in it
         with mode:
-            fn = be(gm, example_inputs)
+            fn = be(gm, example_inputs, **kw)
 
         def run(*args):  # the compiled step; on the last step every host-to-device copy it makes is recorded
             with _HostToDevice(moved) if watch else contextlib.nullcontext():
@@ -58,11 +58,11 @@ def _flow(dtype: str):
         cache = HostStaticCache(m.config, max_cache_len=T, batch_size=B, device="cuda", dtype=dt)
         ids = torch.randint(2, 256, (B, T), device="cuda")
         prefill = m(ids[:, :P], past_key_values=cache, use_cache=True).logits
-        step = torch.compile(m, backend=backend, fullgraph=True)
+        step = torch.compile(m, backend=backend, fullgraph=True, **(compile_kw or {}))
         logits = []
-        for s in range(STEPS):
+        for s in range(steps):
             pos = torch.full((B, 1), P + s, dtype=torch.long, device="cuda")
-            if s == STEPS - 1:
+            if s == steps - 1:
                 watch.append(True)
             logits.append(step(ids[:, P + s:P + s + 1], past_key_values=cache, use_cache=True, position_ids=pos).logits)
     return dict(model=m, cache=cache, be=be, prefill=prefill, logits=logits, graph=be.final_graph(), moved=moved)

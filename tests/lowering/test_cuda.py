@@ -223,6 +223,27 @@ def test_second_chance_compiles_and_runs_in_the_cuda_mode():
     torch._dynamo.reset()
 
 
+def test_the_default_policy_is_second_chance_on_cuda_fifo_elsewhere():
+    """``replacement_policy=None`` (the default) resolves per mode (``modes.Mode.default_policy``): second chance
+    in the cuda mode (the best policy the trace study measures within the per-set state word, docs/cuda.md),
+    FIFO in the CPU modes (the reference's) and the NPU modes (CANN's op); a policy given explicitly stays."""
+    from offload_passes.options import OffloadOptions
+
+    assert OffloadOptions(exe_mode="cuda").resolved_replacement_policy == "second_chance"
+    assert OffloadOptions(exe_mode="cuda", replacement_policy="fifo").resolved_replacement_policy == "fifo"
+    for mode in ("eager", "inductor", "ge_graph", "npugraph_ex"):
+        assert OffloadOptions(exe_mode=mode).resolved_replacement_policy == "fifo"
+    o = OffloadOptions(exe_mode="cuda")
+    assert o.replacement_policy is None and o.to_dict()["resolved_replacement_policy"] == "second_chance"
+    assert o.replace(exe_mode="ge_graph").resolved_replacement_policy == "fifo"  # the default follows the mode
+    with pytest.raises(ValueError, match=r"replacement_policy='second_chance' needs exe_mode in \('eager', "
+                                         r"'inductor', 'cuda'\)"):
+        OffloadOptions(exe_mode="ge_graph", replacement_policy="second_chance")
+    with pytest.raises(ValueError, match=r"option replacement_policy must be one of \('fifo', 'second_chance'\), "
+                                         r"got 'gclock'"):
+        OffloadOptions(exe_mode="cuda", replacement_policy="gclock")
+
+
 def test_side_stream_off_keeps_the_cpu_schedule():
     lo = CudaLowering(CUDA_MODE, side_stream=False)
     opts = object()
