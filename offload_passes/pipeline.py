@@ -159,8 +159,8 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
         if extras is not None:
             extras["offload_refusals"] = [r.to_dict() for r in out.offload_refusals]
         if out.warn:
-            _refuse(graph_id, out.offload_refusals, opts.strict,
-                    f"shared-indexer offload not applied to the {fe.name} graph", "sparse attention only")
+            what, fallback = _partial_words(fe, grp, out.offload_groups)
+            _refuse(graph_id, out.offload_refusals, opts.strict, what, fallback)
     plans = [p for p in pr.groups if p.group_id in out.offload_groups]
     state = None
     if plans:
@@ -169,7 +169,7 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
     with timed(report, "rewrite"):
         rr = rewrite(gm, fe, grp, plans, state, opts.update_ledger, install_hook, in_graph_guards, True,
                      opts.replacement_policy)
-    report.groups = _group_rows(grp, plans if rr.offload else [])
+    report.groups = _group_rows(grp, plans if rr.offload else [], facts.group_refusals)
     report.rewritten = True
     report.sites = [s.to_dict() for s in rr.sites]
     report.layer_nodes = {"before": rr.layer_nodes_before, "after": rr.layer_nodes_after}
@@ -185,11 +185,34 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
     return gm, state, report
 
 
-def _group_rows(grp: GroupReport, plans: Sequence[GroupGeometry]) -> list[dict]:
+def _partial_words(fe: FrontEnd, grp: GroupReport, offloaded: Sequence[int]) -> tuple[str, str]:
+    """The warning's subject and fallback for a graph whose offload was refused in some groups: which
+    groups (with their layers) keep sparse attention only, which are offloaded."""
+    def names(gs: Sequence[Group]) -> str:
+        return ", ".join(f"group {g.group_id} (layers {', '.join(map(str, g.layers))})" for g in gs)
+
+    kept = [g for g in grp.groups if g.group_id not in offloaded]
+    done = [g for g in grp.groups if g.group_id in offloaded]
+    if not done:
+        return f"shared-indexer offload not applied to the {fe.name} graph", "sparse attention only"
+    return (f"shared-indexer offload not applied to {names(kept)} of the {fe.name} graph",
+            f"sparse attention only there; offloaded: {names(done)}")
+
+
+def _group_rows(grp: GroupReport, plans: Sequence[GroupGeometry],
+                refusals: Optional[dict[int, tuple[Refusal, ...]]] = None) -> list[dict]:
     """``GraphReport.groups`` of a rewritten graph: an offloaded group's geometry; a group rewritten without
-    the offload (the HF form's sparse attention) its layers and sizes."""
+    the offload (the HF form's sparse attention) its layers and sizes, and the refusals that kept it there
+    (``offload_refusals``; empty when the offload was not asked for). ``offload`` says which it is."""
     geo = {p.group_id: p for p in plans}
-    return [geo[g.group_id].to_dict() if g.group_id in geo else _sparse_row(g) for g in grp.groups]
+    rows = []
+    for g in grp.groups:
+        if g.group_id in geo:
+            rows.append({**geo[g.group_id].to_dict(), "offload": True})
+        else:
+            mine = (refusals or {}).get(g.group_id, ())
+            rows.append({**_sparse_row(g), "offload": False, "offload_refusals": [r.to_dict() for r in mine]})
+    return rows
 
 
 def _sparse_row(g: Group) -> dict:

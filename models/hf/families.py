@@ -110,10 +110,8 @@ FAMILY_TABLE: dict[str, FamilyEntry] = {
                               "offload"),
     "mistral_large4": FamilyEntry(
         ("mistral_large4",), "hf-mistral-large4",
-        f"lightning indexer top-k, IndexShare, cross-layer KV sharing (kv_source_layers), NoPE every 4th layer; {_MLA}",
-        "sparse", ("dims",),
-        needs="a no-rope mode of serve / install (Dr = 0) for the NoPE layers, or the offload decided per group; "
-              "layers reading another layer's cache share its pool"),
+        f"lightning indexer top-k, IndexShare, cross-layer KV sharing (kv_source_layers), NoPE every 4th layer "
+        f"(served in the ops' no-rope mode, Dr = 0); {_MLA}", "offload"),
     "glm5_next": FamilyEntry(
         ("glm5_next",), "hf-glm5-next",
         "pooled indexer: top pools of index_kpool tokens expanded to token ids + the tail pool; NoPE MLA; "

@@ -59,8 +59,8 @@ FAMILIES = {
     # Dynamo specialises the first step on it, then makes it dynamic (2 graphs)
     "dots3_note": Family({"num_hidden_layers": 2, "layer_types": ["indexed_attention", "sliding_attention"]},
                          "eager", 1, [[0]], 2),
-    # IndexShare F S F S, layer 1 reads layer 0's latent cache (kv_source_layers), layer 3 is NoPE (Dr = 0) and
-    # shares layer 2's top-k: the NoPE site refuses the offload of the whole graph (dims)
+    # IndexShare F S F S, layer 1 reads layer 0's latent cache (kv_source_layers), layer 3 is NoPE (Dr = 0: the
+    # ops' no-rope mode) and shares layer 2's top-k
     "mistral_large4": Family({"num_hidden_layers": 4, "indexer_types": ["full", "shared", "full", "shared"],
                               "kv_source_layers": [0, 0, 2, 3]}, "sdpa", 4, [[0, 1], [2, 3]], 1),
     # linear attention on layer 0, NoPE k-pool DSA on 1 and 2 (2 reuses 1's top-k)
