@@ -17,6 +17,7 @@ from torch import fx
 
 from ..custom_ops import spec_for
 from ..custom_ops._pool import id_range_for, pool_size_problem
+from ..modes import MODES
 from ..options import OffloadOptions
 from .group import Group, GroupReport
 from .refusal import Refusal
@@ -133,6 +134,16 @@ def check_topk_width(chk: Checker, K: int, bounded_by_producer: bool) -> None:
     else:
         chk(K % TOPK_ALIGN == 0 and 0 < K <= MAX_TOPK, "topk_alignment",
             f"top-k width K={K} must be a multiple of {TOPK_ALIGN} and <= {MAX_TOPK}")
+
+
+def check_rope_width(chk: Checker, Dr: int, opts: OffloadOptions, layer: Optional[int] = None) -> None:
+    """The rope width serve / install take: ``MIN_DR <= Dr <= MAX_DR``; ``Dr = 0`` (the no-rope mode,
+    docs/ops.md §3.3) only off the NPU, whose CANN tilings reject a zero rope width."""
+    chk(MIN_DR <= Dr <= MAX_DR, "dims", f"Dr={Dr} must be in [{MIN_DR}, {MAX_DR}]", layer)
+    if Dr == 0:
+        chk(MODES[opts.exe_mode].platform != "npu", "no_rope_npu",
+            f"Dr=0 (a layer without a rope part) in exe_mode {opts.exe_mode!r}: CANN's dsa_serve / dsa_install "
+            "tilings reject a zero rope width (docs/ops.md §3.3); the CPU and CUDA modes serve it", layer)
 
 
 def check_raw_seq(chk: Checker, S: int, opts: OffloadOptions) -> None:

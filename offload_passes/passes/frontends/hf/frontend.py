@@ -15,8 +15,8 @@ from ....options import OffloadOptions
 from ... import _fx
 from ...emit import GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission, emit_serve
 from ...group import Group, GroupReport
-from ...preconditions import (MAX_DKV, MAX_DR, MIN_DR, Checker, GroupGeometry, PreconditionReport, SiteGeometry,
-                              check_pool_size, check_raw_seq, check_topk_width, group_geometry)
+from ...preconditions import (MAX_DKV, Checker, GroupGeometry, PreconditionReport, SiteGeometry,
+                              check_pool_size, check_raw_seq, check_rope_width, check_topk_width, group_geometry)
 from ...refusal import Refusal
 from ..protocol import PartialRefusal, PassFiles, PlanInputs, Screening, Summary
 from .attention import hf_sparse_attention, hf_sparse_attention_rows
@@ -140,9 +140,8 @@ def check_hf_preconditions(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOp
                 f"group {g.group_id}: layer {s.layer} has (B, S, K) {(d['B'], d['S'], d['K'])} != {(B, S, K)}", s.layer)
             chk(s.dtype in OFFLOAD_DTYPES, "kv_dtype", f"latent cache dtype {s.dtype}: the offload ops take "
                 "float16/bfloat16 KV (sparse attention kept)", s.layer)
-            # Dr = 0 (a NoPE layer's empty rope cache) is the ops' no-rope mode (docs/ops.md §3.3)
-            chk(0 < d["C"] <= MAX_DKV and MIN_DR <= d["R"] <= MAX_DR, "dims",
-                f"Dkv={d['C']} must be in (0, {MAX_DKV}], Dr={d['R']} in [{MIN_DR}, {MAX_DR}]", s.layer)
+            chk(0 < d["C"] <= MAX_DKV, "dims", f"Dkv={d['C']} must be in (0, {MAX_DKV}]", s.layer)
+            check_rope_width(chk, d["R"], opts, s.layer)  # a NoPE layer's empty rope cache: Dr = 0
             chk(_cache_length(s) is not None, "cache_layout",
                 f"{s.latent.name}: no index_copy_ / static_cache_write_ into the latent cache (cache length unknown)",
                 s.layer)
