@@ -342,3 +342,52 @@ def test_preset_model_type_picks_the_class_and_bad_input_is_named():
         hf.load_config("hf-tiny", cache="paged")
     with pytest.raises(ValueError, match="runner fullgraph must be true or false, got 'no'"):
         hf.load_config("hf-tiny", fullgraph="no")
+
+
+def test_offload_is_decided_per_group_mistral_large4_in_an_npu_mode():
+    """The offload is decided per group: in an NPU mode a NoPE layer is refused (``no_rope_npu``: CANN's
+    tilings reject a zero rope width), so its group (layers 2, 3) keeps sparse attention while the RoPE
+    group (layers 0, 1) is offloaded; the one warning names both; ``strict`` raises. The graph the NPU
+    lowering would receive (``rewrite_for_offload`` with ``exe_mode="ge_graph"``) runs here on the CPU
+    ops, equal to the sparse rewrite without any offload."""
+    from offload_passes.backend import OffloadRefused, rewrite_for_offload
+    from offload_passes.options import OffloadOptions
+
+    torch._dynamo.reset()
+    part, sparse = hf.build(_config("mistral_large4"), dtype="bfloat16"), hf.build(_config("mistral_large4"),
+                                                                                  dtype="bfloat16")
+    got = {}
+
+    def npu_pass(gm, ex):
+        gm2, got["state"], got["report"] = rewrite_for_offload(gm, ex, OffloadOptions(exe_mode="ge_graph"))
+        return gm2.forward
+
+    fn = torch.compile(part.model, backend=npu_pass, fullgraph=True)
+    fs = torch.compile(sparse.model, backend=make_offload_backend(enable_offload=False), fullgraph=True)
+    dp, ds = part.decoder(), sparse.decoder()
+    dp.prefill()
+    ds.prefill()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", OffloadWarning)
+        for _ in range(STEPS):
+            assert torch.equal(dp.step(fn), ds.step(fs))
+    rep = got["report"]
+    assert [(g["layers"], g["offload"]) for g in rep["groups"]] == [([0, 1], True), ([2, 3], False)]
+    assert [(r["reason"], r["layer"]) for r in rep["groups"][1]["offload_refusals"]] == [("no_rope_npu", 3)]
+    assert rep["hf"]["offload"] is True and rep["ops"]["after"]["dsa_plan"] == 1
+    assert rep["ops"]["after"]["dsa_serve"] == 2
+    msgs = [str(w.message) for w in caught if issubclass(w.category, OffloadWarning)]
+    assert len(msgs) == 1 and "not applied to group 1 (layers 2, 3)" in msgs[0] and "no_rope_npu (layer 3)" in msgs[0]
+    assert "offloaded: group 0 (layers 0, 1)" in msgs[0]
+    t = got["state"].totals()
+    assert t["hits"] > 0 and t["hits"] + t["misses"] + t["window"] == STEPS * 2 * 64  # one group, B = 2, K = 64
+    torch._dynamo.reset()
+    strict = hf.build(_config("mistral_large4"), dtype="bfloat16")
+    dec = strict.decoder()
+    dec.prefill()
+    fn = torch.compile(strict.model, fullgraph=True, backend=lambda gm, ex: rewrite_for_offload(
+        gm, ex, OffloadOptions(exe_mode="ge_graph", strict=True))[0].forward)
+    with pytest.raises(Exception, match="no_rope_npu") as ei:
+        dec.step(fn)
+    assert any(isinstance(e, OffloadRefused) for e in (ei.value, ei.value.__cause__, ei.value.__context__)) or \
+        "OffloadRefused" in str(ei.value)
