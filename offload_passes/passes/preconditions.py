@@ -19,6 +19,7 @@ from ..custom_ops import spec_for
 from ..custom_ops._pool import id_range_for, pool_size_problem
 from ..modes import MODES
 from ..options import OffloadOptions
+from . import _fx
 from .group import Group, GroupReport
 from .refusal import Refusal
 
@@ -74,6 +75,9 @@ class GroupGeometry:
     topk: fx.Node
     topk_node: str
     geometry: dict[int, SiteGeometry] = field(repr=False)
+    #: layer -> the earlier layer of the group whose full caches it reads (cross-layer KV sharing,
+    #: transformers' ``kv_source_layers``): it shares that layer's pool, is served and installed once
+    pool_source: dict[int, int] = field(default_factory=dict)
 
     @property
     def paged(self) -> bool:
@@ -84,7 +88,7 @@ class GroupGeometry:
         return {"group_id": self.group_id, "owner_layer": self.owner_layer, "layers": list(self.layers),
                 "topk_node": self.topk_node, "K": self.K, "S": self.S, "B": self.B, "BS": self.BS,
                 "pool_size": self.pool_size, "num_sets": self.num_sets, "id_range": self.id_range,
-                "paged": self.paged}
+                "paged": self.paged, **({"pool_source": dict(self.pool_source)} if self.pool_source else {})}
 
 
 @dataclass
@@ -164,4 +168,23 @@ def group_geometry(g: Group, B: int, S: int, K: int, SBS: int, F: int, lengths: 
     """A group's geometry: pool size and sets from the options, the id range from the longest cache ``F``."""
     PS = opts.resolved_pool_size
     return GroupGeometry(g.group_id, g.owner.layer, g.last.layer, g.layers, B, S, K, SBS, PS, PS // 16,
-                         id_range_for(F, opts.id_range), lengths, g.owner.topk, g.producer.name, geometry)
+                         id_range_for(F, opts.id_range), lengths, g.owner.topk, g.producer.name, geometry,
+                         pool_sources(g.layers, geometry))
+
+
+def pool_sources(layers: list[int], geometry: dict[int, SiteGeometry]) -> dict[int, int]:
+    """Layer -> the first layer of the group that reads the same full caches (kv and rope, views
+    stripped), for every layer that is not that first one: it shares its pool (docs/hf.md, cross-layer
+    KV sharing). Unpaged groups only: a paged site's own gather reads its ledger and selection buffers."""
+    first: dict[tuple, int] = {}
+    out: dict[int, int] = {}
+    for l in layers:
+        geo = geometry[l]
+        if geo.paged:
+            return {}
+        key = (_fx.strip_views(geo.full_kv), _fx.strip_views(geo.full_rope))
+        if key in first:
+            out[l] = first[key]
+        else:
+            first[key] = l
+    return out

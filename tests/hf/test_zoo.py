@@ -47,6 +47,9 @@ class Family:
     # the model indexes with a boolean mask (data-dependent shapes): Dynamo before torch 2.10 traces it in
     # a full graph only with ``capture_dynamic_output_shape_ops`` (``_compat.dynamo_traces_mask_indexing``)
     mask_indexing: bool = False
+    # layer -> the earlier layer of its group whose cache it reads (kv_source_layers): one pool, served and
+    # installed once
+    pool_source: Optional[dict] = None
 
 
 FAMILIES = {
@@ -62,7 +65,8 @@ FAMILIES = {
     # IndexShare F S F S, layer 1 reads layer 0's latent cache (kv_source_layers), layer 3 is NoPE (Dr = 0: the
     # ops' no-rope mode) and shares layer 2's top-k
     "mistral_large4": Family({"num_hidden_layers": 4, "indexer_types": ["full", "shared", "full", "shared"],
-                              "kv_source_layers": [0, 0, 2, 3]}, "sdpa", 4, [[0, 1], [2, 3]], 1),
+                              "kv_source_layers": [0, 0, 2, 3]}, "sdpa", 4, [[0, 1], [2, 3]], 1,
+                             pool_source={1: 0}),
     # linear attention on layer 0, NoPE k-pool DSA on 1 and 2 (2 reuses 1's top-k)
     "glm5_next": Family({"num_hidden_layers": 3,
                          "layer_types": ["linear_attention", "indexed_attention", "indexed_attention"],
@@ -304,8 +308,17 @@ def test_outcome_in_bf16_the_offload_engages_or_is_refused_by_the_named_reasons(
         return
     assert rep["hf"]["offload"] is True and rep["hf"]["offload_refusals"] == []
     ops = rep["ops"]["after"]
+    shared = fam.pool_source or {}
+    assert [{int(k): v for k, v in g.get("pool_source", {}).items()} for g in rep["groups"]] == \
+        [{l: s for l, s in shared.items() if l in layers} for layers in fam.groups]
     assert sum(v for k, v in ops.items() if k.endswith("dsa_plan")) == len(fam.groups)
-    assert sum(v for k, v in ops.items() if k.endswith("dsa_serve")) == fam.sites
+    # one serve and one install per distinct cache of a group
+    assert sum(v for k, v in ops.items() if k.endswith("dsa_serve")) == fam.sites - len(shared)
+    assert sum(v for k, v in ops.items() if k.endswith("dsa_install")) == fam.sites - len(shared)
+    pools = {row["layer"] for row in rep["state"] if row["kind"] == "pool"}
+    assert pools == {l for g in fam.groups for l in g} - set(shared)
+    for layer, src in shared.items():  # the sharing layer reads its source's pool tensors
+        assert all(a is b for a, b in zip(r.backend.state.pools[layer], r.backend.state.pools[src]))
     t = r.backend.state.totals()
     # every step, every group looks up B * S * K ids: each one is a pool hit, a miss, or in the window
     B, S, K = (rep["hf"]["sites"][0][k] for k in ("B", "S", "K"))
@@ -375,7 +388,7 @@ def test_offload_is_decided_per_group_mistral_large4_in_an_npu_mode():
     assert [(g["layers"], g["offload"]) for g in rep["groups"]] == [([0, 1], True), ([2, 3], False)]
     assert [(r["reason"], r["layer"]) for r in rep["groups"][1]["offload_refusals"]] == [("no_rope_npu", 3)]
     assert rep["hf"]["offload"] is True and rep["ops"]["after"]["dsa_plan"] == 1
-    assert rep["ops"]["after"]["dsa_serve"] == 2
+    assert rep["ops"]["after"]["dsa_serve"] == 1  # layer 1 reads layer 0's cache: served once
     msgs = [str(w.message) for w in caught if issubclass(w.category, OffloadWarning)]
     assert len(msgs) == 1 and "not applied to group 1 (layers 2, 3)" in msgs[0] and "no_rope_npu (layer 3)" in msgs[0]
     assert "offloaded: group 0 (layers 0, 1)" in msgs[0]

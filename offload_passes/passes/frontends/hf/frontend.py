@@ -254,6 +254,9 @@ class HfFrontEnd:
                          torch.arange(nb, dtype=torch.int32, device=dev).view(B * S, K // SBS).clone())
         out = {}
         for s in grp.sites:
+            if s.layer in p.pool_source:  # the same cache as an earlier layer: the same rows, served once
+                out[s.layer] = out[p.pool_source[s.layer]]
+                continue
             geo = p.geometry[s.layer]
             out[s.layer] = SelectionBuffers(
                 ctx.attr(f"sel_kv_l{s.layer}", torch.zeros(nb, SBS, geo.Dkv, dtype=geo.dtype, device=dev)),
@@ -272,7 +275,9 @@ class HfFrontEnd:
         serve = None
         with ctx.g.inserting_before(s.attn):
             if gn is not None:
-                serve = emit_serve(ctx, gn, s.layer, s.latent, s.rope)
+                # a layer reading an earlier layer's cache reads the rows that layer's serve placed
+                if s.layer not in gn.p.pool_source:
+                    serve = emit_serve(ctx, gn, s.layer, s.latent, s.rope)
                 sel = gn.sel[s.layer]
                 new_attn = b(hf_sparse_attention_rows, s.query, sel.kv, sel.rope, s.weight, s.topk, s.base_mask,
                              d["T"], s.scaling, d["n"], d["v"], s.kind, fill, s.sinks, s.softmax_dtype, s.dedup)
