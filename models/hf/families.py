@@ -115,8 +115,8 @@ FAMILY_TABLE: dict[str, FamilyEntry] = {
     "glm5_next": FamilyEntry(
         ("glm5_next",), "hf-glm5-next",
         "pooled indexer: top pools of index_kpool tokens expanded to token ids + the tail pool; NoPE MLA; "
-        "linear-attention layers", "sparse", ("dims", "topk_alignment"),
-        needs="a no-rope mode (Dr = 0) and ids padded with -1 to a multiple of 64 (K = index_topk + index_kpool - 1)"),
+        "linear-attention layers; K = index_topk + index_kpool - 1 ids, padded with -1 to a multiple of 64 for "
+        "the offload; NoPE (Dr = 0)", "offload"),
     "deepseek_v4": FamilyEntry(
         ("deepseek_v4",), "hf-deepseek-v4", "indexer top-k over compressed KV entries computed in the graph",
         "refused", ("hf_compressed_kv",),

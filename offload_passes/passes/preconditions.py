@@ -78,6 +78,10 @@ class GroupGeometry:
     #: layer -> the earlier layer of the group whose full caches it reads (cross-layer KV sharing,
     #: transformers' ``kv_source_layers``): it shares that layer's pool, is served and installed once
     pool_source: dict[int, int] = field(default_factory=dict)
+    #: the width of the model's top-k when it is not ``K`` (None: it is): the plan's ids are that top-k
+    #: with its negative ids moved to the end and -1 up to ``K``, the next multiple of the ops' alignment
+    #: (``rewrite.py::_plan_topk``; exact: the plan serves no row for -1, attention masks it)
+    ids_width: Optional[int] = None
 
     @property
     def paged(self) -> bool:
@@ -88,7 +92,8 @@ class GroupGeometry:
         return {"group_id": self.group_id, "owner_layer": self.owner_layer, "layers": list(self.layers),
                 "topk_node": self.topk_node, "K": self.K, "S": self.S, "B": self.B, "BS": self.BS,
                 "pool_size": self.pool_size, "num_sets": self.num_sets, "id_range": self.id_range,
-                "paged": self.paged, **({"pool_source": dict(self.pool_source)} if self.pool_source else {})}
+                "paged": self.paged, **({"pool_source": dict(self.pool_source)} if self.pool_source else {}),
+                **({"ids_width": self.ids_width} if self.ids_width is not None else {})}
 
 
 @dataclass
@@ -148,6 +153,11 @@ def check_rope_width(chk: Checker, Dr: int, opts: OffloadOptions, layer: Optiona
         chk(MODES[opts.exe_mode].platform != "npu", "no_rope_npu",
             f"Dr=0 (a layer without a rope part) in exe_mode {opts.exe_mode!r}: CANN's dsa_serve / dsa_install "
             "tilings reject a zero rope width (docs/ops.md §3.3); the CPU and CUDA modes serve it", layer)
+
+
+def padded_topk_width(K: int) -> int:
+    """The plan's width for a model top-k of ``K`` ids: the next multiple of ``TOPK_ALIGN``."""
+    return -(-K // TOPK_ALIGN) * TOPK_ALIGN
 
 
 def check_raw_seq(chk: Checker, S: int, opts: OffloadOptions) -> None:

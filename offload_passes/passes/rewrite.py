@@ -169,11 +169,20 @@ def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Group, p: GroupGeometry, gs
 
 
 def _plan_topk(b: Builder, p: GroupGeometry) -> fx.Node:
-    """The group's top-k as the plan reads it: ``[B, S, 1, K]`` int32 (a cast only where it is another dtype)."""
+    """The group's top-k as the plan reads it: ``[B, S, 1, K]`` int32 (a cast only where it is another dtype).
+    A top-k narrower than ``K`` (``p.ids_width``) has its negative ids moved to the end of each row (a
+    stable sort on ``id < 0``: the plan stops a microtask at a negative id, docs/ops.md §2.4) and -1
+    appended up to ``K``."""
     tk = p.topk
     ex = _fx.example(tk)
     if ex is None or ex.dtype != torch.int32:
         tk = b(aten._to_copy.default, tk, dtype=torch.int32)
+    if p.ids_width is not None:
+        tk = b(aten.view.default, tk, [p.B, p.S, p.ids_width])
+        neg = b(aten._to_copy.default, b(aten.lt.Scalar, tk, 0), dtype=torch.uint8)
+        order = b.item(b(aten.sort.stable, neg, stable=True, dim=-1), 1)
+        tk = b(aten.gather.default, tk, -1, order)
+        tk = b(aten.constant_pad_nd.default, tk, [0, p.K - p.ids_width], -1)
     return b(aten.view.default, tk, [p.B, p.S, 1, p.K])
 
 
