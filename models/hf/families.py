@@ -129,14 +129,14 @@ FAMILY_TABLE: dict[str, FamilyEntry] = {
     "qwen4_exp": FamilyEntry(
         ("qwen4_exp", "qwen4_exp_text"), "hf-qwen4-exp",
         "QSA: per row and query, a Python loop pools visible keys in blocks and keeps the best blocks; GQA",
-        "unnamed", fullgraph=False,
+        "refused", ("indexer_split",), fullgraph=False,
         needs="a traceable selection (transformers' loop branches on data: no full graph with any backend), "
               "then GQA caches and block granularity"),
     "kolibri1_1": FamilyEntry(
         ("kolibri1_1",), "hf-kolibri1-1",
         "indexer layers choose a candidate pool from block summaries, every indexed layer the top-k of its pool "
-        "+ sink and local tokens (bool masks); GQA, NoPE, cross-layer KV sharing", "unnamed", since="5.25",
-        fullgraph=False,
+        "+ sink and local tokens (bool masks); GQA, NoPE, cross-layer KV sharing", "refused", ("indexer_split",),
+        since="5.25", fullgraph=False,
         needs="a traceable selection (transformers' loops branch on data), then GQA caches, a no-rope mode and "
               "shared pools"),
     "doge": FamilyEntry(
