@@ -124,7 +124,7 @@ FAMILY_TABLE: dict[str, FamilyEntry] = {
     "minimax_m3_vl": FamilyEntry(
         ("minimax_m3_vl", "minimax_m3_vl_text"), "hf-minimax-m3",
         "block top-k per indexer head (= per KV head), expanded to a [B, H, S, T] float mask; GQA, no MLA",
-        "refused", ("hf_site_not_verified",),
+        "refused", ("block_topk",),
         needs="serving at block granularity with one selection per KV head (GQA K / V caches, no latent)"),
     "qwen4_exp": FamilyEntry(
         ("qwen4_exp", "qwen4_exp_text"), "hf-qwen4-exp",

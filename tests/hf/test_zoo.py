@@ -74,7 +74,7 @@ FAMILIES = {
                         "sdpa", 2, [[0, 1]], 1, mask_indexing=True),
     # compressed sparse attention over in-graph compressed entries: refused by name, the model runs as it is
     "deepseek_v4": Family({}, "eager", 0, [], 1, steps=1),
-    # block top-k per KV head on layers 0 and 2: refused by name (hf_site_not_verified)
+    # block top-k per indexer head on layers 0 and 2: refused by name (block_topk)
     "minimax_m3_vl": Family({}, "sdpa", 0, [], 1),
     # data-dependent Python loops in the indexers: no full graph; with graph breaks nothing is rewritten and
     # one warning names the indexer (indexer_split)
@@ -89,8 +89,7 @@ FAMILIES = {
 REFUSAL_DETAIL = {"hf_compressed_kv": "not rows of a cache graph input: there is no host copy to serve them from",
                   "indexer_split": "the decode step is split over several graphs (graph breaks: torch.compile without "
                                    "fullgraph=True",
-                  # the comparison node's name: "eq" (torch 2.13, 2.15) or "__eq__" (2.11)
-                  "hf_site_not_verified": "the block mask is consumed by "}
+                  "block_topk": "the indexer selects blocks of 8 keys per indexer head"}
 
 
 def _release(version: str) -> tuple[int, int]:
