@@ -582,6 +582,9 @@ class StateRegistry:
         self._bindings: dict[tuple, OffloadState] = {}  # (graph_id, cache keys) -> state
         self._shared: dict[tuple, "weakref.ref[GroupPools]"] = {}  # (cache keys, signature) -> group tensors
         self._claims: dict[tuple, "weakref.ref[GroupPools]"] = {}  # cache key -> group tensors that ran last
+        # cache key -> the state whose activation claimed it last: groups of one graph that read one cache
+        # (a layer reading another group's cache, transformers' kv_source_layers) run together every step
+        self._claim_state: dict[tuple, "weakref.ref[OffloadState]"] = {}
         self._watched: dict[int, "weakref.finalize"] = {}  # owner id -> its finalizer
         self._by_owner: dict[int, set] = {}  # owner id -> binding / shared / claim keys that name it
         self._seen: "weakref.WeakKeyDictionary[GroupPools, tuple]" = weakref.WeakKeyDictionary()  # -> cache keys
@@ -602,6 +605,7 @@ class StateRegistry:
         for key in self._by_owner.pop(i, ()):
             if key[0] == "claim":
                 self._claims.pop(key[1], None)
+                self._claim_state.pop(key[1], None)
             else:
                 self._bindings.pop(key, None)
                 self._shared.pop(key, None)
@@ -656,15 +660,18 @@ class StateRegistry:
         """Apply the stale-state rule before ``state`` runs on ``caches``; True if something was reset."""
         keys = cache_keys(caches) if keys is None else keys
         reset = False
-        for g, cs, gkeys in zip(state.groups, caches, keys):
+        mine = {id(g.shared) for g in state.groups}
+        # decided before this activation claims anything: a cache claimed last by another group of this same
+        # state, in its own last activation, is no foreign use (both groups ran on it together)
+        stale = []
+        for g, gkeys in zip(state.groups, keys):
             sg = g.shared
-            if sg.ran:
-                for k in gkeys:
-                    ref = self._claims.get(k)
-                    if ref is None or ref() is not sg:
-                        reset = True
-                        _reset_shared(sg)
-                        break
+            stale.append(sg.ran and any(not self._claimed_by(k, sg, state, mine) for k in gkeys))
+        for g, cs, gkeys, old_claim in zip(state.groups, caches, keys, stale):
+            sg = g.shared
+            if old_claim:
+                reset = True
+                _reset_shared(sg)
             sg.ran = True
             _check_outside_writes(sg, cs, state.graph_id)
             if self._seen.get(sg) != gkeys:
@@ -676,11 +683,22 @@ class StateRegistry:
                     ref = ref or weakref.ref(sg)
                     self._claims[k] = ref
                     self._watch(_owner(t), ("claim", k))
+                self._claim_state[k] = weakref.ref(state)
         if reset:
             state.resets += 1  # noqa: SIM113
             log.info("%s: its caches were served by other offload state since its last run; its pools "
                      "were reset (cold start)", state.graph_id)
         return reset
+
+    def _claimed_by(self, k: tuple, sg: GroupPools, state: OffloadState, mine: set) -> bool:
+        """Cache ``k`` was last served by ``sg``, or by a group of ``state`` (ids ``mine``) in ``state``'s own
+        activation."""
+        ref = self._claims.get(k)
+        owner = ref() if ref is not None else None
+        if owner is sg:
+            return True
+        last = self._claim_state.get(k)
+        return owner is not None and id(owner) in mine and last is not None and last() is state
 
     def serves(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether some offload state ran on caches among ``tensors`` (by the tensors that own them)."""

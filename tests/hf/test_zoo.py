@@ -419,3 +419,25 @@ def test_offload_is_decided_per_group_mistral_large4_in_an_npu_mode():
         dec.step(fn)
     assert any(isinstance(e, OffloadRefused) for e in (ei.value, ei.value.__cause__, ei.value.__context__)) or \
         "OffloadRefused" in str(ei.value)
+
+
+@pytest.mark.parametrize("family", [f for f in ("mistral_large4", "glm5_next", "hy_v4_vl") if installed(f)])
+def test_offload_demo_runs_the_family_preset(family, capsys, caplog):
+    """``offload-demo --model hf --config <preset>`` as a user runs it (the whole preset: hf-mistral-large4 has
+    8 layers in 3 groups, layer 7 reading layer 3's cache across groups): offloaded, within the demo's
+    tolerance, hits; groups of one graph that read one cache run together, so no pool is reset cold."""
+    import json
+    import logging
+
+    from offload_passes import demo
+
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="offload_passes"):
+        rc = demo.main(["--model", "hf", "--config", families.FAMILY_TABLE[family].preset, "--steps", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["within_tolerance"] and out["offload"] is True and out["refusals"] == [], out
+    assert out["hits"] > 0 and out["ops"]["dsa_plan"] == len(out["groups"])
+    assert not [r for r in caplog.records if "were reset" in r.getMessage()]
+    if family == "mistral_large4":  # 8 layers; 1 reads 0's cache, 5 reads 4's (same group): 6 serves
+        assert out["groups"] == [[0, 1, 2], [3, 4, 5], [6, 7]] and out["ops"]["dsa_serve"] == 6
+        assert out["hits"] > 3 * out["misses"], out  # warm after the first step
