@@ -11,8 +11,11 @@ rewrite — and asks :func:`decide` what to make of it; nothing here reads a gra
   warning, ``strict`` does not apply;
 * **refused** — compiled unmodified: a warning naming each reason (``strict`` raises).
 
-The offload is decided per group (:attr:`Facts.group_refusals`, :attr:`Outcome.offload_groups`); today a
-front-end whose offload is refused in one group serves every group without it (:func:`offload_groups`).
+The offload is decided per group (:attr:`Facts.group_refusals`, :attr:`Outcome.offload_groups`): a
+front-end that keeps its rewrite without the offload (the Hugging Face form) offloads every group whose
+preconditions pass and serves the others with sparse attention only (:func:`offload_groups`); a front-end
+whose rewrite *is* the offload (the recipe form) is refused as a whole. ``strict`` raises when any group is
+refused (the warning of a partial graph is what ``strict`` turns into an error).
 The table of cases is ``tests/test_outcome.py``.
 """
 from __future__ import annotations
@@ -85,9 +88,11 @@ class Outcome:
 
 
 def offload_groups(f: Facts) -> tuple[int, ...]:
-    """The groups a front-end whose offload was refused somewhere still offloads: none (a graph is served
-    with the offload in every group or in none)."""
-    return ()
+    """The groups a front-end whose offload was refused somewhere still offloads: every group with no
+    refusal of its own (a refusal naming no layer refuses every group, ``PreconditionReport.by_group``)."""
+    if not f.group_refusals:  # refusals not attributed to groups: none is proven to pass
+        return ()
+    return tuple(g for g in f.groups if not f.group_refusals.get(g, ()))
 
 
 def decide(f: Facts) -> Outcome:

@@ -13,12 +13,16 @@ run (``passes/_fx.paused_gc``: a full sweep of the compiler's heap is never char
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import itertools
 import logging
+import re
 import time
 import warnings
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -120,6 +124,12 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
         # no front-end owns the graph: the last one's detection summary, the first one's pass list
         report.detect = cand.summarise(det).detect
         report.passes = _passes(FRONT_ENDS[0])
+        split = indexer_without_site(gm)
+        if split is not None and opts.enable_offload:
+            # an indexer's part of a decode step without the attention it selects for (graph breaks)
+            report.refusals = [split.to_dict()]
+            _refuse(graph_id, [split], opts.strict, "DSA offload not applied", "compiling the graph unmodified")
+            return gm, None, report
         log.debug("%s: no DSA site in the graph; passing it through", graph_id)
         return gm, None, report
     report.frontend = fe.name
@@ -159,8 +169,8 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
         if extras is not None:
             extras["offload_refusals"] = [r.to_dict() for r in out.offload_refusals]
         if out.warn:
-            _refuse(graph_id, out.offload_refusals, opts.strict,
-                    f"shared-indexer offload not applied to the {fe.name} graph", "sparse attention only")
+            what, fallback = _partial_words(fe, grp, out.offload_groups)
+            _refuse(graph_id, out.offload_refusals, opts.strict, what, fallback)
     plans = [p for p in pr.groups if p.group_id in out.offload_groups]
     state = None
     if plans:
@@ -169,7 +179,7 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
     with timed(report, "rewrite"):
         rr = rewrite(gm, fe, grp, plans, state, opts.update_ledger, install_hook, in_graph_guards, True,
                      opts.resolved_replacement_policy)
-    report.groups = _group_rows(grp, plans if rr.offload else [])
+    report.groups = _group_rows(grp, plans if rr.offload else [], facts.group_refusals)
     report.rewritten = True
     report.sites = [s.to_dict() for s in rr.sites]
     report.layer_nodes = {"before": rr.layer_nodes_before, "after": rr.layer_nodes_after}
@@ -185,11 +195,81 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
     return gm, state, report
 
 
-def _group_rows(grp: GroupReport, plans: Sequence[GroupGeometry]) -> list[dict]:
+def _partial_words(fe: FrontEnd, grp: GroupReport, offloaded: Sequence[int]) -> tuple[str, str]:
+    """The warning's subject and fallback for a graph whose offload was refused in some groups: which
+    groups (with their layers) keep sparse attention only, which are offloaded."""
+    def names(gs: Sequence[Group]) -> str:
+        return ", ".join(f"group {g.group_id} (layers {', '.join(map(str, g.layers))})" for g in gs)
+
+    kept = [g for g in grp.groups if g.group_id not in offloaded]
+    done = [g for g in grp.groups if g.group_id in offloaded]
+    if not done:
+        return f"shared-indexer offload not applied to the {fe.name} graph", "sparse attention only"
+    return (f"shared-indexer offload not applied to {names(kept)} of the {fe.name} graph",
+            f"sparse attention only there; offloaded: {names(done)}")
+
+
+#: what names an indexer in a graph: a graph input named after one (Dynamo names inputs by their source:
+#: transformers' DSA caches keep ``indexer_keys``, the models an ``indexer`` submodule), or a node traced
+#: from code of a class named ``*Indexer`` (the classes models/hf/survey.py counts): its module in
+#: ``nn_module_stack``, or (a frame resumed after a graph break has no module stack) the class around a
+#: line of its ``stack_trace``
+_INDEXER = "indexer"
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+@functools.lru_cache(maxsize=64)
+def _class_spans(path: str) -> tuple[tuple[int, int, str], ...]:
+    """``(first line, last line, class name)`` of every class in the source file ``path`` (none if unreadable)."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return ()
+    return tuple((c.lineno, c.end_lineno or c.lineno, c.name) for c in ast.walk(tree) if isinstance(c, ast.ClassDef))
+
+
+def _indexer_classes(gm: fx.GraphModule) -> list[str]:
+    out: set[str] = set()
+    frames: set[tuple[str, int]] = set()
+    for n in gm.graph.nodes:
+        for v in (n.meta.get("nn_module_stack") or {}).values():
+            name = v[1].__name__ if isinstance(v[1], type) else str(v[1]).rsplit(".", 1)[-1]
+            if name.endswith("Indexer"):
+                out.add(name)
+        frames.update((f, int(line)) for f, line in _FRAME.findall(n.meta.get("stack_trace") or ""))
+    for path, line in frames:
+        out.update(name for lo, hi, name in _class_spans(path) if lo <= line <= hi and name.endswith("Indexer"))
+    return sorted(out)
+
+
+def indexer_without_site(gm: fx.GraphModule) -> Optional[Refusal]:
+    """The ``indexer_split`` refusal of a graph that holds part of an indexer (its cache or its code) but
+    no DSA site any front-end detects; None for any other graph."""
+    names = [n.name for n in gm.graph.nodes if n.op in ("placeholder", "get_attr") and _INDEXER in n.name.lower()]
+    classes = _indexer_classes(gm)
+    if not names and not classes:
+        return None
+    what = f"the indexer's {'code (' + classes[0] + ')' if classes else 'cache ' + names[0]}"
+    return Refusal("indexer_split", f"the graph holds {what} but no sparse attention that reads its top-k: the "
+                   "decode step is split over several graphs (graph breaks: torch.compile without fullgraph=True, "
+                   "or Python that Dynamo cannot trace in one graph), so the indexer and the attention it selects "
+                   "for are never in one graph to rewrite; torch.compile(..., fullgraph=True) names the break")
+
+
+def _group_rows(grp: GroupReport, plans: Sequence[GroupGeometry],
+                refusals: Optional[dict[int, tuple[Refusal, ...]]] = None) -> list[dict]:
     """``GraphReport.groups`` of a rewritten graph: an offloaded group's geometry; a group rewritten without
-    the offload (the HF form's sparse attention) its layers and sizes."""
+    the offload (the HF form's sparse attention) its layers and sizes, and the refusals that kept it there
+    (``offload_refusals``; empty when the offload was not asked for). ``offload`` says which it is."""
     geo = {p.group_id: p for p in plans}
-    return [geo[g.group_id].to_dict() if g.group_id in geo else _sparse_row(g) for g in grp.groups]
+    rows = []
+    for g in grp.groups:
+        if g.group_id in geo:
+            rows.append({**geo[g.group_id].to_dict(), "offload": True})
+        else:
+            mine = (refusals or {}).get(g.group_id, ())
+            rows.append({**_sparse_row(g), "offload": False, "offload_refusals": [r.to_dict() for r in mine]})
+    return rows
 
 
 def _sparse_row(g: Group) -> dict:

@@ -181,11 +181,14 @@ class GroupState:
     :class:`GroupPools` tensors of the caches it runs on."""
 
     def __init__(self, group_id: int, owner_layer: int, layers: Sequence[int], shared: GroupPools,
-                 B: Optional[int] = None) -> None:
+                 B: Optional[int] = None, sources: Optional[Sequence[int]] = None) -> None:
         self.group_id = group_id
         self.owner_layer = owner_layer
         self.layers = list(layers)
         self.shared = shared
+        # per layer, the index (in ``layers``) of the layer whose pool it reads: a layer that attends to
+        # another layer's cache (cross-layer KV sharing) shares that layer's pool (GroupLayout.sources)
+        self.sources = list(range(len(self.layers))) if sources is None else list(sources)
         self.B = shared.rows if B is None else B  # this graph's batch: rows 0 .. B-1 of the shared tensors
 
     def _rows(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -200,8 +203,13 @@ class GroupState:
     seen_table = property(lambda self: self._rows(self.shared.seen_table))
 
     def pools(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer of the group: (kv, rope) pools, this graph's rows."""
-        return [(self._rows(kv), self._rows(rope)) for kv, rope in self.shared.pools]
+        """Per layer of the group: (kv, rope) pools, this graph's rows (a sharing layer: its source's)."""
+        own = [(self._rows(kv), self._rows(rope)) for kv, rope in self.shared.pools]
+        return [own[i] for i in self.sources]
+
+    def pool_layers(self) -> list[int]:
+        """The layers that hold a pool of their own (the others read one of theirs)."""
+        return [l for i, l in enumerate(self.layers) if self.sources[i] == i]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         g = self.group_id
@@ -223,24 +231,33 @@ class GroupLayout:
     B: int
     pool_size: int
     id_range: int
-    dims: list[tuple[int, int, torch.dtype]]  # per layer of the group: (Dkv, Dr, dtype)
+    dims: list[tuple[int, int, torch.dtype]]  # per layer of the group: (Dkv, Dr, dtype); (0, 0) sharing
     table_cols: int = 0  # paged groups: block-table columns (seen_table); 0: identity layout
     # where the pools and metadata live: the selection buffers' device, not the full caches' (those may
     # be pinned host memory on CUDA, docs/cuda.md); None: the full caches' device
     device: Optional[str] = None
+    # per layer, the index (in ``layers``) of the layer whose pool it reads (None: each its own). A layer
+    # reading the same full caches as an earlier layer of the group (transformers' ``kv_source_layers``)
+    # shares its pool: one pool row serves both, and its own ``dims`` entry is (0, 0) (nothing allocated)
+    sources: Optional[list[int]] = None
 
     @classmethod
     def from_plan(cls, p, device: Optional[str] = None) -> "GroupLayout":
         geo = p.geometry[p.owner_layer]
         cols = geo.F // geo.FBS if getattr(p, "paged", False) and getattr(geo, "FBS", 0) else 0
-        return cls(p.group_id, p.owner_layer, list(p.layers), p.B, p.pool_size, p.id_range,
-                   [(p.geometry[l].Dkv, p.geometry[l].Dr, p.geometry[l].dtype) for l in p.layers], cols, device)
+        src = getattr(p, "pool_source", None) or {}
+        sources = [p.layers.index(src.get(l, l)) for l in p.layers]
+        dims = [(p.geometry[l].Dkv, p.geometry[l].Dr, p.geometry[l].dtype) if sources[i] == i
+                else (0, 0, p.geometry[l].dtype) for i, l in enumerate(p.layers)]
+        return cls(p.group_id, p.owner_layer, list(p.layers), p.B, p.pool_size, p.id_range, dims, cols, device,
+                   sources if src else None)
 
     @property
     def signature(self) -> tuple:
         """The pool geometry: graphs whose groups have the same one on the same caches share their state
         (the batch size is not part of it: a smaller batch serves the first rows)."""
-        return (self.pool_size, self.id_range, tuple(self.dims), self.table_cols)
+        return (self.pool_size, self.id_range, tuple(self.dims), self.table_cols,
+                None if self.sources is None else tuple(self.sources))
 
 
 @dataclass
@@ -276,7 +293,7 @@ class OffloadState:
         p0 = layouts[0]
         st = cls(graph_id, p0.B, p0.pool_size, p0.id_range)
         for lay, sg in zip(layouts, shared):
-            st.groups.append(GroupState(lay.group_id, lay.owner_layer, lay.layers, sg, lay.B))
+            st.groups.append(GroupState(lay.group_id, lay.owner_layer, lay.layers, sg, lay.B, lay.sources))
         return st
 
     def _gens(self) -> tuple:
@@ -305,9 +322,13 @@ class OffloadState:
         return out
 
     # -- inspection -----------------------------------------------------------------------
+    def _pool_layers(self) -> list[int]:
+        """The layers holding a pool of their own (a layer sharing another's pool is not listed twice)."""
+        return sorted(l for g in self.groups for l in g.pool_layers())
+
     def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for l in sorted(self.pools):
+        for l in self._pool_layers():
             out[f"pool_kv_l{l}"], out[f"pool_rope_l{l}"] = self.pools[l]
         for g in self.groups:
             out.update(g.tensors())
@@ -324,7 +345,7 @@ class OffloadState:
     def describe(self) -> list[dict]:
         """Report rows ``{name, shape, dtype, bytes, kind, layer|group_id}`` (docs/ARCHITECTURE.md §5)."""
         rows = []
-        for l in sorted(self.pools):
+        for l in self._pool_layers():
             for nm, t in zip(("pool_kv", "pool_rope"), self.pools[l]):
                 rows.append({"name": f"{nm}_l{l}", "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                              "bytes": t.numel() * t.element_size(), "kind": "pool", "layer": l})
@@ -561,6 +582,9 @@ class StateRegistry:
         self._bindings: dict[tuple, OffloadState] = {}  # (graph_id, cache keys) -> state
         self._shared: dict[tuple, "weakref.ref[GroupPools]"] = {}  # (cache keys, signature) -> group tensors
         self._claims: dict[tuple, "weakref.ref[GroupPools]"] = {}  # cache key -> group tensors that ran last
+        # cache key -> the state whose activation claimed it last: groups of one graph that read one cache
+        # (a layer reading another group's cache, transformers' kv_source_layers) run together every step
+        self._claim_state: dict[tuple, "weakref.ref[OffloadState]"] = {}
         self._watched: dict[int, "weakref.finalize"] = {}  # owner id -> its finalizer
         self._by_owner: dict[int, set] = {}  # owner id -> binding / shared / claim keys that name it
         self._seen: "weakref.WeakKeyDictionary[GroupPools, tuple]" = weakref.WeakKeyDictionary()  # -> cache keys
@@ -581,6 +605,7 @@ class StateRegistry:
         for key in self._by_owner.pop(i, ()):
             if key[0] == "claim":
                 self._claims.pop(key[1], None)
+                self._claim_state.pop(key[1], None)
             else:
                 self._bindings.pop(key, None)
                 self._shared.pop(key, None)
@@ -635,15 +660,18 @@ class StateRegistry:
         """Apply the stale-state rule before ``state`` runs on ``caches``; True if something was reset."""
         keys = cache_keys(caches) if keys is None else keys
         reset = False
-        for g, cs, gkeys in zip(state.groups, caches, keys):
+        mine = {id(g.shared) for g in state.groups}
+        # decided before this activation claims anything: a cache claimed last by another group of this same
+        # state, in its own last activation, is no foreign use (both groups ran on it together)
+        stale = []
+        for g, gkeys in zip(state.groups, keys):
             sg = g.shared
-            if sg.ran:
-                for k in gkeys:
-                    ref = self._claims.get(k)
-                    if ref is None or ref() is not sg:
-                        reset = True
-                        _reset_shared(sg)
-                        break
+            stale.append(sg.ran and any(not self._claimed_by(k, sg, state, mine) for k in gkeys))
+        for g, cs, gkeys, old_claim in zip(state.groups, caches, keys, stale):
+            sg = g.shared
+            if old_claim:
+                reset = True
+                _reset_shared(sg)
             sg.ran = True
             _check_outside_writes(sg, cs, state.graph_id)
             if self._seen.get(sg) != gkeys:
@@ -655,11 +683,22 @@ class StateRegistry:
                     ref = ref or weakref.ref(sg)
                     self._claims[k] = ref
                     self._watch(_owner(t), ("claim", k))
+                self._claim_state[k] = weakref.ref(state)
         if reset:
             state.resets += 1  # noqa: SIM113
             log.info("%s: its caches were served by other offload state since its last run; its pools "
                      "were reset (cold start)", state.graph_id)
         return reset
+
+    def _claimed_by(self, k: tuple, sg: GroupPools, state: OffloadState, mine: set) -> bool:
+        """Cache ``k`` was last served by ``sg``, or by a group of ``state`` (ids ``mine``) in ``state``'s own
+        activation."""
+        ref = self._claims.get(k)
+        owner = ref() if ref is not None else None
+        if owner is sg:
+            return True
+        last = self._claim_state.get(k)
+        return owner is not None and id(owner) in mine and last is not None and last() is state
 
     def serves(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether some offload state ran on caches among ``tensors`` (by the tensors that own them)."""
@@ -752,9 +791,11 @@ def module_state(module: Any, registry: Optional[StateRegistry] = None) -> Offlo
     layouts = []
     for gi, (layers, sg) in enumerate(entries):
         B, PS = sg.pool_ids.shape
+        sources = [layers.index(l) for l in layers]  # layers on the same caches share the first one's pool
         layouts.append(GroupLayout(gi, layers[0], layers, int(B), int(PS), int(sg.id_to_slot.size(1)),
                                    [(kv.size(-1), rope.size(-1), kv.dtype) for kv, rope in sg.pools],
-                                   int(sg.seen_table.size(1)) if sg.seen_table is not None else 0))
+                                   int(sg.seen_table.size(1)) if sg.seen_table is not None else 0, None,
+                                   sources if sources != list(range(len(layers))) else None))
     return OffloadState.from_shared("module", layouts, [sg for _, sg in entries])
 
 

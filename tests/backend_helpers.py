@@ -21,8 +21,11 @@ def load_file(name: str, path: Path) -> types.ModuleType:
     return mod
 
 
-def full_row(buf: torch.Tensor, B: int) -> torch.Tensor:
-    """Identity paged cache [blocks, BS, D] viewed as [B, F, D]."""
+def full_row(buf: torch.Tensor, B: int, F: int | None = None) -> torch.Tensor:
+    """Identity paged cache [blocks, BS, D] viewed as [B, F, D]; a 1-D empty rope (the no-rope mode) as
+    [B, F, 0] (``F`` given: a zero-element tensor has no length of its own)."""
+    if buf.numel() == 0 and F is not None:
+        return buf.view(B, F, 0)
     return buf.view(B, -1, buf.size(-1))
 
 
@@ -59,8 +62,11 @@ def check_pool_state(state, B: int, full_of) -> int:
 def check_pool_invariants(state, model: synth.SynthDSA) -> int:
     """``check_pool_state`` on the synthetic model's caches."""
     B = model.cfg.B
-    return check_pool_state(state, B, lambda l: (full_row(getattr(model, f"full_kv_{l}"), B),
-                                                 full_row(getattr(model, f"full_rope_{l}"), B)))
+    def full_of(layer: int):
+        kv = full_row(getattr(model, f"full_kv_{layer}"), B)
+        return kv, full_row(getattr(model, f"full_rope_{layer}"), B, kv.size(1))
+
+    return check_pool_state(state, B, full_of)
 
 
 def check_ledger_layer(status: torch.Tensor, sel_kv: torch.Tensor, full_kv: torch.Tensor, S: int, K: int,

@@ -21,15 +21,17 @@ QUIET = Refusal("dense_cheaper", "S*K >= T", 0)
 QUIET2 = Refusal("dense_cheaper", "S*K >= T again", 1)
 POOL = Refusal("pool_size", "pool_size=100 must be a multiple of 16", 0)
 RAW = Refusal("raw_seq", "raw_seq S=9 must be in [1, 4]", 2)
+NO_LAYER = Refusal("next_n", "graph has raw_seq S=1, config next_n=2", None)
 PREFILL = "the graph allocates the KV caches it writes"
 BY_DESIGN = "a prefill of S = 9 query tokens"
 
 
 def facts(partial=NOTHING, blocking=(), quiet=(), dense_by_design=None, offload=True, groups=(0, 1),
-          refusals=(), by_design=None) -> Facts:
+          refusals=(), by_design=None, per=None) -> Facts:
     """Facts of a graph with two groups; ``refusals`` are the offload preconditions' (layers 0, 1 -> group 0,
-    layer 2 -> group 1)."""
-    per = {g: tuple(r for r in refusals if (r.layer < 2) == (g == 0)) for g in groups}
+    layer 2 -> group 1; ``per`` gives the groups' refusals where a refusal names no layer)."""
+    if per is None:
+        per = {g: tuple(r for r in refusals if (r.layer < 2) == (g == 0)) for g in groups}
     return Facts(partial, Screening(tuple(blocking), tuple(quiet), dense_by_design), offload, tuple(groups),
                  tuple(refusals), per, by_design)
 
@@ -54,11 +56,16 @@ TABLE = [
      Outcome(Verdict.REWRITTEN)),
     ("recipe, a precondition fails in one group: the graph is refused",
      facts(refusals=[POOL]), Outcome(Verdict.REFUSED, refusals=(POOL,), warn=True)),
-    ("hf, a precondition fails in one group: sparse without offload, warned",
-     facts(SPARSE, refusals=[POOL]), Outcome(Verdict.PARTIAL, offload_refusals=(POOL,), warn=True)),
-    ("hf, only raw_seq: a prefill by design, no warning",
+    ("hf, a precondition fails in group 0: group 1 offloaded, group 0 sparse without offload, warned",
+     facts(SPARSE, refusals=[POOL]), Outcome(Verdict.PARTIAL, (1,), offload_refusals=(POOL,), warn=True)),
+    ("hf, refusals in both groups: no group offloaded, warned",
+     facts(SPARSE, refusals=[POOL, RAW]), Outcome(Verdict.PARTIAL, offload_refusals=(POOL, RAW), warn=True)),
+    ("hf, a refusal naming no layer refuses every group",
+     facts(SPARSE, refusals=[NO_LAYER], per={0: (NO_LAYER,), 1: (NO_LAYER,)}),
+     Outcome(Verdict.PARTIAL, offload_refusals=(NO_LAYER,), warn=True)),
+    ("hf, only raw_seq: a prefill by design, no warning; the group without it offloaded",
      facts(SPARSE, refusals=[RAW], by_design=BY_DESIGN),
-     Outcome(Verdict.PARTIAL, offload_refusals=(RAW,), dense=("prefill", BY_DESIGN), note=BY_DESIGN)),
+     Outcome(Verdict.PARTIAL, (0,), offload_refusals=(RAW,), dense=("prefill", BY_DESIGN), note=BY_DESIGN)),
     ("recipe, refusals in both groups, in the preconditions' order",
      facts(refusals=[POOL, RAW]), Outcome(Verdict.REFUSED, refusals=(POOL, RAW), warn=True)),
 ]
@@ -85,12 +92,16 @@ def test_unmodified_verdicts():
     assert {v for v in Verdict if v.unmodified} == {Verdict.DENSE, Verdict.REFUSED}
 
 
-def test_a_partial_graph_offloads_no_group_today():
-    """A graph is offloaded in every group or in none (``offload_groups``: the one place that would change
-    for a per-group offload); a passing group of a partial graph is not offloaded."""
+def test_offload_is_decided_per_group():
+    """A group with no refusal of its own is offloaded in a partial graph; refusals not attributed to
+    groups (no ``group_refusals``) prove no group passes."""
     f = facts(SPARSE, refusals=[RAW])
     assert f.group_refusals == {0: (), 1: (RAW,)}
-    assert offload_groups(f) == () and decide(f).offload_groups == ()
+    assert offload_groups(f) == (0,) and decide(f).offload_groups == (0,)
+    unattributed = dataclasses.replace(f, group_refusals={})
+    assert offload_groups(unattributed) == () and decide(unattributed).offload_groups == ()
+    # the recipe form is refused as a whole: its rewrite is the offload
+    assert decide(facts(refusals=[RAW])) == Outcome(Verdict.REFUSED, refusals=(RAW,), warn=True)
 
 
 def test_decide_is_pure():

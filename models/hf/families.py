@@ -110,15 +110,13 @@ FAMILY_TABLE: dict[str, FamilyEntry] = {
                               "offload"),
     "mistral_large4": FamilyEntry(
         ("mistral_large4",), "hf-mistral-large4",
-        f"lightning indexer top-k, IndexShare, cross-layer KV sharing (kv_source_layers), NoPE every 4th layer; {_MLA}",
-        "sparse", ("dims",),
-        needs="a no-rope mode of serve / install (Dr = 0) for the NoPE layers, or the offload decided per group; "
-              "layers reading another layer's cache share its pool"),
+        f"lightning indexer top-k, IndexShare, cross-layer KV sharing (kv_source_layers), NoPE every 4th layer "
+        f"(served in the ops' no-rope mode, Dr = 0); {_MLA}", "offload"),
     "glm5_next": FamilyEntry(
         ("glm5_next",), "hf-glm5-next",
         "pooled indexer: top pools of index_kpool tokens expanded to token ids + the tail pool; NoPE MLA; "
-        "linear-attention layers", "sparse", ("dims", "topk_alignment"),
-        needs="a no-rope mode (Dr = 0) and ids padded with -1 to a multiple of 64 (K = index_topk + index_kpool - 1)"),
+        "linear-attention layers; K = index_topk + index_kpool - 1 ids, padded with -1 to a multiple of 64 for "
+        "the offload; NoPE (Dr = 0)", "offload"),
     "deepseek_v4": FamilyEntry(
         ("deepseek_v4",), "hf-deepseek-v4", "indexer top-k over compressed KV entries computed in the graph",
         "refused", ("hf_compressed_kv",),
@@ -126,19 +124,19 @@ FAMILY_TABLE: dict[str, FamilyEntry] = {
     "minimax_m3_vl": FamilyEntry(
         ("minimax_m3_vl", "minimax_m3_vl_text"), "hf-minimax-m3",
         "block top-k per indexer head (= per KV head), expanded to a [B, H, S, T] float mask; GQA, no MLA",
-        "refused", ("hf_site_not_verified",),
+        "refused", ("block_topk",),
         needs="serving at block granularity with one selection per KV head (GQA K / V caches, no latent)"),
     "qwen4_exp": FamilyEntry(
         ("qwen4_exp", "qwen4_exp_text"), "hf-qwen4-exp",
         "QSA: per row and query, a Python loop pools visible keys in blocks and keeps the best blocks; GQA",
-        "unnamed", fullgraph=False,
+        "refused", ("indexer_split",), fullgraph=False,
         needs="a traceable selection (transformers' loop branches on data: no full graph with any backend), "
               "then GQA caches and block granularity"),
     "kolibri1_1": FamilyEntry(
         ("kolibri1_1",), "hf-kolibri1-1",
         "indexer layers choose a candidate pool from block summaries, every indexed layer the top-k of its pool "
-        "+ sink and local tokens (bool masks); GQA, NoPE, cross-layer KV sharing", "unnamed", since="5.25",
-        fullgraph=False,
+        "+ sink and local tokens (bool masks); GQA, NoPE, cross-layer KV sharing", "refused", ("indexer_split",),
+        since="5.25", fullgraph=False,
         needs="a traceable selection (transformers' loops branch on data), then GQA caches, a no-rope mode and "
               "shared pools"),
     "doge": FamilyEntry(

@@ -17,7 +17,9 @@ from torch import fx
 
 from ..custom_ops import spec_for
 from ..custom_ops._pool import id_range_for, pool_size_problem
+from ..modes import MODES
 from ..options import OffloadOptions
+from . import _fx
 from .group import Group, GroupReport
 from .refusal import Refusal
 
@@ -27,6 +29,7 @@ MAX_TOPK = _PLAN.limit("MAX_TOPK")
 MAX_RAW_SEQ = _PLAN.limit("MAX_RAW_SEQ")
 TOPK_ALIGN = _PLAN.limit("TOPK_ALIGN")
 MAX_DKV = _INSTALL.limit("MAX_DKV")
+MIN_DR = _INSTALL.limit("MIN_DR")  # 0: the no-rope mode (docs/ops.md §3.3)
 MAX_DR = _INSTALL.limit("MAX_DR")
 MIN_SBS = _INSTALL.limit("MIN_SELECTION_BLOCK_SIZE")
 MAX_SBS = _INSTALL.limit("MAX_SELECTION_BLOCK_SIZE")
@@ -72,6 +75,13 @@ class GroupGeometry:
     topk: fx.Node
     topk_node: str
     geometry: dict[int, SiteGeometry] = field(repr=False)
+    #: layer -> the earlier layer of the group whose full caches it reads (cross-layer KV sharing,
+    #: transformers' ``kv_source_layers``): it shares that layer's pool, is served and installed once
+    pool_source: dict[int, int] = field(default_factory=dict)
+    #: the width of the model's top-k when it is not ``K`` (None: it is): the plan's ids are that top-k
+    #: with its negative ids moved to the end and -1 up to ``K``, the next multiple of the ops' alignment
+    #: (``rewrite.py::_plan_topk``; exact: the plan serves no row for -1, attention masks it)
+    ids_width: Optional[int] = None
 
     @property
     def paged(self) -> bool:
@@ -82,7 +92,8 @@ class GroupGeometry:
         return {"group_id": self.group_id, "owner_layer": self.owner_layer, "layers": list(self.layers),
                 "topk_node": self.topk_node, "K": self.K, "S": self.S, "B": self.B, "BS": self.BS,
                 "pool_size": self.pool_size, "num_sets": self.num_sets, "id_range": self.id_range,
-                "paged": self.paged}
+                "paged": self.paged, **({"pool_source": dict(self.pool_source)} if self.pool_source else {}),
+                **({"ids_width": self.ids_width} if self.ids_width is not None else {})}
 
 
 @dataclass
@@ -134,6 +145,21 @@ def check_topk_width(chk: Checker, K: int, bounded_by_producer: bool) -> None:
             f"top-k width K={K} must be a multiple of {TOPK_ALIGN} and <= {MAX_TOPK}")
 
 
+def check_rope_width(chk: Checker, Dr: int, opts: OffloadOptions, layer: Optional[int] = None) -> None:
+    """The rope width serve / install take: ``MIN_DR <= Dr <= MAX_DR``; ``Dr = 0`` (the no-rope mode,
+    docs/ops.md §3.3) only off the NPU, whose CANN tilings reject a zero rope width."""
+    chk(MIN_DR <= Dr <= MAX_DR, "dims", f"Dr={Dr} must be in [{MIN_DR}, {MAX_DR}]", layer)
+    if Dr == 0:
+        chk(MODES[opts.exe_mode].platform != "npu", "no_rope_npu",
+            f"Dr=0 (a layer without a rope part) in exe_mode {opts.exe_mode!r}: CANN's dsa_serve / dsa_install "
+            "tilings reject a zero rope width (docs/ops.md §3.3); the CPU and CUDA modes serve it", layer)
+
+
+def padded_topk_width(K: int) -> int:
+    """The plan's width for a model top-k of ``K`` ids: the next multiple of ``TOPK_ALIGN``."""
+    return -(-K // TOPK_ALIGN) * TOPK_ALIGN
+
+
 def check_raw_seq(chk: Checker, S: int, opts: OffloadOptions) -> None:
     """Query tokens per step: ``1 <= S <= MAX_RAW_SEQ``, and ``S == next_n + 1`` when ``next_n`` is set."""
     chk(1 <= S <= MAX_RAW_SEQ, "raw_seq", f"raw_seq S={S} must be in [1, {MAX_RAW_SEQ}]")
@@ -152,4 +178,23 @@ def group_geometry(g: Group, B: int, S: int, K: int, SBS: int, F: int, lengths: 
     """A group's geometry: pool size and sets from the options, the id range from the longest cache ``F``."""
     PS = opts.resolved_pool_size
     return GroupGeometry(g.group_id, g.owner.layer, g.last.layer, g.layers, B, S, K, SBS, PS, PS // 16,
-                         id_range_for(F, opts.id_range), lengths, g.owner.topk, g.producer.name, geometry)
+                         id_range_for(F, opts.id_range), lengths, g.owner.topk, g.producer.name, geometry,
+                         pool_sources(g.layers, geometry))
+
+
+def pool_sources(layers: list[int], geometry: dict[int, SiteGeometry]) -> dict[int, int]:
+    """Layer -> the first layer of the group that reads the same full caches (kv and rope, views
+    stripped), for every layer that is not that first one: it shares its pool (docs/hf.md, cross-layer
+    KV sharing). Unpaged groups only: a paged site's own gather reads its ledger and selection buffers."""
+    first: dict[tuple, int] = {}
+    out: dict[int, int] = {}
+    for l in layers:
+        geo = geometry[l]
+        if geo.paged:
+            return {}
+        key = (_fx.strip_views(geo.full_kv), _fx.strip_views(geo.full_rope))
+        if key in first:
+            out[l] = first[key]
+        else:
+            first[key] = l
+    return out

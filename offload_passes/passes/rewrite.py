@@ -16,7 +16,9 @@ Per group g (owner O, last layer Z), on the Dynamo graph (op semantics: docs/ops
 * at every layer l: the front-end's ``dsa_serve`` (pool hits and host misses into l's selection buffers)
   and the attention reading them;
 * right after layer l's attention: ``dsa_install(..., metadata_update=0)`` for l != O; on Z after its
-  own install, the owner's ``metadata_update=1`` install.
+  own install, the owner's ``metadata_update=1`` install. A layer that reads an earlier layer's full
+  caches (``GroupGeometry.pool_source``, cross-layer KV sharing) shares that layer's pool and has no
+  install of its own.
 
 Ordering (docs/ops.md, "ordering"): installs sit in program order after their layer's attention, Z's own
 install precedes the owner's, and the next step's plan / serves run in the next graph call. On CPU
@@ -154,7 +156,11 @@ def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Group, p: GroupGeometry, gs
     if gs.seen_table is not None:  # paged groups
         meta["seen_table"] = ctx.attr(f"seen_table_g{grp.group_id}", gs.seen_table)
     pools = {}
-    for s in grp.sites:
+    for s in grp.sites:  # a layer sharing an earlier layer's caches reads that layer's pool nodes
+        src = p.pool_source.get(s.layer)
+        if src is not None:
+            pools[s.layer] = pools[src]
+            continue
         kv, rope = ctx.state.pools[s.layer]
         pools[s.layer] = (ctx.attr(f"pool_kv_l{s.layer}", kv), ctx.attr(f"pool_rope_l{s.layer}", rope))
     gn = GroupNodes(p, meta, pools, gs.stats.device)
@@ -163,11 +169,20 @@ def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Group, p: GroupGeometry, gs
 
 
 def _plan_topk(b: Builder, p: GroupGeometry) -> fx.Node:
-    """The group's top-k as the plan reads it: ``[B, S, 1, K]`` int32 (a cast only where it is another dtype)."""
+    """The group's top-k as the plan reads it: ``[B, S, 1, K]`` int32 (a cast only where it is another dtype).
+    A top-k narrower than ``K`` (``p.ids_width``) has its negative ids moved to the end of each row (a
+    stable sort on ``id < 0``: the plan stops a microtask at a negative id, docs/ops.md §2.4) and -1
+    appended up to ``K``."""
     tk = p.topk
     ex = _fx.example(tk)
     if ex is None or ex.dtype != torch.int32:
         tk = b(aten._to_copy.default, tk, dtype=torch.int32)
+    if p.ids_width is not None:
+        tk = b(aten.view.default, tk, [p.B, p.S, p.ids_width])
+        neg = b(aten._to_copy.default, b(aten.lt.Scalar, tk, 0), dtype=torch.uint8)
+        order = b.item(b(aten.sort.stable, neg, stable=True, dim=-1), 1)
+        tk = b(aten.gather.default, tk, -1, order)
+        tk = b(aten.constant_pad_nd.default, tk, [0, p.K - p.ids_width], -1)
     return b(aten.view.default, tk, [p.B, p.S, 1, p.K])
 
 
@@ -221,7 +236,9 @@ def _emit_installs(ctx: RewriteCtx, grp: Group, gn: GroupNodes, s: GroupedSite, 
     """After layer ``s``'s attention (``cursor``): its ``metadata_update=0`` install (not the owner), and
     on the group's last layer the owner's ``metadata_update=1`` install; then the install hook."""
     placed: list[fx.Node] = []
-    todo = ([(s.layer, 0)] if s is not grp.owner else []) + ([(grp.owner.layer, 1)] if s is grp.last else [])
+    # a layer sharing another's pool installs nothing: its source's install writes the same rows
+    own = s is not grp.owner and s.layer not in gn.p.pool_source
+    todo = ([(s.layer, 0)] if own else []) + ([(grp.owner.layer, 1)] if s is grp.last else [])
     for layer, md in todo:  # the owner's metadata install goes last: after every metadata_update=0 install
         cursor = _emit_install(ctx, gn, layer, md, cursor)
         placed.append(cursor)

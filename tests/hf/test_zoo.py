@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from offload_passes import _compat
+from offload_passes import _compat, pipeline
 from offload_passes.backend import OffloadWarning, make_offload_backend
 from offload_passes.demo_hf import FP32_REL_TOL
 from offload_passes.models import hf
@@ -47,6 +47,9 @@ class Family:
     # the model indexes with a boolean mask (data-dependent shapes): Dynamo before torch 2.10 traces it in
     # a full graph only with ``capture_dynamic_output_shape_ops`` (``_compat.dynamo_traces_mask_indexing``)
     mask_indexing: bool = False
+    # layer -> the earlier layer of its group whose cache it reads (kv_source_layers): one pool, served and
+    # installed once
+    pool_source: Optional[dict] = None
 
 
 FAMILIES = {
@@ -59,20 +62,22 @@ FAMILIES = {
     # Dynamo specialises the first step on it, then makes it dynamic (2 graphs)
     "dots3_note": Family({"num_hidden_layers": 2, "layer_types": ["indexed_attention", "sliding_attention"]},
                          "eager", 1, [[0]], 2),
-    # IndexShare F S F S, layer 1 reads layer 0's latent cache (kv_source_layers), layer 3 is NoPE (Dr = 0) and
-    # shares layer 2's top-k: the NoPE site refuses the offload of the whole graph (dims)
+    # IndexShare F S F S, layer 1 reads layer 0's latent cache (kv_source_layers), layer 3 is NoPE (Dr = 0: the
+    # ops' no-rope mode) and shares layer 2's top-k
     "mistral_large4": Family({"num_hidden_layers": 4, "indexer_types": ["full", "shared", "full", "shared"],
-                              "kv_source_layers": [0, 0, 2, 3]}, "sdpa", 4, [[0, 1], [2, 3]], 1),
-    # linear attention on layer 0, NoPE k-pool DSA on 1 and 2 (2 reuses 1's top-k)
+                              "kv_source_layers": [0, 0, 2, 3]}, "sdpa", 4, [[0, 1], [2, 3]], 1,
+                             pool_source={1: 0}),
+    # linear attention on layer 0, NoPE k-pool DSA on 1 and 2 (2 reuses 1's top-k); K = 67 ids padded to 128
     "glm5_next": Family({"num_hidden_layers": 3,
                          "layer_types": ["linear_attention", "indexed_attention", "indexed_attention"],
                          "mlp_layer_types": ["dense", "sparse", "sparse"], "indexer_types": ["full", "full", "shared"]},
                         "sdpa", 2, [[0, 1]], 1, mask_indexing=True),
     # compressed sparse attention over in-graph compressed entries: refused by name, the model runs as it is
     "deepseek_v4": Family({}, "eager", 0, [], 1, steps=1),
-    # block top-k per KV head on layers 0 and 2: refused by name (hf_site_not_verified)
+    # block top-k per indexer head on layers 0 and 2: refused by name (block_topk)
     "minimax_m3_vl": Family({}, "sdpa", 0, [], 1),
-    # data-dependent Python loops in the indexers: no full graph; with graph breaks nothing is rewritten
+    # data-dependent Python loops in the indexers: no full graph; with graph breaks nothing is rewritten and
+    # one warning names the indexer (indexer_split)
     "qwen4_exp": Family({}, "sdpa", 0, [], None),
     "kolibri1_1": Family({}, "sdpa", 0, [], None),
     # per-head dynamic-mask top-k over a GQA cache: nothing the front-end detects
@@ -82,8 +87,9 @@ FAMILIES = {
 
 #: what the refusal's detail says, per named reason of a "refused" family (the node and the cause)
 REFUSAL_DETAIL = {"hf_compressed_kv": "not rows of a cache graph input: there is no host copy to serve them from",
-                  # the comparison node's name: "eq" (torch 2.13, 2.15) or "__eq__" (2.11)
-                  "hf_site_not_verified": "the block mask is consumed by "}
+                  "indexer_split": "the decode step is split over several graphs (graph breaks: torch.compile without "
+                                   "fullgraph=True",
+                  "block_topk": "the indexer selects blocks of 8 keys per indexer head"}
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -133,6 +139,7 @@ def run(family: str, dtype: str) -> Run:
     dec.prefill()
     dynamo = (torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
               if fam.mask_indexing and not _compat.dynamo_traces_mask_indexing() else contextlib.nullcontext())
+    pipeline._warned.clear()  # each family's run shows its own warnings (warned once per process otherwise)
     with dynamo, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", OffloadWarning)
         out = [dec.step(fn) for _ in range(fam.steps)]
@@ -260,9 +267,14 @@ def test_outcome_in_fp32_the_sparse_rewrite_is_exact_or_the_model_runs_unmodifie
     if fam.graphs is not None:
         assert r.graphs == fam.graphs
     if entry.outcome == "refused":
-        assert not rep["rewritten"]
-        assert rep["refusals"] and {f["reason"] for f in rep["refusals"]} == set(entry.reasons)
-        assert all(REFUSAL_DETAIL[f["reason"]] in f["detail"] for f in rep["refusals"]), rep["refusals"]
+        assert not any(x["rewritten"] for x in r.backend.reports)
+        # a step over several graphs (no full graph): the graphs that hold part of the indexer name the reason
+        refusals = [f for x in r.backend.reports for f in x["refusals"]] if not entry.fullgraph else rep["refusals"]
+        assert refusals and {f["reason"] for f in refusals} == set(entry.reasons)
+        assert all(REFUSAL_DETAIL[f["reason"]] in f["detail"] for f in refusals), refusals
+        if not entry.fullgraph:  # one warning for every graph of the step, naming the indexer's class
+            assert len(r.warnings) == 1 and "indexer_split" in r.warnings[0], r.warnings
+            assert re.search(r"the indexer's (code \(\w+Indexer\)|cache \w*indexer)", r.warnings[0]), r.warnings
         return
     if entry.outcome == "unnamed":
         assert r.graphs >= 1
@@ -304,12 +316,28 @@ def test_outcome_in_bf16_the_offload_engages_or_is_refused_by_the_named_reasons(
         return
     assert rep["hf"]["offload"] is True and rep["hf"]["offload_refusals"] == []
     ops = rep["ops"]["after"]
+    shared = fam.pool_source or {}
+    assert [{int(k): v for k, v in g.get("pool_source", {}).items()} for g in rep["groups"]] == \
+        [{l: s for l, s in shared.items() if l in layers} for layers in fam.groups]
     assert sum(v for k, v in ops.items() if k.endswith("dsa_plan")) == len(fam.groups)
-    assert sum(v for k, v in ops.items() if k.endswith("dsa_serve")) == fam.sites
+    # one serve and one install per distinct cache of a group
+    assert sum(v for k, v in ops.items() if k.endswith("dsa_serve")) == fam.sites - len(shared)
+    assert sum(v for k, v in ops.items() if k.endswith("dsa_install")) == fam.sites - len(shared)
+    pools = {row["layer"] for row in rep["state"] if row["kind"] == "pool"}
+    assert pools == {l for g in fam.groups for l in g} - set(shared)
+    for layer, src in shared.items():  # the sharing layer reads its source's pool tensors
+        assert all(a is b for a, b in zip(r.backend.state.pools[layer], r.backend.state.pools[src]))
     t = r.backend.state.totals()
     # every step, every group looks up B * S * K ids: each one is a pool hit, a miss, or in the window
     B, S, K = (rep["hf"]["sites"][0][k] for k in ("B", "S", "K"))
-    assert t["hits"] + t["misses"] + t["window"] == fam.steps * len(fam.groups) * B * S * K
+    looked_up = t["hits"] + t["misses"] + t["window"]
+    if any("ids_width" in g for g in rep["groups"]):
+        # glm5_next: K ids padded with -1 to the next multiple of 64 (and its own -1, the tail pool's
+        # invalid ids, moved to the end): every non-negative id is looked up once, -1 never
+        assert [(g["ids_width"], g["K"]) for g in rep["groups"]] == [(K, -(-K // 64) * 64)] * len(fam.groups)
+        assert 0 < looked_up <= fam.steps * len(fam.groups) * B * S * K
+    else:
+        assert looked_up == fam.steps * len(fam.groups) * B * S * K
     assert t["hits"] > 0, t
 
 
@@ -342,3 +370,74 @@ def test_preset_model_type_picks_the_class_and_bad_input_is_named():
         hf.load_config("hf-tiny", cache="paged")
     with pytest.raises(ValueError, match="runner fullgraph must be true or false, got 'no'"):
         hf.load_config("hf-tiny", fullgraph="no")
+
+
+def test_offload_is_decided_per_group_mistral_large4_in_an_npu_mode():
+    """The offload is decided per group: in an NPU mode a NoPE layer is refused (``no_rope_npu``: CANN's
+    tilings reject a zero rope width), so its group (layers 2, 3) keeps sparse attention while the RoPE
+    group (layers 0, 1) is offloaded; the one warning names both; ``strict`` raises. The graph the NPU
+    lowering would receive (``rewrite_for_offload`` with ``exe_mode="ge_graph"``) runs here on the CPU
+    ops, equal to the sparse rewrite without any offload."""
+    from offload_passes.backend import OffloadRefused, rewrite_for_offload
+    from offload_passes.options import OffloadOptions
+
+    torch._dynamo.reset()
+    part, sparse = hf.build(_config("mistral_large4"), dtype="bfloat16"), hf.build(_config("mistral_large4"),
+                                                                                  dtype="bfloat16")
+    got = {}
+
+    def npu_pass(gm, ex):
+        gm2, got["state"], got["report"] = rewrite_for_offload(gm, ex, OffloadOptions(exe_mode="ge_graph"))
+        return gm2.forward
+
+    fn = torch.compile(part.model, backend=npu_pass, fullgraph=True)
+    fs = torch.compile(sparse.model, backend=make_offload_backend(enable_offload=False), fullgraph=True)
+    dp, ds = part.decoder(), sparse.decoder()
+    dp.prefill()
+    ds.prefill()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", OffloadWarning)
+        for _ in range(STEPS):
+            assert torch.equal(dp.step(fn), ds.step(fs))
+    rep = got["report"]
+    assert [(g["layers"], g["offload"]) for g in rep["groups"]] == [([0, 1], True), ([2, 3], False)]
+    assert [(r["reason"], r["layer"]) for r in rep["groups"][1]["offload_refusals"]] == [("no_rope_npu", 3)]
+    assert rep["hf"]["offload"] is True and rep["ops"]["after"]["dsa_plan"] == 1
+    assert rep["ops"]["after"]["dsa_serve"] == 1  # layer 1 reads layer 0's cache: served once
+    msgs = [str(w.message) for w in caught if issubclass(w.category, OffloadWarning)]
+    assert len(msgs) == 1 and "not applied to group 1 (layers 2, 3)" in msgs[0] and "no_rope_npu (layer 3)" in msgs[0]
+    assert "offloaded: group 0 (layers 0, 1)" in msgs[0]
+    t = got["state"].totals()
+    assert t["hits"] > 0 and t["hits"] + t["misses"] + t["window"] == STEPS * 2 * 64  # one group, B = 2, K = 64
+    torch._dynamo.reset()
+    strict = hf.build(_config("mistral_large4"), dtype="bfloat16")
+    dec = strict.decoder()
+    dec.prefill()
+    fn = torch.compile(strict.model, fullgraph=True, backend=lambda gm, ex: rewrite_for_offload(
+        gm, ex, OffloadOptions(exe_mode="ge_graph", strict=True))[0].forward)
+    with pytest.raises(Exception, match="no_rope_npu") as ei:
+        dec.step(fn)
+    assert any(isinstance(e, OffloadRefused) for e in (ei.value, ei.value.__cause__, ei.value.__context__)) or \
+        "OffloadRefused" in str(ei.value)
+
+
+@pytest.mark.parametrize("family", [f for f in ("mistral_large4", "glm5_next", "hy_v4_vl") if installed(f)])
+def test_offload_demo_runs_the_family_preset(family, capsys, caplog):
+    """``offload-demo --model hf --config <preset>`` as a user runs it (the whole preset: hf-mistral-large4 has
+    8 layers in 3 groups, layer 7 reading layer 3's cache across groups): offloaded, within the demo's
+    tolerance, hits; groups of one graph that read one cache run together, so no pool is reset cold."""
+    import json
+    import logging
+
+    from offload_passes import demo
+
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="offload_passes"):
+        rc = demo.main(["--model", "hf", "--config", families.FAMILY_TABLE[family].preset, "--steps", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["within_tolerance"] and out["offload"] is True and out["refusals"] == [], out
+    assert out["hits"] > 0 and out["ops"]["dsa_plan"] == len(out["groups"])
+    assert not [r for r in caplog.records if "were reset" in r.getMessage()]
+    if family == "mistral_large4":  # 8 layers; 1 reads 0's cache, 5 reads 4's (same group): 6 serves
+        assert out["groups"] == [[0, 1, 2], [3, 4, 5], [6, 7]] and out["ops"]["dsa_serve"] == 6
+        assert out["hits"] > 3 * out["misses"], out  # warm after the first step

@@ -201,3 +201,47 @@ def test_pool_size_not_multiple_of_block_is_refused():
     cfg = synth.SynthConfig(pattern="F", S=1, router=False, BS=32)
     res = run_pair(cfg, 1, make_offload_backend(pool_size=16))
     assert "pool_size" in {r["reason"] for r in res["backend"].reports[-1]["refusals"]}
+
+
+@pytest.mark.parametrize("S", [1, 2])
+def test_no_rope_model_is_offloaded_exactly(S):
+    """The gather's no-rope mode (1-D empty rope tensors) is the ops' no-rope mode (docs/ops.md §3.3): the
+    group is offloaded with zero-width rope pools, the outputs equal the unmodified model's, the pools hit."""
+    cfg = synth.SynthConfig(pattern="FSF", S=S, rope=False)
+    res = run_pair(cfg, 16, make_offload_backend(pool_size=PS), check_every=1)
+    rep = res["backend"].reports[-1]
+    assert rep["rewritten"] is True and rep["refusals"] == []
+    assert res["max_a"] == 0 and res["max_h"] == 0
+    ops = rep["ops"]["after"]
+    assert (ops["dsa_plan"], ops["dsa_serve"], ops["dsa_install"]) == (2, 3, 3)
+    assert ops["npu_gather_selection_kv_cache"] == 0
+    st = res["state"]
+    assert all(rope.shape == (cfg.B, PS, 0) for _, rope in st.pools.values())
+    assert st.totals()["hits"] > 0 and res["resident"] > 0
+
+
+def test_no_rope_model_keeps_the_gather_in_the_npu_modes(caplog):
+    """CANN's serve / install tilings reject a zero rope width (docs/ops.md §3.3): in an NPU mode the
+    no-rope model is refused by name (the graph keeps its gathers) before anything is lowered."""
+    from offload_passes.backend import rewrite_for_offload
+    from offload_passes.options import OffloadOptions
+
+    got = {}
+
+    def grab(gm, ex):
+        got["gm"], got["ex"] = gm, list(ex)
+        return gm.forward
+
+    cfg = synth.SynthConfig(pattern="FS", S=1, router=False, rope=False)
+    _, m = synth.make_pair(cfg, [300, 280])
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(m, backend=grab)(*m.inputs(torch.tensor([300, 280]) + cfg.S, 0))
+    code = got["gm"].code
+    with caplog.at_level(logging.WARNING, logger="offload_passes"):
+        gm, state, rep = rewrite_for_offload(got["gm"], got["ex"], OffloadOptions(pool_size=PS, exe_mode="ge_graph"))
+    assert state is None and rep["rewritten"] is False and gm.code == code
+    assert {r["reason"] for r in rep["refusals"]} == {"no_rope_npu"} and [r["layer"] for r in rep["refusals"]] == [0, 1]
+    assert all("CANN's dsa_serve / dsa_install tilings reject a zero rope width" in r["detail"] for r in rep["refusals"])
+    with pytest.raises(OffloadRefused, match="no_rope_npu"):
+        rewrite_for_offload(got["gm"], got["ex"], OffloadOptions(pool_size=PS, exe_mode="ge_graph", strict=True))

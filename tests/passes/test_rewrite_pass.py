@@ -228,3 +228,22 @@ def test_hf_form_op_counts_sparse_only():
     assert _hf_counts(gm) == {"sparse": 2, "sparse_rows": 0, "masks": 0, "softmax": 0}
     assert not rr.offload and [s.serve_node for s in rr.sites] == [None, None]
     assert all(s.install_nodes == [] for s in rr.sites) and rr.guards == []
+
+
+def test_plan_ids_of_a_narrow_topk_are_padded_and_negatives_moved_to_the_end():
+    """A top-k of 5 ids (not a multiple of the ops' 64): the plan reads the ids in their order with the
+    negative ones moved behind them (the plan stops a microtask at a negative id, docs/ops.md §2.4) and -1
+    up to 64, int32 ``[B, S, 1, K]``."""
+    from offload_passes.passes.emit import Builder
+    from offload_passes.passes.preconditions import GroupGeometry
+    from offload_passes.passes.rewrite import _plan_topk
+
+    g = torch.fx.Graph()
+    tk = g.placeholder("tk")
+    tk.meta["val"] = FakeTensorMode().from_tensor(torch.zeros(2, 1, 5, dtype=torch.int64))
+    p = GroupGeometry(0, 0, 0, [0], 2, 1, 64, 64, 128, 8, 1024, None, tk, "tk", {}, ids_width=5)
+    g.output(_plan_topk(Builder(g, [tk]), p))
+    out = torch.fx.GraphModule(torch.nn.Module(), g)(torch.tensor([[[3, -1, 7, -1, 9]], [[-1, 2, 4, 6, 8]]]))
+    assert out.shape == (2, 1, 1, 64) and out.dtype == torch.int32
+    assert out[0, 0, 0, :3].tolist() == [3, 7, 9] and out[1, 0, 0, :4].tolist() == [2, 4, 6, 8]
+    assert (out[0, 0, 0, 3:] == -1).all() and (out[1, 0, 0, 4:] == -1).all()

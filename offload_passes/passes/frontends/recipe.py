@@ -38,8 +38,8 @@ from .._fx import (ancestors, bind, example, input_values, is_graph_input_or_att
 from ..emit import (LEDGER_SERVED, Builder, GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission, emit_serve,
                     emit_serve_pool, guard, input_name)
 from ..group import Group, GroupReport
-from ..preconditions import (MAX_DKV, MAX_DR, MAX_SBS, MIN_SBS, Checker, GroupGeometry, PreconditionReport,
-                             SiteGeometry, check_pool_size, check_raw_seq, check_topk_width, group_geometry)
+from ..preconditions import (MAX_DKV, MAX_SBS, MIN_SBS, Checker, GroupGeometry, PreconditionReport,
+                             SiteGeometry, check_pool_size, check_raw_seq, check_rope_width, check_topk_width, group_geometry)
 from ..producers import PRODUCER_NAMES, producer_of_call, topk_source
 from ..refusal import Refusal
 from .protocol import PartialRefusal, PassFiles, PlanInputs, Screening, Summary
@@ -201,9 +201,11 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: Checker) -> Optiona
         chk(False, "no_example_values", f"{site.gather.name}: tensor shapes unknown")
         return None
     # (a quantised cache was refused by detect already)
-    if not chk(srp.dim() == 3 and frp.dim() == 3, "no_rope",
-               f"selection_k_rope {tuple(srp.shape)}, full_k_rope {tuple(frp.shape)}: only a KV cache with a "
-               f"rope cache is offloaded (the no-rope gather mode keeps the gather path)"):
+    # the gather's no-rope mode (1-D empty rope tensors) is the ops' no-rope mode, Dr = 0 (docs/ops.md §3.3)
+    no_rope = srp.dim() == 1 and frp.dim() == 1 and srp.numel() == 0 and frp.numel() == 0
+    if not chk(no_rope or (srp.dim() == 3 and frp.dim() == 3), "selection_layout",
+               f"selection_k_rope {tuple(srp.shape)}, full_k_rope {tuple(frp.shape)}: the rope tensors must be "
+               f"3-D, or both 1-D empty (the no-rope mode)"):
         return None
     if not chk(fkv.dim() == 3 and skv.dim() == 3 and fbt.dim() == 2, "paged_layout",
                f"full_kv_cache {tuple(fkv.shape)} must be [blocks, block_size, Dkv] with a 2-D block table"):
@@ -217,8 +219,8 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: Checker) -> Optiona
         "topk_layout", f"selection_topk_indices {tuple(tk.shape)} is not [B, S, 1, K] / [B*S, 1, K] with B={B}")
     check_raw_seq(chk, S, opts)
     F_blocks, FBS, Dkv = fkv.shape
-    Dr = frp.size(-1)
-    chk(tuple(frp.shape[:2]) == (F_blocks, FBS), "paged_layout",
+    Dr = 0 if no_rope else frp.size(-1)
+    chk(no_rope or tuple(frp.shape[:2]) == (F_blocks, FBS), "paged_layout",
         f"full_k_rope {tuple(frp.shape)} must match full_kv_cache blocks {(F_blocks, FBS)}")
     # Any block table is served: the identity layout (the static batch) through serve's [B, F, D] view of
     # the full cache, any other one (an engine's cache manager) through the model's gather, which takes
@@ -230,14 +232,14 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: Checker) -> Optiona
     if opts.pa_block_size is not None:
         chk(FBS == opts.pa_block_size, "pa_block_size", f"graph block size {FBS} != config pa_block_size {opts.pa_block_size}")
     chk(0 < Dkv <= MAX_DKV, "dims", f"Dkv={Dkv} must be in (0, {MAX_DKV}]")
-    chk(0 < Dr <= MAX_DR, "dims", f"Dr={Dr} must be in (0, {MAX_DR}]")
+    check_rope_width(chk, Dr, opts)
     nb, SBS = skv.size(0), skv.size(1)
     chk(is_pow2(SBS) and MIN_SBS <= SBS <= MAX_SBS, "selection_layout",
         f"selection block size {SBS} must be a power of two in [{MIN_SBS}, {MAX_SBS}]")
     chk(K % SBS == 0, "selection_layout", f"K={K} must be a multiple of the selection block size {SBS}")
     chk(nb * SBS == B * S * K, "selection_layout",
         f"selection_kv_cache {tuple(skv.shape)} must hold exactly B*S*K = {B * S * K} rows")
-    chk(tuple(srp.shape) == (nb, SBS, Dr) and tuple(skv.shape) == (nb, SBS, Dkv), "selection_layout",
+    chk((no_rope or tuple(srp.shape) == (nb, SBS, Dr)) and tuple(skv.shape) == (nb, SBS, Dkv), "selection_layout",
         f"selection buffers {tuple(skv.shape)} / {tuple(srp.shape)} do not match Dkv={Dkv}, Dr={Dr}")
     chk(skv.dtype == fkv.dtype == frp.dtype == srp.dtype, "kv_dtype", "selection and full caches differ in dtype")
     chk(stb.dim() == 2 and stb.size(0) == B * S, "selection_layout",
@@ -330,7 +332,16 @@ class RecipeFrontEnd:
         return PlanInputs(grp.owner.gather, p.lengths)
 
     def selection(self, ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> dict[int, SelectionBuffers]:
-        return {l: SelectionBuffers(geo.sel_kv, geo.sel_rope, geo.sel_table) for l, geo in p.geometry.items()}
+        """The model's selection buffers; a no-rope layer's 1-D empty rope viewed ``[nb, SBS, 0]``, the
+        zero-width rope serve and install take (docs/ops.md §3.3)."""
+        out = {}
+        for layer, geo in p.geometry.items():
+            rope = geo.sel_rope
+            if geo.Dr == 0:
+                with ctx.g.inserting_before(ctx.first):
+                    rope = ctx.b(aten.view.default, rope, [p.B * p.S * p.K // p.BS, p.BS, 0])
+            out[layer] = SelectionBuffers(geo.sel_kv, rope, geo.sel_table)
+        return out
 
     def emit_site(self, ctx: RewriteCtx, grp: Group, gn: Optional[GroupNodes], s: Site) -> SiteEmission:
         """``dsa_serve`` (and the ledger write) replaces the gather; installs go after the SFA."""

@@ -462,6 +462,20 @@ def _is_block_bias(n: fx.Node) -> bool:
             and value == 0.0)
 
 
+def _block_expansion(u: fx.Node) -> Optional[int]:
+    """``(bias == 0).repeat_interleave(block_size, dim=-1)``: the block mask compared back to a bool and
+    widened to token positions (minimax_m3_vl's block top-k); the block size, else None."""
+    if not (_method_or_fn(u, "eq") or (u.op == "call_function" and u.target in (operator.eq, torch.eq))):
+        return None
+    for w in u.users:
+        while w is not None and (is_view(w) or is_cast(w)) and len(w.users) == 1:
+            w = next(iter(w.users))
+        if w is not None and _method_or_fn(w, "repeat_interleave"):
+            reps = _arg(w, 1, "repeats")
+            return reps if isinstance(reps, int) else None
+    return None
+
+
 def _block_bias_site(layer: int, sc: fx.Node) -> HfSite:
     """The block-bias form (deepseek_v4's compressed sparse attention): the indexer's top-k picks among
     compressed KV entries that the graph itself computes and concatenates after the sliding-window cache.
@@ -477,6 +491,13 @@ def _block_bias_site(layer: int, sc: fx.Node) -> HfSite:
         hops += 1
         if u.op == "call_function" and u.target in (operator.add, torch.add):
             break
+        blocks = _block_expansion(u)
+        if blocks is not None:
+            raise _Refuse(Refusal("block_topk", f"the indexer selects blocks of {blocks} keys per indexer head "
+                                  "(a top-k over key blocks, widened to a per-head token mask): the offload serves "
+                                  "one selection of single key rows per query, shared by every head, from a latent "
+                                  "(MLA) cache; this model would need a block-granular plan with one selection per "
+                                  "KV head over its K / V caches. The dense attention stays", layer))
         _need(is_view(u) or is_cast(u) or _method_or_fn(u, "to") or _method_or_fn(u, "cat")
               or (u.op == "call_function" and u.target is operator.getitem),
               f"{u.name}: the block mask is consumed by {getattr(u.target, '__name__', u.target)}")

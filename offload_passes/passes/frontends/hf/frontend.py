@@ -15,8 +15,9 @@ from ....options import OffloadOptions
 from ... import _fx
 from ...emit import GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission, emit_serve
 from ...group import Group, GroupReport
-from ...preconditions import (MAX_DKV, MAX_DR, Checker, GroupGeometry, PreconditionReport, SiteGeometry,
-                              check_pool_size, check_raw_seq, check_topk_width, group_geometry)
+from ...preconditions import (MAX_DKV, Checker, GroupGeometry, PreconditionReport, SiteGeometry,
+                              check_pool_size, check_raw_seq, check_rope_width, check_topk_width, group_geometry,
+                              padded_topk_width)
 from ...refusal import Refusal
 from ..protocol import PartialRefusal, PassFiles, PlanInputs, Screening, Summary
 from .attention import hf_sparse_attention, hf_sparse_attention_rows
@@ -140,14 +141,17 @@ def check_hf_preconditions(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOp
                 f"group {g.group_id}: layer {s.layer} has (B, S, K) {(d['B'], d['S'], d['K'])} != {(B, S, K)}", s.layer)
             chk(s.dtype in OFFLOAD_DTYPES, "kv_dtype", f"latent cache dtype {s.dtype}: the offload ops take "
                 "float16/bfloat16 KV (sparse attention kept)", s.layer)
-            chk(0 < d["C"] <= MAX_DKV and 0 < d["R"] <= MAX_DR, "dims",
-                f"Dkv={d['C']} must be in (0, {MAX_DKV}], Dr={d['R']} in (0, {MAX_DR}]", s.layer)
+            chk(0 < d["C"] <= MAX_DKV, "dims", f"Dkv={d['C']} must be in (0, {MAX_DKV}]", s.layer)
+            check_rope_width(chk, d["R"], opts, s.layer)  # a NoPE layer's empty rope cache: Dr = 0
             chk(_cache_length(s) is not None, "cache_layout",
                 f"{s.latent.name}: no index_copy_ / static_cache_write_ into the latent cache (cache length unknown)",
                 s.layer)
-        check_topk_width(chk, K, bounded_by_producer=False)  # HF's topk() has no schema limit
+        # a top-k that is not a multiple of the ops' alignment (glm5_next: index_topk + index_kpool - 1) is
+        # padded with -1 (GroupGeometry.ids_width); HF's topk() has no schema limit
+        Kp = padded_topk_width(K)
+        check_topk_width(chk, Kp, bounded_by_producer=False)
         check_raw_seq(chk, S, opts)
-        SBS = _selection_block(K)
+        SBS = _selection_block(Kp)
         check_pool_size(chk, PS, SBS)
         refusals.extend(chk.refusals)
         if chk.refusals:
@@ -155,7 +159,9 @@ def check_hf_preconditions(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOp
         T = max(s.dims["T"] for s in g.sites)
         geos = {s.layer: SiteGeometry(s.layer, s.latent, s.rope, None, None, None, None, s.dims["T"], s.dims["C"],
                                       s.dims["R"], s.dtype) for s in g.sites}
-        plans.append(group_geometry(g, B, S, K, SBS, T, _cache_length(g.owner), geos, opts))
+        p = group_geometry(g, B, S, Kp, SBS, T, _cache_length(g.owner), geos, opts)
+        p.ids_width = K if Kp != K else None
+        plans.append(p)
     by_design = None
     if refusals and {r.reason for r in refusals} == {"raw_seq"}:
         by_design = (f"a prefill of S = {grp.groups[0].owner.dims['S']} query tokens: sparse attention without the "
@@ -254,6 +260,9 @@ class HfFrontEnd:
                          torch.arange(nb, dtype=torch.int32, device=dev).view(B * S, K // SBS).clone())
         out = {}
         for s in grp.sites:
+            if s.layer in p.pool_source:  # the same cache as an earlier layer: the same rows, served once
+                out[s.layer] = out[p.pool_source[s.layer]]
+                continue
             geo = p.geometry[s.layer]
             out[s.layer] = SelectionBuffers(
                 ctx.attr(f"sel_kv_l{s.layer}", torch.zeros(nb, SBS, geo.Dkv, dtype=geo.dtype, device=dev)),
@@ -272,9 +281,13 @@ class HfFrontEnd:
         serve = None
         with ctx.g.inserting_before(s.attn):
             if gn is not None:
-                serve = emit_serve(ctx, gn, s.layer, s.latent, s.rope)
+                # a layer reading an earlier layer's cache reads the rows that layer's serve placed
+                if s.layer not in gn.p.pool_source:
+                    serve = emit_serve(ctx, gn, s.layer, s.latent, s.rope)
                 sel = gn.sel[s.layer]
-                new_attn = b(hf_sparse_attention_rows, s.query, sel.kv, sel.rope, s.weight, s.topk, s.base_mask,
+                # padded ids (GroupGeometry.ids_width): attention reads the plan's ids, -1 masked
+                ids = s.topk if gn.p.ids_width is None else b(aten.view.default, gn.tk2, [d["B"], d["S"], gn.p.K])
+                new_attn = b(hf_sparse_attention_rows, s.query, sel.kv, sel.rope, s.weight, ids, s.base_mask,
                              d["T"], s.scaling, d["n"], d["v"], s.kind, fill, s.sinks, s.softmax_dtype, s.dedup)
             else:
                 new_attn = b(hf_sparse_attention, s.query, s.latent, s.rope, s.weight, s.topk, s.base_mask,
