@@ -124,11 +124,12 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: OffloadOptions
         # no front-end owns the graph: the last one's detection summary, the first one's pass list
         report.detect = cand.summarise(det).detect
         report.passes = _passes(FRONT_ENDS[0])
-        split = indexer_without_site(gm)
-        if split is not None and opts.enable_offload:
-            # an indexer's part of a decode step without the attention it selects for (graph breaks)
-            report.refusals = [split.to_dict()]
-            _refuse(graph_id, [split], opts.strict, "DSA offload not applied", "compiling the graph unmodified")
+        # a selection no front-end serves: an indexer's part of a step split over graphs (graph breaks), or an
+        # attention's own top-k of another shape
+        unserved = indexer_without_site(gm) or attention_topk_without_site(gm)
+        if unserved is not None and opts.enable_offload:
+            report.refusals = [unserved.to_dict()]
+            _refuse(graph_id, [unserved], opts.strict, "DSA offload not applied", "compiling the graph unmodified")
             return gm, None, report
         log.debug("%s: no DSA site in the graph; passing it through", graph_id)
         return gm, None, report
@@ -232,10 +233,8 @@ def _indexer_classes(gm: fx.GraphModule) -> list[str]:
     out: set[str] = set()
     frames: set[tuple[str, int]] = set()
     for n in gm.graph.nodes:
-        for v in (n.meta.get("nn_module_stack") or {}).values():
-            name = v[1].__name__ if isinstance(v[1], type) else str(v[1]).rsplit(".", 1)[-1]
-            if name.endswith("Indexer"):
-                out.add(name)
+        out.update(name for name in map(_class_name, (n.meta.get("nn_module_stack") or {}).values())
+                   if name.endswith("Indexer"))
         frames.update((f, int(line)) for f, line in _FRAME.findall(n.meta.get("stack_trace") or ""))
     for path, line in frames:
         out.update(name for lo, hi, name in _class_spans(path) if lo <= line <= hi and name.endswith("Indexer"))
@@ -254,6 +253,32 @@ def indexer_without_site(gm: fx.GraphModule) -> Optional[Refusal]:
                    "decode step is split over several graphs (graph breaks: torch.compile without fullgraph=True, "
                    "or Python that Dynamo cannot trace in one graph), so the indexer and the attention it selects "
                    "for are never in one graph to rewrite; torch.compile(..., fullgraph=True) names the break")
+
+
+def _class_name(entry: Any) -> str:
+    """The class of an ``nn_module_stack`` entry (``(path, class or its qualified name)``)."""
+    return entry[1].__name__ if isinstance(entry[1], type) else str(entry[1]).rsplit(".", 1)[-1]
+
+
+def _is_topk(n: fx.Node) -> bool:
+    return ((n.op == "call_method" and n.target == "topk")
+            or (n.op == "call_function" and (getattr(n.target, "__name__", None) == "topk" or _fx.is_op(n, "topk"))))
+
+
+def attention_topk_without_site(gm: fx.GraphModule) -> Optional[Refusal]:
+    """The ``attention_topk`` refusal of a graph with no DSA site where an attention module ranks keys with a
+    top-k of its own (the innermost module of the ``topk`` node is an ``*Attention`` class; an MoE router's
+    top-k sits in its own module); None for any other graph."""
+    for n in gm.graph.nodes:
+        stack = list((n.meta.get("nn_module_stack") or {}).values())
+        if _is_topk(n) and stack and _class_name(stack[-1]).endswith("Attention"):
+            owner = _class_name(stack[-1])
+            return Refusal("attention_topk", f"{owner} selects keys with a top-k of its own ({n.name}), which no "
+                           "front-end recognises as an indexer's selection feeding sparse attention: the offload "
+                           "serves one indexer top-k per query row, shared by the heads of a group of layers; a "
+                           "selection of another shape (per head, over scores the attention computes itself) "
+                           "would need a plan per head over its KV heads' caches")
+    return None
 
 
 def _group_rows(grp: GroupReport, plans: Sequence[GroupGeometry],

@@ -141,7 +141,7 @@ FAMILY_TABLE: dict[str, FamilyEntry] = {
               "shared pools"),
     "doge": FamilyEntry(
         ("doge",), "hf-doge", "no indexer: per-head top-k of a value-derived bias (dynamic mask attention); GQA",
-        "unnamed", needs="per-head selection over GQA caches (no shared selection per query row)"),
+        "refused", ("attention_topk",), needs="per-head selection over GQA caches (no shared selection per query row)"),
 }
 
 

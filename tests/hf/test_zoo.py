@@ -80,7 +80,7 @@ FAMILIES = {
     # one warning names the indexer (indexer_split)
     "qwen4_exp": Family({}, "sdpa", 0, [], None),
     "kolibri1_1": Family({}, "sdpa", 0, [], None),
-    # per-head dynamic-mask top-k over a GQA cache: nothing the front-end detects
+    # per-head dynamic-mask top-k over a GQA cache: no DSA site; refused by name (attention_topk)
     "doge": Family({}, "sdpa", 0, [], 1),
 }
 
@@ -89,7 +89,8 @@ FAMILIES = {
 REFUSAL_DETAIL = {"hf_compressed_kv": "not rows of a cache graph input: there is no host copy to serve them from",
                   "indexer_split": "the decode step is split over several graphs (graph breaks: torch.compile without "
                                    "fullgraph=True",
-                  "block_topk": "the indexer selects blocks of 8 keys per indexer head"}
+                  "block_topk": "the indexer selects blocks of 8 keys per indexer head",
+                  "attention_topk": "DogeAttention selects keys with a top-k of its own"}
 
 
 def _release(version: str) -> tuple[int, int]:

@@ -206,6 +206,7 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "hf_compressed_kv": "tests/hf/test_zoo.py::test_outcome_in_fp32_the_sparse_rewrite_is_exact_or_the_model_runs_unmodified",
     "indexer_split": "tests/hf/test_zoo.py::test_outcome_in_fp32_the_sparse_rewrite_is_exact_or_the_model_runs_unmodified",
     "block_topk": "tests/hf/test_zoo.py::test_outcome_in_fp32_the_sparse_rewrite_is_exact_or_the_model_runs_unmodified",
+    "attention_topk": "tests/hf/test_zoo.py::test_outcome_in_fp32_the_sparse_rewrite_is_exact_or_the_model_runs_unmodified",
     "no_rope_npu": "tests/passes/test_rewrite_eager.py::test_no_rope_model_keeps_the_gather_in_the_npu_modes",
 }
 
