@@ -260,18 +260,13 @@ def _class_name(entry: Any) -> str:
     return entry[1].__name__ if isinstance(entry[1], type) else str(entry[1]).rsplit(".", 1)[-1]
 
 
-def _is_topk(n: fx.Node) -> bool:
-    return ((n.op == "call_method" and n.target == "topk")
-            or (n.op == "call_function" and (getattr(n.target, "__name__", None) == "topk" or _fx.is_op(n, "topk"))))
-
-
 def attention_topk_without_site(gm: fx.GraphModule) -> Optional[Refusal]:
     """The ``attention_topk`` refusal of a graph with no DSA site where an attention module ranks keys with a
     top-k of its own (the innermost module of the ``topk`` node is an ``*Attention`` class; an MoE router's
     top-k sits in its own module); None for any other graph."""
     for n in gm.graph.nodes:
         stack = list((n.meta.get("nn_module_stack") or {}).values())
-        if _is_topk(n) and stack and _class_name(stack[-1]).endswith("Attention"):
+        if _fx.calls(n, "topk") and stack and _class_name(stack[-1]).endswith("Attention"):
             owner = _class_name(stack[-1])
             return Refusal("attention_topk", f"{owner} selects keys with a top-k of its own ({n.name}), which no "
                            "front-end recognises as an indexer's selection feeding sparse attention: the offload "

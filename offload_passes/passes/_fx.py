@@ -37,6 +37,21 @@ def is_op(node: fx.Node, short: str, namespaces: Iterable[str] | None = None) ->
     return nm == short and (namespaces is None or ns in namespaces)
 
 
+def calls(n: Any, name: str) -> bool:
+    """``n`` calls ``name`` as a Tensor method, a Python function of that name (``torch.topk``) or an op of
+    that short name in any namespace (a graph before or after AOT)."""
+    if not isinstance(n, fx.Node):
+        return False
+    if n.op == "call_method":
+        return n.target == name
+    if n.op == "call_function":
+        if getattr(n.target, "__name__", None) == name:
+            return True
+        on = op_name(n)
+        return on is not None and on.split("::")[-1] == name
+    return False
+
+
 def schema_of(node: fx.Node) -> torch.FunctionSchema:
     t = node.target
     if isinstance(t, OpOverloadPacket):

@@ -75,15 +75,6 @@ class DetectReport:
         return self.gathers > 0
 
 
-def _is_topk_other(n: fx.Node) -> bool:
-    if n.op == "call_method" and n.target == "topk":
-        return True
-    if n.op == "call_function" and getattr(n.target, "__name__", "") == "topk":
-        return True
-    name = op_name(n)
-    return name is not None and name.endswith("::topk")
-
-
 def _same(a: Any, b: Any) -> bool:
     """``a`` (through views) is the tensor ``b``: the same node, or two reads of the same module attribute
     (FX and Dynamo without inlined nn modules emit one ``get_attr`` node per read)."""
@@ -132,7 +123,7 @@ def detect(gm: fx.GraphModule) -> DetectReport:
         if producer_of_call(n) is not None:
             indexers.append(n.name)
             continue
-        if _is_topk_other(n):
+        if _fx.calls(n, "topk"):
             other.append(n.name)
             continue
         if not is_op(n, GATHER, ("custom",)):

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
-from ..._fx import example, getitem_of, is_cast, is_graph_input_or_attr, is_view, op_name, strip_views, view_users
+from ..._fx import calls, example, getitem_of, is_cast, is_graph_input_or_attr, is_view, strip_views, view_users
 from ...refusal import Refusal
 
 __all__ = ["HfSite", "HfDetectReport", "detect_hf"]
@@ -87,19 +87,6 @@ class HfDetectReport:
         return self.candidates
 
 
-def _method_or_fn(n: Any, name: str) -> bool:
-    if not isinstance(n, fx.Node):
-        return False
-    if n.op == "call_method":
-        return n.target == name
-    if n.op == "call_function":
-        if getattr(n.target, "__name__", None) == name:
-            return True
-        on = op_name(n)
-        return on is not None and on.split("::")[-1] == name
-    return False
-
-
 def _arg(n: fx.Node, i: int, name: str, default: Any = None) -> Any:
     if name in n.kwargs:
         return n.kwargs[name]
@@ -120,7 +107,7 @@ def _shape(n: Any) -> Optional[tuple]:
 def _device_move(n: Any) -> bool:
     """``x.to(device)``: same shape, dtype and values on another device (a host-KV cache's update hands the
     dense attention device copies of its host caches, ``offload_passes/hf_cache.py``)."""
-    if not (isinstance(n, fx.Node) and (_method_or_fn(n, "to") or _method_or_fn(n, "_to_copy")) and n.args):
+    if not (isinstance(n, fx.Node) and (calls(n, "to") or calls(n, "_to_copy")) and n.args):
         return False
     a, b = example(n.args[0]), example(n)
     return (a is not None and b is not None and a.device != b.device and a.dtype == b.dtype
@@ -129,7 +116,7 @@ def _device_move(n: Any) -> bool:
 
 def _input_root(n: Any) -> Any:
     """The graph input behind views / expands / device copies (the cache tensors are Dynamo placeholders)."""
-    while isinstance(n, fx.Node) and (is_view(n) or _method_or_fn(n, "expand") or _device_move(n)):
+    while isinstance(n, fx.Node) and (is_view(n) or calls(n, "expand") or _device_move(n)):
         n = n.args[0]
     return n
 
@@ -165,13 +152,13 @@ def _split_parts(split_node: fx.Node) -> tuple[fx.Node, list[int]]:
 def _expansion(key: fx.Node, value: fx.Node) -> dict:
     """Verify key / value are ``expand_kv(latent, rope)``; return latent, rope, weight, n, v."""
     gi_v = getitem_of(value)
-    _need(gi_v is not None and gi_v[1] == 1 and _method_or_fn(gi_v[0], "split"),
+    _need(gi_v is not None and gi_v[1] == 1 and calls(gi_v[0], "split"),
           f"value {value.name} is not split(kv_b_proj(latent))[1]")
     split_n = gi_v[0]
     kv, (n_nope, n_v) = _split_parts(split_n)
-    _need(_method_or_fn(kv, "transpose"), f"{kv} is not a transpose of the kv_b_proj output")
+    _need(calls(kv, "transpose"), f"{kv} is not a transpose of the kv_b_proj output")
     lin = strip_views(kv.args[0])
-    _need(_method_or_fn(lin, "linear") and len(lin.args) >= 2, f"{lin} is not the kv_b_proj linear")
+    _need(calls(lin, "linear") and len(lin.args) >= 2, f"{lin} is not the kv_b_proj linear")
     bias = _arg(lin, 2, "bias", None)
     _need(bias is None, f"{lin.name}: kv_b_proj with a bias is not supported")
     latent, weight = lin.args[0], lin.args[1]
@@ -182,7 +169,7 @@ def _expansion(key: fx.Node, value: fx.Node) -> dict:
     _need(isinstance(weight, fx.Node) and weight.op in ("placeholder", "get_attr"),
           f"{lin.name}: kv_b_proj weight is not a parameter")
     # key = new_empty(...) whose two slices are filled with k_nope (split[0]) and the expanded rope cache
-    _need(_method_or_fn(key, "new_empty") or _method_or_fn(key, "empty"), f"key {key.name} is not new_empty(...)")
+    _need(calls(key, "new_empty") or calls(key, "empty"), f"key {key.name} is not new_empty(...)")
     nope_src = rope_src = None
     for u in key.users:
         if not (u.op == "call_function" and u.target is operator.getitem):
@@ -191,7 +178,7 @@ def _expansion(key: fx.Node, value: fx.Node) -> dict:
         sl = idx[-1] if isinstance(idx, tuple) else idx
         _need(isinstance(sl, slice) and sl.step is None, f"{u.name}: unexpected key slice {idx}")
         for w in u.users:
-            _need(_method_or_fn(w, "copy_") and w.args[0] is u, f"{w.name}: unexpected write into the key")
+            _need(calls(w, "copy_") and w.args[0] is u, f"{w.name}: unexpected write into the key")
             if sl.start in (None, 0) and sl.stop == n_nope:
                 nope_src = w.args[1]
             elif sl.start == n_nope and sl.stop is None:
@@ -232,11 +219,11 @@ def _sink_softmax(scores: fx.Node, cat: fx.Node) -> tuple[fx.Node, fx.Node]:
     # x - x.max(-1, keepdim=True).values: a row-constant shift, which the softmax does not see
     mx = [x for x in users if x is not sub][0]
     gi = getitem_of(sub.args[1])
-    _need(_method_or_fn(mx, "max") and gi is not None and gi[0] is mx and gi[1] == 0
+    _need(calls(mx, "max") and gi is not None and gi[0] is mx and gi[1] == 0
           and _arg(mx, 1, "dim", None) in (-1, 3) and _arg(mx, 2, "keepdim", False) is True,
           f"{sub.name}: subtrahend is not the row max")
     us = list(sub.users)
-    _need(len(us) == 1 and _method_or_fn(us[0], "softmax"), f"{sub.name}: expected softmax")
+    _need(len(us) == 1 and calls(us[0], "softmax"), f"{sub.name}: expected softmax")
     return sink, us[0]
 
 
@@ -246,7 +233,7 @@ def _attention(combine: fx.Node) -> tuple:
     users = view_users(combine)
     _need(len(users) == 1, f"{combine.name}: the combined mask has {len(users)} consumers, expected 1")
     u = users[0]
-    if _method_or_fn(u, "scaled_dot_product_attention"):
+    if calls(u, "scaled_dot_product_attention"):
         q, k, v = u.args[:3]
         _need(strip_views(_arg(u, 3, "attn_mask")) is combine, f"{u.name}: attn_mask is not the combined mask")
         _need(_arg(u, 4, "dropout_p", 0.0) == 0.0 and not _arg(u, 5, "is_causal", False),
@@ -261,19 +248,19 @@ def _attention(combine: fx.Node) -> tuple:
     _need(isinstance(other, fx.Node) and other.op == "call_function" and other.target in (operator.mul, torch.mul),
           f"{u.name}: scores are not matmul * scaling")
     mm, scale = other.args
-    _need(_method_or_fn(mm, "matmul") and isinstance(scale, float), f"{other.name}: scores are not matmul * scaling")
+    _need(calls(mm, "matmul") and isinstance(scale, float), f"{other.name}: scores are not matmul * scaling")
     q, kt = mm.args
-    _need(_method_or_fn(kt, "transpose") and tuple(kt.args[1:]) in ((2, 3), (-1, -2), (-2, -1), (3, 2)),
+    _need(calls(kt, "transpose") and tuple(kt.args[1:]) in ((2, 3), (-1, -2), (-2, -1), (3, 2)),
           f"{mm.name}: key is not transposed")
     k = kt.args[0]
     us = list(u.users)
     _need(len(us) == 1, f"{u.name}: attention scores have {len(us)} users")
     sinks = None
-    if _method_or_fn(us[0], "cat"):
+    if calls(us[0], "cat"):
         sinks, sm = _sink_softmax(u, us[0])
     else:
         sm = us[0]
-        _need(_method_or_fn(sm, "softmax"), f"{sm.name}: expected softmax")
+        _need(calls(sm, "softmax"), f"{sm.name}: expected softmax")
     _need(_arg(sm, 1, "dim", None) in (-1, 3), f"{sm.name}: softmax not over keys")
     sm_dtype = _arg(sm, 2 if sm.op == "call_method" else 3, "dtype", None)
     nxt = sm
@@ -286,16 +273,16 @@ def _attention(combine: fx.Node) -> tuple:
         us = list(nxt.users)
         _need(len(us) == 1, f"{nxt.name}: attention weights have {len(us)} users")
         cand = us[0]
-        if _method_or_fn(cand, "to") or _method_or_fn(cand, "type"):
+        if calls(cand, "to") or calls(cand, "type"):
             nxt = cand
             continue
-        if _method_or_fn(cand, "dropout"):
+        if calls(cand, "dropout"):
             _need(_arg(cand, 1, "p", 0.0) == 0.0 or _arg(cand, 2, "training", True) is False,
                   f"{cand.name}: dropout active")
             nxt = cand
             continue
         break
-    _need(_method_or_fn(cand, "matmul") and cand.args[0] is nxt,
+    _need(calls(cand, "matmul") and cand.args[0] is nxt,
           f"{nxt.name}: attention weights are not multiplied by the values")
     out = cand
     return "eager", out, q, k, out.args[1], scale, sinks, sm_dtype
@@ -305,7 +292,7 @@ def _site(layer: int, sc: fx.Node) -> HfSite:
     base_ones, dim, index = sc.args[0], _arg(sc, 1, "dim"), _arg(sc, 2, "index")
     value = _arg(sc, 3, "value", _arg(sc, 3, "src"))
     _need(dim in (-1, 2) and value in (False, 0), f"{sc.name}: not scatter(-1, idx, False)")
-    _need(_method_or_fn(base_ones, "new_ones") or _method_or_fn(base_ones, "ones"),
+    _need(calls(base_ones, "new_ones") or calls(base_ones, "ones"),
           f"{sc.name}: scatter target is not a ones mask")
     ex = example(base_ones)
     _need(ex is not None and ex.dtype == torch.bool, f"{sc.name}: scatter target is not boolean")
@@ -315,14 +302,14 @@ def _site(layer: int, sc: fx.Node) -> HfSite:
     while topk is not producer and not (example(topk) is not None and example(topk).dtype == torch.int32):
         topk = topk.args[0]
     gi = getitem_of(producer)
-    _need(gi is not None and gi[1] == 1 and _method_or_fn(gi[0], "topk"),
+    _need(gi is not None and gi[1] == 1 and calls(gi[0], "topk"),
           f"{sc.name}: scatter indices do not come from topk(...)[1] (got {producer})")
     tk = topk
     # index_mask users: masked_fill(base, index_mask, min) | base & ~index_mask
     users = view_users(sc)
     _need(len(users) == 1, f"{sc.name}: the index mask has {len(users)} consumers, expected 1")
     u = users[0]
-    if _method_or_fn(u, "masked_fill"):
+    if calls(u, "masked_fill"):
         base = u.args[0]
         _need(strip_views(u.args[1]) is sc, f"{u.name}: index mask is not the fill mask")
         _need(isinstance(u.args[2], float) and u.args[2] < -1e30, f"{u.name}: fill value is not the dtype minimum")
@@ -373,7 +360,7 @@ def _finish(layer: int, producer: fx.Node, tk: fx.Node, sc: fx.Node, combine: fx
 
 def _is_int_fresh(n: Any) -> bool:
     ex = example(n)
-    return ((_method_or_fn(n, "zeros") or _method_or_fn(n, "new_zeros")) and ex is not None
+    return ((calls(n, "zeros") or calls(n, "new_zeros")) and ex is not None
             and not ex.dtype.is_floating_point and ex.dtype != torch.bool)
 
 
@@ -383,7 +370,7 @@ def _has_topk_ancestor(n: fx.Node, limit: int = 400) -> bool:
     while i < len(todo) and i < limit:
         x = todo[i]
         i += 1
-        if _method_or_fn(x, "topk"):
+        if calls(x, "topk"):
             return True
         for a in x.all_input_nodes:
             if a not in seen:
@@ -393,7 +380,7 @@ def _has_topk_ancestor(n: fx.Node, limit: int = 400) -> bool:
 
 
 def _is_cmp(n: Any, names: tuple[str, ...], ops: tuple) -> bool:
-    return isinstance(n, fx.Node) and (any(_method_or_fn(n, m) for m in names)
+    return isinstance(n, fx.Node) and (any(calls(n, m) for m in names)
                                        or (n.op == "call_function" and n.target in ops))
 
 
@@ -405,7 +392,7 @@ def _count_site(layer: int, sa: fx.Node) -> HfSite:
     counts, dim, index = sa.args[0], _arg(sa, 1, "dim"), _arg(sa, 2, "index")
     src = _arg(sa, 3, "src")
     _need(dim in (-1, 2), f"{sa.name}: not a scatter_add over the key axis")
-    _need(isinstance(index, fx.Node) and _method_or_fn(index, "clamp"), f"{sa.name}: index is not ids.clamp(0, T-1)")
+    _need(isinstance(index, fx.Node) and calls(index, "clamp"), f"{sa.name}: index is not ids.clamp(0, T-1)")
     ids = index.args[0]
     T = _shape(counts)[-1] if _shape(counts) else None
     lo, hi = _arg(index, 1, "min"), _arg(index, 2, "max")
@@ -422,7 +409,7 @@ def _count_site(layer: int, sa: fx.Node) -> HfSite:
           f"{va.name}: added values are not (ids >= 0) & (ids < T)")
     # the counts tensor: written only by this scatter_add_, read only by ne(0) after it
     readers = [u for u in counts.users if u is not sa]
-    _need(len(readers) == 1 and _method_or_fn(readers[0], "ne") and readers[0].args[1] == 0,
+    _need(len(readers) == 1 and calls(readers[0], "ne") and readers[0].args[1] == 0,
           f"{counts.name}: the counts are read by {[u.name for u in readers]}, expected one ne(0)")
     ne = readers[0]
     after = sa.next  # the read comes after the write (a walk forward over the nodes in between)
@@ -432,11 +419,11 @@ def _count_site(layer: int, sa: fx.Node) -> HfSite:
     users = view_users(ne)
     _need(len(users) == 1, f"{ne.name}: the selection mask has {len(users)} consumers, expected 1")
     u = users[0]
-    if _method_or_fn(u, "where"):
+    if calls(u, "where"):
         _need(strip_views(u.args[0]) is ne, f"{u.name}: the selection mask is not the where condition")
         zero, fill = u.args[1], u.args[2]
         zex = example(zero) if isinstance(zero, fx.Node) else None
-        _need((zero == 0 if not isinstance(zero, fx.Node) else (_method_or_fn(zero, "full") and zero.args[1] == 0.0
+        _need((zero == 0 if not isinstance(zero, fx.Node) else (calls(zero, "full") and zero.args[1] == 0.0
                                                                   and zex is not None and zex.numel() == 1)),
               f"{u.name}: selected positions do not get 0")
         _need(isinstance(fill, float) and fill < -1e30, f"{u.name}: other positions do not get the dtype minimum")
@@ -454,7 +441,7 @@ def _is_block_bias(n: fx.Node) -> bool:
     if not n.args or len(n.args) < 4 and "value" not in n.kwargs:
         return False
     tgt, value = n.args[0], _arg(n, 3, "value", _arg(n, 3, "src"))
-    if not (isinstance(tgt, fx.Node) and (_method_or_fn(tgt, "new_full") or _method_or_fn(tgt, "full"))):
+    if not (isinstance(tgt, fx.Node) and (calls(tgt, "new_full") or calls(tgt, "full"))):
         return False
     fill = _arg(tgt, 2 if tgt.op == "call_method" else 1, "fill_value")
     ex = example(tgt)
@@ -465,12 +452,12 @@ def _is_block_bias(n: fx.Node) -> bool:
 def _block_expansion(u: fx.Node) -> Optional[int]:
     """``(bias == 0).repeat_interleave(block_size, dim=-1)``: the block mask compared back to a bool and
     widened to token positions (minimax_m3_vl's block top-k); the block size, else None."""
-    if not (_method_or_fn(u, "eq") or (u.op == "call_function" and u.target in (operator.eq, torch.eq))):
+    if not (calls(u, "eq") or (u.op == "call_function" and u.target in (operator.eq, torch.eq))):
         return None
     for w in u.users:
         while w is not None and (is_view(w) or is_cast(w)) and len(w.users) == 1:
             w = next(iter(w.users))
-        if w is not None and _method_or_fn(w, "repeat_interleave"):
+        if w is not None and calls(w, "repeat_interleave"):
             reps = _arg(w, 1, "repeats")
             return reps if isinstance(reps, int) else None
     return None
@@ -498,20 +485,20 @@ def _block_bias_site(layer: int, sc: fx.Node) -> HfSite:
                                   "one selection of single key rows per query, shared by every head, from a latent "
                                   "(MLA) cache; this model would need a block-granular plan with one selection per "
                                   "KV head over its K / V caches. The dense attention stays", layer))
-        _need(is_view(u) or is_cast(u) or _method_or_fn(u, "to") or _method_or_fn(u, "cat")
+        _need(is_view(u) or is_cast(u) or calls(u, "to") or calls(u, "cat")
               or (u.op == "call_function" and u.target is operator.getitem),
               f"{u.name}: the block mask is consumed by {getattr(u.target, '__name__', u.target)}")
         mask = u
     other = u.args[0] if u.args[1] is mask else u.args[1]
     _need(isinstance(other, fx.Node) and other.op == "call_function" and other.target in (operator.mul, torch.mul)
-          and _method_or_fn(other.args[0], "matmul"), f"{u.name}: scores are not matmul * scaling")
+          and calls(other.args[0], "matmul"), f"{u.name}: scores are not matmul * scaling")
     kt = other.args[0].args[1]
-    _need(_method_or_fn(kt, "transpose"), f"{other.name}: key is not transposed")
+    _need(calls(kt, "transpose"), f"{other.name}: key is not transposed")
     key = kt.args[0]
-    while isinstance(key, fx.Node) and (is_view(key) or _method_or_fn(key, "expand")
+    while isinstance(key, fx.Node) and (is_view(key) or calls(key, "expand")
                                         or (key.op == "call_function" and key.target is operator.getitem)):
         key = key.args[0]
-    if _method_or_fn(key, "cat"):
+    if calls(key, "cat"):
         raise _Refuse(Refusal("hf_compressed_kv", f"{sc.name}: the top-k selects among KV entries computed in this "
                               f"graph ({key.name} = cat of the cache and compressed entries), not rows of a cache "
                               "graph input: there is no host copy to serve them from; the dense attention stays",
@@ -526,17 +513,17 @@ def detect_hf(gm: fx.GraphModule) -> HfDetectReport:
     topks: list[str] = []
     cand = 0
     for n in gm.graph.nodes:
-        if _method_or_fn(n, "topk"):
+        if calls(n, "topk"):
             topks.append(n.name)
             continue
-        if _method_or_fn(n, "scatter_add_") or _method_or_fn(n, "scatter_add"):
+        if calls(n, "scatter_add_") or calls(n, "scatter_add"):
             # counts of selected ids over the key axis: an integer zeros tensor (the MoE router adds floats)
             if not (n.args and _is_int_fresh(n.args[0])):
                 continue
             which = _count_site
-        elif _method_or_fn(n, "scatter_") and _is_block_bias(n):
+        elif calls(n, "scatter_") and _is_block_bias(n):
             which = _block_bias_site
-        elif _method_or_fn(n, "scatter"):
+        elif calls(n, "scatter"):
             # only bool ones-masks scattered with top-k indices are candidates (the MoE router scatters floats)
             tgt = n.args[0] if n.args else None
             ex = example(tgt)
