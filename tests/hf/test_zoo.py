@@ -175,9 +175,7 @@ def test_every_family_with_an_indexer_in_the_installed_release_is_in_the_table()
     assert set(FAMILIES) == set(families.FAMILY_TABLE)  # every row is checked below on a tiny model
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(
-    strict=True, reason="no reason names this family yet: its graphs are compiled unmodified and nothing says so"))
-    if families.FAMILY_TABLE[f].outcome == "unnamed" else f for f in INSTALLED])
+@pytest.mark.parametrize("family", INSTALLED)
 def test_every_family_is_offloaded_or_refused_by_name(family):
     entry = families.FAMILY_TABLE[family]
     assert entry.outcome == "offload" or entry.reasons, f"{family}: {families.OUTCOMES[entry.outcome]}"
