@@ -1,0 +1,283 @@
+"""KVStore: a request's KV chunks kept in tiers (RAM, disk, a shared store) under chained, fingerprinted keys,
+so that a later request with the same prefix reloads them instead of recomputing them.
+
+Faults of a tier never reach the caller: the store logs one warning per outage, counts it in
+``stats.tier_faults`` and skips the tier for ``retry_after_s`` seconds. A chunk that fails to verify is
+counted in ``stats.chunks_rejected``, its copy is deleted from the tier, and the loaded prefix ends before it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional
+
+import torch
+
+from .chunk import ChunkError, check_chunk_tensors, decode_chunk, encode_chunk
+from .keys import Fingerprint, chain_keys, check_token_ids
+from .stats import Lookup, StoreStats
+from .tiers.base import Tier, TierFault
+
+__all__ = ["KVStore"]
+
+log = logging.getLogger("offload_passes.store")
+
+_TIER_METHODS = ("put", "get", "exists", "delete", "used_bytes", "name")
+
+
+def _positive_int(call: str, arg: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{call}: {arg} must be a positive int, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{call}: {arg} must be a positive int (>= 1), got {value}")
+    return value
+
+
+def _check_tiers(tiers: Any) -> list:
+    if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence) or not tiers:
+        raise ValueError(f"KVStore: tiers must be a non-empty list of tiers, got {tiers!r}")
+    names = set()
+    for i, t in enumerate(tiers):
+        missing = [m for m in _TIER_METHODS if not hasattr(t, m)]
+        if missing:
+            raise TypeError(f"KVStore: tiers[{i}] ({type(t).__name__}) lacks {missing} of the Tier interface")
+        if t.name in names:
+            raise ValueError(f"KVStore: tiers[{i}] repeats the tier name {t.name!r}; names must be unique")
+        names.add(t.name)
+    return list(tiers)
+
+
+class KVStore:
+    """Chunks of ``chunk_tokens`` tokens of KV, keyed by the token prefix and ``fp``, in ``tiers`` (top first)."""
+
+    def __init__(self, fp: Fingerprint, chunk_tokens: int, tiers: Sequence[Tier], block_size: int = 1,
+                 vocab_size: Optional[int] = None, write_through: bool = True, retry_after_s: float = 30.0) -> None:
+        if not isinstance(fp, Fingerprint):
+            raise TypeError(f"KVStore: fp must be a Fingerprint (Fingerprint.of(fields)), got {type(fp).__name__}")
+        block_size = _positive_int("KVStore", "block_size", block_size)
+        chunk_tokens = _positive_int("KVStore", "chunk_tokens", chunk_tokens)
+        if chunk_tokens % block_size:
+            raise ValueError(f"KVStore: chunk_tokens {chunk_tokens} must be a multiple of block_size {block_size}")
+        fp_chunk = fp.fields.get("chunk_tokens")
+        if fp_chunk is not None and fp_chunk != chunk_tokens:
+            raise ValueError(f"KVStore: chunk_tokens {chunk_tokens} differs from the fingerprint's chunk_tokens "
+                             f"{fp_chunk}")
+        if vocab_size is not None:
+            vocab_size = _positive_int("KVStore", "vocab_size", vocab_size)
+        if isinstance(retry_after_s, bool) or not isinstance(retry_after_s, (int, float)) or not retry_after_s >= 0:
+            raise ValueError(f"KVStore: retry_after_s must be a number >= 0, got {retry_after_s!r}")
+        if not isinstance(write_through, bool):
+            raise TypeError(f"KVStore: write_through must be a bool, got {write_through!r}")
+        self.tiers = _check_tiers(tiers)
+        self.fp = fp
+        self.chunk_tokens = chunk_tokens
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.write_through = write_through
+        self.retry_after_s = float(retry_after_s)
+        self._stats = StoreStats()
+        self._down: dict[str, float] = {}  # tier name -> when its outage began (monotonic)
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # ---- keys -----------------------------------------------------------------------------------------
+    def chunk_keys(self, token_ids: Any) -> list[str]:
+        """One key per chunk of ``token_ids`` (the partial last chunk too), chained over all tokens before it."""
+        ids = check_token_ids("KVStore.chunk_keys", token_ids, self.vocab_size)
+        return chain_keys(self.fp.digest, ids, self.chunk_tokens)
+
+    def _spans(self, n: int) -> list[tuple[int, int]]:
+        return [(s, min(n, s + self.chunk_tokens)) for s in range(0, n, self.chunk_tokens)]
+
+    # ---- tier calls -------------------------------------------------------------------------------------
+    def _up(self, tier: Tier) -> bool:
+        began = self._down.get(tier.name)
+        return began is None or time.monotonic() - began >= self.retry_after_s
+
+    def _call(self, tier: Tier, op: str, default: Any, fn: Callable[[], Any]) -> Any:
+        """Run one tier call; a fault is counted, warned about once per outage, and answered with ``default``."""
+        if not self._up(tier):
+            return default
+        try:
+            out = fn()
+        except (TierFault, OSError, RuntimeError, ValueError) as exc:  # the tier's medium or service, not ours
+            self._stats.count("tier_faults", tier.name)
+            if tier.name not in self._down:
+                log.warning("KV store: tier %r failed (%s: %s: %s); going on without it for %.0f s, a miss costs "
+                            "a recompute only", tier.name, op, type(exc).__name__, exc, self.retry_after_s)
+            self._down[tier.name] = time.monotonic()
+            return default
+        if tier.name in self._down:
+            del self._down[tier.name]
+            log.info("KV store: tier %r answers again (%s)", tier.name, op)
+        return out
+
+    def _store_in(self, index: int, key: str, blob: bytes, counter: str) -> bool:
+        """Put ``blob`` into tiers[index], spilling what it evicts down the tiers; True when stored."""
+        tier = self.tiers[index]
+        evicted = self._call(tier, "put", None, lambda: tier.put(key, blob))
+        if evicted is None:
+            return False
+        self._stats.count(counter, tier.name)
+        for k, b in evicted:
+            self._spill(index + 1, k, b)
+        return True
+
+    def _spill(self, index: int, key: str, blob: bytes) -> None:
+        if index >= len(self.tiers):
+            return  # evicted from the bottom tier: gone
+        tier = self.tiers[index]
+        if self._call(tier, "exists", True, lambda: tier.exists(key)):
+            return
+        self._store_in(index, key, blob, "chunks_spilled")
+
+    # ---- lookup / load ------------------------------------------------------------------------------
+    def _find(self, key: str) -> Optional[Tier]:
+        for tier in self.tiers:
+            if self._call(tier, "exists", False, lambda: tier.exists(key)):
+                return tier
+        return None
+
+    def lookup(self, token_ids: Any) -> Lookup:
+        """The longest prefix whose chunks some tier holds (existence only: nothing is read or verified)."""
+        with self._lock:
+            ids = check_token_ids("KVStore.lookup", token_ids, self.vocab_size)
+            self._stats.lookups += 1
+            found = []
+            for key, (s, e) in zip(chain_keys(self.fp.digest, ids, self.chunk_tokens), self._spans(len(ids))):
+                tier = self._find(key)
+                if tier is None:
+                    break
+                found.append((key, tier.name, e - s))
+            return Lookup(tokens=sum(c[2] for c in found), chunks=found)
+
+    def _check_limit(self, limit: Any) -> Optional[int]:
+        if limit is None:
+            return None
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"KVStore.load: limit must be None or an int >= 0, got {limit!r}")
+        return limit
+
+    def _load_one(self, key: str, n_expected: int) -> tuple[Optional[dict], bool]:
+        """(tensors, ok): tensors of the top-most copy that verifies; ok False ends the prefix (miss or bad)."""
+        for index, tier in enumerate(self.tiers):
+            blob = self._call(tier, "get", None, lambda: tier.get(key))
+            if blob is None:
+                continue
+            try:
+                n, tensors = decode_chunk(self.fp, key, blob)
+                if n != n_expected:
+                    raise ChunkError(f"holds {n} tokens where its key covers {n_expected}")
+            except ChunkError as exc:
+                self._stats.chunks_rejected += 1
+                log.warning("KV store: chunk %s… in tier %r rejected (%s); recomputing from there", key[:12],
+                            tier.name, exc)
+                self._call(tier, "delete", None, lambda: tier.delete(key))
+                return None, False
+            self._stats.count("chunks_loaded", tier.name)
+            self._stats.count("bytes_loaded", tier.name, len(blob))
+            for upper in range(index):
+                self._store_in(upper, key, blob, "chunks_promoted")
+            return tensors, True
+        return None, False
+
+    def load(self, token_ids: Any, limit: Optional[int] = None) -> tuple[int, list[dict[str, torch.Tensor]]]:
+        """(n_tokens, chunks): the longest prefix of ``token_ids`` that loads and verifies, capped at ``limit``
+        tokens; chunk i holds CPU tensors [n_i, *shape] for tokens [i*C, i*C + n_i)."""
+        with self._lock:
+            ids = check_token_ids("KVStore.load", token_ids, self.vocab_size)
+            limit = self._check_limit(limit)
+            self._stats.loads += 1
+            out: list[dict[str, torch.Tensor]] = []
+            n = 0
+            for key, (s, e) in zip(chain_keys(self.fp.digest, ids, self.chunk_tokens), self._spans(len(ids))):
+                if limit is not None and s >= limit:
+                    break
+                tensors, ok = self._load_one(key, e - s)
+                if not ok:
+                    break
+                if limit is not None and e > limit:
+                    tensors = {k: v[: limit - s] for k, v in tensors.items()}
+                    e = limit
+                out.append(tensors)
+                n = e
+            self._stats.tokens_loaded += n
+            return n, out
+
+    # ---- put --------------------------------------------------------------------------------------------
+    def _check_put(self, ids: list[int], chunks: Any) -> list[tuple[str, int, Mapping[str, torch.Tensor]]]:
+        if isinstance(chunks, Mapping) or not isinstance(chunks, Sequence):
+            raise TypeError(f"KVStore.put: chunks must be a list of dicts name -> tensor, got {type(chunks).__name__}")
+        spans = self._spans(len(ids))
+        if len(chunks) > len(spans):
+            raise ValueError(f"KVStore.put: {len(chunks)} chunks for {len(ids)} tokens; at most {len(spans)} "
+                             f"chunks of chunk_tokens {self.chunk_tokens}")
+        plan = []
+        for i, ch in enumerate(chunks):
+            first = next(iter(ch.values()), None) if isinstance(ch, Mapping) else None
+            n = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else -1
+            s, e = spans[i]
+            last = i == len(chunks) - 1
+            if not (n == e - s or (last and 0 < n <= e - s)):
+                raise ValueError(f"KVStore.put: chunks[{i}] holds {n} tokens; tokens [{s}, {e}) need "
+                                 f"{e - s}{' (the last chunk may hold fewer, >= 1)' if last else ''}")
+            check_chunk_tensors(f"KVStore.put: chunks[{i}]", self.fp, ch, n)
+            plan.append((s, n, ch))
+        keys = chain_keys(self.fp.digest, ids[: plan[-1][0] + plan[-1][1]], self.chunk_tokens) if plan else []
+        return [(k, n, ch) for k, (_, n, ch) in zip(keys, plan)]
+
+    def put(self, token_ids: Any, chunks: Sequence[Mapping[str, torch.Tensor]]) -> int:
+        """Store ``chunks`` (chunk i: tokens [i*C, i*C + n_i), only the last partial); returns how many chunks
+        were written to some tier. Chunks every target tier already holds are skipped (counted)."""
+        with self._lock:
+            ids = check_token_ids("KVStore.put", token_ids, self.vocab_size)
+            plan = self._check_put(ids, chunks)  # refuses before anything is written
+            self._stats.puts += 1
+            written = 0
+            targets = range(len(self.tiers)) if self.write_through else range(1)
+            for key, n, tensors in plan:
+                blob = None
+                stored = False
+                for index in targets:
+                    tier = self.tiers[index]
+                    if self._call(tier, "exists", False, lambda: tier.exists(key)):
+                        continue
+                    if blob is None:
+                        blob = encode_chunk(self.fp, key, n, tensors)
+                    stored |= self._store_in(index, key, blob, "chunks_stored")
+                if blob is None:
+                    self._stats.chunks_skipped += 1
+                written += stored
+            return written
+
+    # ---- state --------------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> StoreStats:
+        """The counters, with ``bytes`` read from the tiers now."""
+        for tier in self.tiers:
+            self._stats.bytes[tier.name] = self._call(tier, "used_bytes", self._stats.bytes.get(tier.name, 0),
+                                                      lambda: tier.used_bytes)
+        return self._stats
+
+    def close(self) -> None:
+        """Close every tier (a shared tier's objects stay in the shared store)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for tier in self.tiers:
+                close = getattr(tier, "close", None)
+                if close is not None:
+                    self._call(tier, "close", None, close)
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"KVStore(fp={self.fp.digest[:12]}…, chunk_tokens={self.chunk_tokens}, "
+                f"tiers={[t.name for t in self.tiers]})")
