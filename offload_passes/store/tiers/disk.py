@@ -1,6 +1,6 @@
 """Local-disk tier: one file per chunk under a directory, LRU within a byte budget, surviving the process.
 
-A chunk is written to a temporary file (``.tmp.<pid>.<random>``), fsynced, then linked to its final name, so
+A chunk is written to a temporary file (``.tmp.<pid>.<random>.<key>.part``), fsynced, then linked to its final name, so
 a reader sees a whole file or none: a writer killed mid-chunk leaves only a temporary file, which readers never
 open and the next DiskTier on the directory removes once its writer is gone. When two writers store one key at
 once, the first link wins and the second drops its copy: one file, both read it.
@@ -152,7 +152,7 @@ class DiskTier:
 
     def _write(self, final: Path, blob: bytes) -> None:
         final.parent.mkdir(exist_ok=True)
-        tmp = final.parent / f".tmp.{os.getpid()}.{uuid.uuid4().hex}.{final.name}"
+        tmp = final.parent / f".tmp.{os.getpid()}.{uuid.uuid4().hex}.{final.stem}.part"
         try:
             with open(tmp, "xb") as f:
                 f.write(blob)
