@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from typing import Callable
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
@@ -39,26 +37,13 @@ from offload_passes.custom_ops._pool import id_range_for  # noqa: E402
 from offload_passes.custom_ops.plan_kind import NUM_PLAN_KINDS, PlanKind  # noqa: E402
 from offload_passes.custom_ops import npu_gather_selection_kv_cache as gather_mod  # noqa: E402
 from offload_passes.custom_ops import dsa_serve as serve_mod  # noqa: E402
+from _harness import timeit  # noqa: E402  (benchmarks/_harness.py: the interleaved min timing)
 
 B, K, DKV, DR, SBS = 4, 2048, 512, 64, 128
 DTYPE = torch.bfloat16
 HIT_RATE = 0.85  # pool hit rate of the plan inputs (guide: ~85 % with an 8K pool)
 MTP_OVERLAP = 0.9  # fraction of ids a row s > 0 shares with row s = 0 of the same batch row
 STEP_OVERLAP = 0.59  # ledger reuse between adjacent steps (guide: 58.85 %)
-
-
-def timeit(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
-    """Min wall time per function over ``repeat`` interleaved rounds, each timed call right after an untimed
-    call of the same function (the same warm caches for every function); every other round runs the
-    functions in reverse order (none always follows the same neighbour)."""
-    best = {k: float("inf") for k in fns}
-    for i in range(repeat):
-        for k, f in (fns.items() if i % 2 == 0 else reversed(fns.items())):
-            f()
-            t0 = time.perf_counter()
-            f()
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return best
 
 
 #: rounds of the op / bare-kernel pairs per round of the other timings: their ratio is the finest figure of

@@ -8,8 +8,10 @@ import os
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 # tests/cuda runs the Triton kernels on CPU tensors through Triton's interpreter, which triton only
 # sets up if this is set when triton is first imported (torch._inductor imports it, e.g. while other
-# test modules are collected); CPU Inductor never uses triton, so nothing else changes.
-os.environ["TRITON_INTERPRET"] = "1"
+# test modules are collected); CPU Inductor never uses triton, so nothing else changes. Not with
+# OFFLOAD_PASSES_GPU=1: the device tests on a GPU run the compiled kernels (tests/cuda/conftest.py).
+if os.environ.get("OFFLOAD_PASSES_GPU") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import offload_passes  # noqa: E402,F401  (registers the ops)
 

@@ -104,3 +104,25 @@ def test_registered_as_the_ops_cuda_kernel_from_its_spec(kern):
     from offload_passes.passes.host_cache_writes import host_write_ops
 
     assert HOST_OPERANDS[op] == (0, 1) and op in host_write_ops()
+
+
+@pytest.mark.device
+def test_device_rows_into_a_pinned_cache_equal_index_copy(dev):
+    """The HF cache's decode write at GLM-5 widths: 17 device rows at distinct positions of ``[3, 1, 300, 512]`` /
+    ``[3, 1, 300, 64]`` caches, pinned on a GPU (the stores go through the pinned address), against the CPU kernel
+    (``index_copy_``) on host copies of the same data."""
+    from _device import pinned_like, same, sync, twin
+    from _harness import gen, randn
+    from offload_passes.custom_ops.cuda import static_cache_write
+
+    g = gen(dev, 2)
+    cache = [randn(s, dev, g) for s in ((3, 1, 300, 512), (3, 1, 300, 64))]
+    idx = torch.randperm(300, generator=g, device=dev)[:17]
+    new = [randn(s, dev, g) for s in ((3, 1, 17, 512), (3, 1, 17, 64))]
+    ref = [twin(t) for t in cache]
+    op(*ref, twin(idx), *[twin(t) for t in new])
+    dst = [pinned_like(t, dev) for t in cache]
+    static_cache_write.run(*dst, idx, *new)
+    sync()
+    assert all(same(a, b) for a, b in zip(ref, dst))
+    assert not same(ref[0], cache[0])  # the rows landed: the cache changed
