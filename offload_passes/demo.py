@@ -344,7 +344,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--config", default=None,
                    help="model preset (tiny, small, glm-5.2-78l, tiny-w8a8, glm-5.2-78l-w8a8; with --model hf: "
                         "hf-tiny, hf-glm5-attn, hf-deepseek-v32, hf-hy-v4, hf-dots3-note, hf-glm5-next, "
-                        "hf-deepseek-v4) or yaml path (default tiny / hf-tiny)")
+                        "hf-deepseek-v4) or yaml path (an existing file or a name ending in .yaml / .yml; a preset name "
+                        "wins; default tiny / hf-tiny)")
     p.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="--model hf: attn_implementation")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="--model hf: model dtype (bfloat16 enables the offload ops)")
@@ -391,7 +392,7 @@ def _main(a: argparse.Namespace) -> int:
         writable_dir(a.dump_dir, "--dump-dir")
     if a.record_trace:
         writable_file(a.record_trace, "--record-trace")
-    if a.config is not None and (os.path.splitext(a.config)[1] or os.path.exists(a.config)):
+    if a.config is not None and config_is_path(a.config, a.model):
         # a path, not a preset: a readable yaml with the model's sections, never a silent default
         read_config(a.config, "--config", CONFIG_SECTIONS)
     _check_config_fits_model(a.model, a.config)
@@ -448,6 +449,22 @@ def check_arrival(arrival: float) -> None:
         raise UsageError(f"--arrival must be in (0, 1], got {arrival}")
 
 
+def config_is_path(config: str, model: str = "glm") -> bool:
+    """Whether ``--config`` names a yaml file (True) or a preset (False). A known preset name wins (a name
+    such as ``glm-5.2-78l`` has a dot and may even match a file in the working folder); a path is
+    something that exists or ends in ``.yaml`` / ``.yml``. Anything else is a ``UsageError`` that lists
+    the presets of ``model`` (``glm`` or ``hf``)."""
+    from .models import hf, list_presets
+
+    if config in list_presets():  # one folder holds both front-ends' presets
+        return False
+    if config.endswith((".yaml", ".yml")) or os.path.exists(config):
+        return True
+    presets = hf.list_presets() if model == "hf" else [c for c in list_presets() if c not in hf.list_presets()]
+    raise UsageError(f"--config {config!r}: no such preset and not a yaml path (--model {model} presets: "
+                     f"{', '.join(presets)}; a path ends in .yaml or .yml)")
+
+
 def _check_config_fits_model(model: str, config: Optional[str]) -> None:
     """A recipe-form preset / yaml given to ``--model hf`` (or an HF one to ``--model glm``) is a user
     mistake: name the presets that fit, before anything is built."""
@@ -465,7 +482,7 @@ def _check_config_fits_model(model: str, config: Optional[str]) -> None:
     if config in glm_presets:
         raise UsageError(f"--config {config!r} is a recipe-form preset (--model glm); --model hf takes "
                          f"{hf_presets} or an HF yaml (model_config + runner_config)")
-    if os.path.splitext(config)[1] and os.path.isfile(config):
+    if config_is_path(config, model) and os.path.isfile(config):
         data = read_config(config, "--config", CONFIG_SECTIONS)
         rc = data.get("runner_config", {})
         bad = sorted(set(rc) - set(hf.RUNNER_KEYS)) if isinstance(rc, dict) else []

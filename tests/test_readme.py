@@ -64,3 +64,42 @@ def test_snippet_runs_as_written(where, code, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, f"{where} failed:\n{code}\n--- stderr ---\n{r.stderr[-4000:]}"
+
+
+#: What README.md says of ``torch.compile(model).generate()`` (one sentence, whitespace folded).
+COMPILE_GENERATE_CLAIM = (
+    "`torch.compile(model).generate()` compiles nothing (torch hands `generate` to the original module) and "
+    "warns of nothing while it runs; reading `backend.state` afterwards issues an `OffloadWarning` that the "
+    "backend compiled no graph, and why.")
+
+
+def test_readme_claim_on_compiled_model_generate_is_what_happens():
+    """The README's sentence, then the behaviour it describes: no graph and no warning during ``generate()``,
+    one ``OffloadWarning`` (naming the cause) when ``backend.state`` is read."""
+    import warnings
+
+    import torch
+
+    from offload_passes import make_offload_backend
+    from offload_passes.models import hf
+    from offload_passes.pipeline import OffloadWarning
+
+    assert COMPILE_GENERATE_CLAIM in " ".join(README.read_text().split())
+    torch._dynamo.reset()
+    model = hf.build("hf-tiny", num_hidden_layers=2, index_topk_pattern="FS").model
+    model.generation_config.eos_token_id = None
+    backend = make_offload_backend(pool_size=1024)
+    ids = torch.randint(2, 256, (1, 70), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as during:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend=backend).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+            cache_implementation="static", pad_token_id=0)
+    assert tuple(out.shape) == (1, 72) and len(backend.reports) == 0  # nothing compiled, the model still generated
+    assert [w for w in during if issubclass(w.category, OffloadWarning)] == []
+    with warnings.catch_warnings(record=True) as reading:
+        warnings.simplefilter("always")
+        assert backend.state is None
+    msgs = [str(w.message) for w in reading if issubclass(w.category, OffloadWarning)]
+    assert len(msgs) == 1 and "has compiled no graph yet" in msgs[0], msgs
+    assert "torch.compile(model).generate() compiles nothing" in msgs[0], msgs

@@ -192,7 +192,7 @@ def load_model_shape(config: str) -> ModelShape:
         return shape_from_mapping(BUILTIN[config], name=config,
                                   source="built-in (HF GlmMoeDsaConfig defaults + recipe runner yaml)")
     path = Path(config)
-    if not (path.suffix in (".yaml", ".yml") or path.exists()):
+    if config in list_presets() or not (path.suffix in (".yaml", ".yml") or path.exists()):  # a preset wins
         path = configs_dir() / f"{config}.yaml"
         if not path.is_file():
             have = ", ".join(list_presets()) or "none installed"

@@ -450,7 +450,10 @@ def load_config(preset_or_path: Union[str, Path, Mapping[str, Any]], **overrides
         data = dict(preset_or_path)
     else:
         s = str(preset_or_path)
-        path = Path(s) if (s.endswith((".yaml", ".yml")) or Path(s).exists()) else preset_path(s)
+        # a preset name wins over a file or folder of the same name in the working folder
+        is_path = not (isinstance(preset_or_path, str) and s in list_presets()) and (
+            s.endswith((".yaml", ".yml")) or Path(s).exists())
+        path = Path(s) if is_path else preset_path(s)
         with open(path) as f:
             data = yaml.safe_load(f) or {}
     if not isinstance(data, Mapping):

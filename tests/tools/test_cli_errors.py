@@ -23,7 +23,11 @@ def _one_line_error(capsys, prog: str, contains: str) -> None:
 
 NCPU = os.cpu_count() or 1
 DEMO_BAD = [
-    (["--config", "nope"], "config preset 'nope': unknown"),
+    # an unknown name lists the presets of the model it was given to
+    (["--config", "nope"], "--config 'nope': no such preset and not a yaml path (--model glm presets: glm-5.2-78l, "
+                           "glm-5.2-78l-w8a8, small, tiny, tiny-w8a8; a path ends in .yaml or .yml)"),
+    (["--model", "hf", "--config", "nope"], "--config 'nope': no such preset and not a yaml path (--model hf "
+                                            "presets: hf-axk2, hf-deepseek-v32, "),
     (["--pool-size", "1000"], "option pool_size must be a multiple of 16"),
     (["--next-n", "5"], "--next-n must be in [0, 3]"),
     (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
@@ -115,9 +119,10 @@ def test_demo_bug_keeps_its_traceback(monkeypatch):
 
 
 PLAN_BAD = [
-    (["--hbm-gib", "nan"], "--hbm-gib must be a finite positive number, got nan"),
-    (["--hbm-gib", "inf"], "--hbm-gib must be a finite positive number, got inf"),
-    (["--host-gib", "-1"], "--host-gib must be a finite positive number, got -1.0"),
+    (["--hbm-gib", "nan"], "--hbm-gib must be a finite number in (0, 4096] (GiB of HBM per device), got nan"),
+    (["--hbm-gib", "inf"], "--hbm-gib must be a finite number in (0, 4096] (GiB of HBM per device), got inf"),
+    (["--host-gib", "-1"], "--host-gib must be a finite number in (0, 65536] (GiB of host memory per device), "
+                           "got -1.0"),
     (["--devices", "0"], "--devices must be an integer >= 1, got 0"),
     (["--context", "nan"], "--context must be an integer >= 1, got 'nan'"),
     (["--pool-size", "1000"], "--pool-size must be a multiple of 16 (dsa_plan / dsa_install limits), got 1000"),
@@ -214,7 +219,7 @@ def test_console_script_prints_no_traceback():
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "offload_passes.demo"]
     r = subprocess.run(cmd + ["--config", "nope", "--steps", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().startswith("offload-demo: error: config preset 'nope'")
+    assert r.stderr.strip().startswith("offload-demo: error: --config 'nope': no such preset")
 
 
 def _fifo(path: Path) -> Path:
@@ -298,7 +303,7 @@ INT_FLAGS = [  # (tool, argv, message): the one integer parser (offload_passes/_
     ("offload-capacity", ["--what-if", "--pools", "8192,nan"], "--pools must be comma-separated integers >= 1, got "
                                                                 "'8192,nan'"),
     ("offload-capacity", ["--what-if", "--batches", "64,,128"], "--batches must be comma-separated integers >= 1"),
-    ("offload-capacity", ["--batch", "1.5"], "--batch must be an integer >= 1, got '1.5'"),
+    ("offload-capacity", ["--batch", "1.5"], "--batch must be an integer in [1, 65536], got '1.5'"),
     ("offload-capacity", ["--next-n", "-1"], "--next-n must be an integer >= 0, got -1"),
     ("offload-inspect", ["d", "--layer", "x"], "--layer must be an integer >= 0, got 'x'"),
 ]
