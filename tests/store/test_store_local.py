@@ -3,16 +3,16 @@ killed writers, concurrent writers, and refused arguments."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import pickle
-import subprocess
-import sys
-import textwrap
+import signal
 
 import pytest
 import torch
 from store_helpers import chunks_for, make_chunk, make_fp, same
 
+import offload_passes.store.tiers.disk as disk_mod
 from offload_passes.store import DiskTier, KVStore, RamTier
 
 C = 4
@@ -126,43 +126,46 @@ class _Planted:
         return (open, (self.marker, "w"))
 
 
-WRITER = textwrap.dedent("""
-    import logging, os, sys, resource, signal
-    logging.basicConfig(level=logging.WARNING)
-    sys.path.insert(0, {helpers!r})
-    from store_helpers import chunks_for, make_fp
-    from offload_passes.store import DiskTier, KVStore
-    mode, path = sys.argv[1], sys.argv[2]
+def _write(mode: str, path: str, n_chunks: int, seed: int, out, start=None) -> None:
+    """A writer process (forked: no second torch import): stores ``n_chunks`` chunks, sends (stored, faults)."""
+    import resource
+    import signal
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("offload_passes.store").addHandler(handler)
     fp = make_fp()
     if mode == "fsize":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (300, 300))
-    store = KVStore(fp, 4, [DiskTier(path, 1 << 30, fsync=False)])
-    ids = list(range(4 * int(sys.argv[3])))
+    store = KVStore(fp, 4, [DiskTier(path, 1 << 30, fsync=mode == "slow")])
     if mode == "slow":
-        import offload_passes.store.tiers.disk as d
-        real = d.os.fsync
         def stall(fd):
-            print("writing", flush=True)
+            out.send("writing")
             signal.pause()
-        store.tiers[0].fsync = True
-        d.os.fsync = stall
-    n = store.put(ids, chunks_for(fp, ids, 4, seed=int(sys.argv[4])))
-    print(n, store.stats.tier_faults, flush=True)
-""")
+        disk_mod.os.fsync = stall
+    ids = list(range(4 * n_chunks))
+    chunks = chunks_for(fp, ids, 4, seed=seed)
+    if start is not None:
+        start.wait()
+    n = store.put(ids, chunks)
+    out.send((n, store.stats.tier_faults, warnings))
 
 
-def _writer(tmp_path, mode, n_chunks, seed=0, **kw):
-    code = WRITER.format(helpers=os.path.dirname(__file__))
-    return subprocess.Popen([sys.executable, "-c", code, mode, str(tmp_path / "kv"), str(n_chunks), str(seed)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+def _writer(tmp_path, mode, n_chunks, seed=0, start=None):
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_write, args=(mode, str(tmp_path / "kv"), n_chunks, seed, send, start))
+    p.start()
+    return p, recv
 
 
 def test_writer_killed_mid_chunk_leaves_nothing_loadable(tmp_path):
-    w = _writer(tmp_path, "slow", 1)
-    assert w.stdout.readline().strip() == "writing"  # blocked after writing the temporary file, before rename
-    os.kill(w.pid, 9)
-    w.wait()
+    w, out = _writer(tmp_path, "slow", 1)
+    assert out.recv() == "writing"  # blocked after writing the temporary file, before it is linked
+    os.kill(w.pid, signal.SIGKILL)
+    w.join()
     temps = list((tmp_path / "kv").rglob(".tmp.*"))
     assert len(temps) == 1 and not list((tmp_path / "kv").rglob("*.safetensors"))
     store = KVStore(make_fp(), C, [DiskTier(tmp_path / "kv", 1 << 20)])
@@ -171,12 +174,11 @@ def test_writer_killed_mid_chunk_leaves_nothing_loadable(tmp_path):
 
 
 def test_file_size_limit_is_a_counted_fault_not_an_error(tmp_path):
-    w = _writer(tmp_path, "fsize", 3)
-    out, err = w.communicate(timeout=120)
-    assert w.returncode == 0, err
-    stored, faults = out.split(" ", 1)
-    assert stored == "0" and faults.strip() == "{'disk': 1}"  # one fault, then the tier is skipped
-    assert err.count("tier 'disk' failed") == 1 and "File too large" in err
+    w, out = _writer(tmp_path, "fsize", 3)
+    stored, faults, warnings = out.recv()
+    w.join()
+    assert w.exitcode == 0 and stored == 0 and faults == {"disk": 1}  # one fault, then the tier is skipped
+    assert len(warnings) == 1 and "tier 'disk' failed" in warnings[0] and "File too large" in warnings[0]
     assert not list((tmp_path / "kv").rglob(".tmp.*")) and not list((tmp_path / "kv").rglob("*.safetensors"))
 
 
@@ -197,9 +199,12 @@ def test_directory_replaced_by_a_file_mid_run(tmp_path, caplog):
 
 
 def test_two_processes_store_the_same_chunks(tmp_path):
-    ws = [_writer(tmp_path, "plain", 20, seed=5) for _ in range(2)]
-    outs = [w.communicate(timeout=120) for w in ws]
-    assert all(w.returncode == 0 for w in ws), outs
+    start = multiprocessing.get_context("fork").Barrier(2)
+    ws = [_writer(tmp_path, "plain", 20, seed=5, start=start) for _ in range(2)]
+    outs = [out.recv()[:2] for _, out in ws]
+    for w, _ in ws:
+        w.join()
+    assert [w.exitcode for w, _ in ws] == [0, 0] and sum(n for n, _ in outs) >= 20 and all(f == {} for _, f in outs)
     files = list((tmp_path / "kv").rglob("*.safetensors"))
     assert len(files) == 20 and not list((tmp_path / "kv").rglob(".tmp.*"))
     fp = make_fp()

@@ -14,15 +14,15 @@ class TierFault(RuntimeError):
 @runtime_checkable
 class Tier(Protocol):
     """``put`` returns the (key, blob) pairs it evicted to make room, so the store can spill them to the tier
-    below (a blob larger than the whole budget is not kept: ``exists`` tells). ``get`` returns None on a miss.
-    Faults raise :class:`TierFault` or OSError; a miss never raises."""
+    below, or None when it did not keep the blob (larger than the budget, a full shared store). ``get``
+    returns None on a miss. Faults raise :class:`TierFault` or OSError; a miss never raises."""
 
     name: str
 
     @property
     def used_bytes(self) -> int: ...
 
-    def put(self, key: str, blob: bytes) -> list[tuple[str, bytes]]: ...
+    def put(self, key: str, blob: bytes) -> Optional[list[tuple[str, bytes]]]: ...
 
     def get(self, key: str) -> Optional[bytes]: ...
 

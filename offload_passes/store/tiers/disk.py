@@ -121,10 +121,10 @@ class DiskTier:
     def used_bytes(self) -> int:
         return self._used
 
-    def put(self, key: str, blob: bytes) -> list[tuple[str, bytes]]:
+    def put(self, key: str, blob: bytes) -> Optional[list[tuple[str, bytes]]]:
         final = self._file(key)
         if len(blob) > self.budget_bytes:
-            return []
+            return None
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)

@@ -128,16 +128,16 @@ class MooncakeTier:
     def _fault(self, op: str, key: str, rc: Any) -> TierFault:
         return TierFault(f"mooncake {op} of {key[:12]}… answered status {rc}")
 
-    def put(self, key: str, blob: bytes) -> list[tuple[str, bytes]]:
+    def put(self, key: str, blob: bytes) -> Optional[list[tuple[str, bytes]]]:
         if self._client is None or len(blob) > self.local_buffer_size:
-            return []
+            return None
         rc = self._client.put(self.key_prefix + key, blob)
-        if rc == 0 or rc == _OBJECT_ALREADY_EXISTS:
-            self._written[key] = len(blob)
-        elif rc in _NOT_STORED:
+        if rc in _NOT_STORED:
             log.debug("mooncake: %s… not stored (status %s: store full or blob too large)", key[:12], rc)
-        else:
+            return None
+        if rc not in (0, _OBJECT_ALREADY_EXISTS):
             raise self._fault("put", key, rc)
+        self._written[key] = len(blob)
         return []  # the shared store evicts on its own; nothing spills from it
 
     def get(self, key: str) -> Optional[bytes]:

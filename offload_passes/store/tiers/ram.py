@@ -24,10 +24,10 @@ class RamTier:
     def used_bytes(self) -> int:
         return self._used
 
-    def put(self, key: str, blob: bytes) -> list[tuple[str, bytes]]:
+    def put(self, key: str, blob: bytes) -> Optional[list[tuple[str, bytes]]]:
         blob = bytes(blob)
         if len(blob) > self.budget_bytes:
-            return []  # larger than the whole tier: never held
+            return None  # larger than the whole tier: never held
         evicted = []
         with self._lock:
             old = self._blobs.pop(key, None)
