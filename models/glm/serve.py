@@ -17,6 +17,12 @@ What it mirrors (cann-recipes-infer, ``executor/online`` and ``executor/core``: 
   request id), as engines that preempt by recompute do. The reference's decode scheduler
   (``_retract_one``) finishes a preempted request instead; re-admitting it is the harder case for the
   offload (a request id that continues with new KV);
+* prefix reuse (``Server(store=...)``, ``reuse.py``): a request's KV outlives it in a KV store; at admission
+  the longest stored prefix of the prompt is restored into the prefill model's caches and only the rest is
+  prefilled on top of it; a finished or retracted request stores the KV its admission wrote (the KV decode
+  steps wrote is not stored: a recompute would not reproduce its bits). The request is new to the decode
+  lanes all the same (its KV was written outside the decode graph). ``ServeConfig.workload="multiturn"``:
+  conversations that share a prefix, each turn's prompt extending the previous turn's;
 * the decode batch is the running requests in arrival order, up to the per-rank batch size
   (``running[:batch_size]``), so a row's request changes and rows shift up when a request finishes;
 * the prompt is prefilled by a separate batch-1 model (disaggregated prefill) and its KV blocks are
@@ -46,78 +52,20 @@ passes: the caller supplies the hooks.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from ... import _extensions
+from .kv_transfer import (  # noqa: F401  (re-exported: the serving loop's transfer op lives beside it)
+    copy_blocks_torch, load_transfer_op, transfer_build_dir, transfer_library, transfer_origin)
+from .buckets import bucket_model  # noqa: F401  (re-exported)
 from .modeling import GlmMoeDsaForCausalLM
+from .reuse import MultiTurn, PrefixReuse
 
 log = logging.getLogger("offload_passes.models.serve")
-
-_CSRC = Path(__file__).resolve().parent / "csrc" / "kv_transfer.cpp"
-_loaded: Optional[str] = None
-
-
-def transfer_library() -> Optional[Path]:
-    """The KV-transfer library ``pip install`` built for the running torch (``setup.py``), or None."""
-    path = Path(__file__).resolve().parent / _extensions.ext_filename(_extensions.kv_transfer_name(torch.__version__))
-    return path if path.is_file() else None
-
-
-def transfer_build_dir() -> Path:
-    """Where the JIT fallback builds the op: a folder per torch build under ``$TORCH_EXTENSIONS_DIR`` (the
-    builds of two torch versions, or of two venvs, never share one)."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    return root / f"glm_serve_kv_transfer_{_extensions.torch_tag(torch.__version__)}"
-
-
-def load_transfer_op() -> Callable:
-    """Load ``glm_serve::copy_blocks_`` once: the library built at install (``setup.py``), else a JIT build
-    (a C++ compiler, about a minute; ``OFFLOAD_PASSES_JIT_KERNELS=1`` forces it) into
-    :func:`transfer_build_dir`, after waiting for another process's build there and removing a lock left
-    by a build that was stopped (``_extensions.wait_for_build_lock``). ``transfer_origin()`` says which."""
-    global _loaded
-    if _loaded is None:
-        if hasattr(torch.ops.glm_serve, "copy_blocks_"):
-            _loaded = "loaded"
-        else:
-            path = None if _extensions.jit_forced(os.environ) else transfer_library()
-            if path is not None:
-                torch.ops.load_library(str(path))
-                _loaded = "prebuilt"
-            else:
-                from torch.utils import cpp_extension
-
-                out = transfer_build_dir()
-                out.mkdir(parents=True, exist_ok=True)
-                log.warning("glm_serve::copy_blocks_: JIT build into %s (%s)", out,
-                            f"forced by {_extensions.FORCE_JIT_ENV}" if _extensions.jit_forced(os.environ)
-                            else "no prebuilt library for this torch; `pip install -e .` builds it")
-                _extensions.wait_for_build_lock(out)
-                cpp_extension.load(name=out.name, sources=[str(_CSRC)], build_directory=str(out),
-                                   extra_cflags=list(_extensions.KV_TRANSFER_CFLAGS), is_python_module=False,
-                                   verbose=False)
-                _loaded = "jit"
-    return torch.ops.glm_serve.copy_blocks_
-
-
-def transfer_origin() -> Optional[str]:
-    """How ``glm_serve::copy_blocks_`` was loaded in this process: ``"prebuilt"`` (built at install),
-    ``"jit"``, ``"loaded"`` (registered before), or None (not yet)."""
-    return _loaded
-
-
-def copy_blocks_torch(dst: torch.Tensor, src: torch.Tensor, dst_blocks: torch.Tensor,
-                      src_blocks: torch.Tensor) -> None:
-    """The same write through PyTorch (``index_copy_``): moves ``dst``'s version counter."""
-    dst.index_copy_(0, dst_blocks.to(dst.device), src.index_select(0, src_blocks.to(src.device)))
 
 
 @torch.no_grad()
@@ -154,6 +102,13 @@ class ServeConfig:
     free_list: str = "fifo"  # "fifo": the reference's BlockPool; "lifo": a freed block is handed out next
     # probability per step that the scheduler retracts its newest running request (when more than one runs)
     retract: float = 0.0
+    # "random": independent random prompts; "multiturn": conversations sharing a prefix (reuse.MultiTurn):
+    # ``branches`` of them, ``turns`` turns each, ``user_len`` new tokens per turn (prompt_len unused)
+    workload: str = "random"
+    shared_prefix: int = 64
+    branches: int = 3
+    turns: int = 3
+    user_len: tuple[int, int] = (4, 24)
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "output_len"):
@@ -168,6 +123,15 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.free_list must be 'fifo' or 'lifo', got {self.free_list!r}")
         if not 0.0 <= self.retract < 1.0:
             raise ValueError(f"ServeConfig.retract must be in [0, 1), got {self.retract!r}")
+        if self.workload not in ("random", "multiturn"):
+            raise ValueError(f"ServeConfig.workload must be 'random' or 'multiturn', got {self.workload!r}")
+        for name in ("shared_prefix", "branches", "turns"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ServeConfig.{name} must be an int >= 1, got {v!r}")
+        lo, hi = self.user_len
+        if not 1 <= lo <= hi:
+            raise ValueError(f"ServeConfig.user_len must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
 
 
 @dataclass
@@ -177,45 +141,9 @@ class Request:
     steps_left: int
     cur: int  # tokens in the cache (accepted)
     blocks: list = field(default_factory=list)
-
-
-#: the per-row buffers of a decode model that a batch bucket takes as rows 0..b-1 of the largest model's
-_ROW_BUFFERS = ("sel_kv", "sel_rope", "sel_block_table", "sel_status")
-
-
-def bucket_model(model: GlmMoeDsaForCausalLM, batch_size: int) -> GlmMoeDsaForCausalLM:
-    """A decode model of ``batch_size`` rows for a batch bucket of ``model`` (the largest bucket): the same
-    parameters and the same KV / indexer caches (the paged caches do not depend on the batch: any block
-    table row may address any block), its own block table ``[batch_size, cache_len]`` (initially rows
-    ``0..batch_size-1`` of ``model``'s), and selection buffers / ledgers that are views of ``model``'s rows
-    ``0..batch_size-1`` (``sel_kv`` / ``sel_rope`` are row-major ``[B*S*K/BS, ...]``), so a request keeps
-    its ledger when the bucket changes. Only the decode step is meant to run on it: prefill and
-    ``reset_rows`` belong to ``model`` (the caches are sized by its batch)."""
-    if model.parallel is not None:
-        raise ValueError("bucket_model: model must be a single-process model (parallel layout given)")
-    if not model.runner.enable_offload:
-        raise ValueError("bucket_model: model must be built with enable_offload=True (selection ledger)")
-    if not 1 <= batch_size < model.batch_size:
-        raise ValueError(f"bucket_model: batch_size must be in [1, {model.batch_size}) (the model's batch), "
-                         f"got {batch_size}")
-    # built on the meta device (no memory, no weight init), then every tensor re-pointed at model's
-    small = GlmMoeDsaForCausalLM(model.config, dataclasses.replace(model.runner, batch_size=batch_size),
-                                 device="meta", seed=None)
-    big = dict(model.named_modules())
-    for name, mod in small.named_modules():
-        src = big[name]
-        for pname in list(mod._parameters):
-            mod._parameters[pname] = src._parameters[pname]
-        for bname, t in list(mod._buffers.items()):
-            full = src._buffers[bname]
-            if bname in _ROW_BUFFERS:
-                mod._buffers[bname] = full[: t.size(0)]
-            elif name == "" and bname == "block_table":
-                mod._buffers[bname] = full[:batch_size].clone()
-            else:
-                mod._buffers[bname] = full
-    small.return_internals = model.return_internals
-    return small.train(model.training)
+    branch: Optional[int] = None  # its conversation (the multi-turn workload)
+    generated: list = field(default_factory=list)  # the accepted tokens, per step
+    prefilled: Optional[torch.Tensor] = None  # the tokens whose KV the admission wrote (what reuse stores)
 
 
 def request_rows(model: GlmMoeDsaForCausalLM) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -259,6 +187,9 @@ class Lane:
     # before every step: (request id per row, ids whose KV was written outside the graph since the last
     # step); a lane with it keeps its model's selection rows and ledgers itself (the Server does not)
     engine_step: Optional[Callable[[list, set], object]] = None
+    # with a store: this lane gets the prompt's KV recomputed with the same prefix boundaries as the restore
+    # (the reference a restored lane is compared with), not the restored one
+    reference: bool = False
 
     def decoder(self, batch_size: int) -> tuple[GlmMoeDsaForCausalLM, Callable]:
         """The model and step function of bucket ``batch_size``."""
@@ -296,39 +227,60 @@ class BlockPool:
             self.free.extendleft(reversed(list(blocks)))
 
 
+def _check_lanes(lanes: Sequence[Lane], prefill_model: GlmMoeDsaForCausalLM, transfer: str, store, reference
+                 ) -> None:
+    """What ``Server`` refuses: lanes of different shapes or buckets, a prefill model that does not fit them, an
+    unknown transfer, reference lanes without a store and a reference (or the reverse)."""
+    if not lanes:
+        raise ValueError("Server: at least one lane")
+    m0 = lanes[0].model
+    for ln in lanes:
+        m = ln.model
+        if (m.batch_size, m.seq_per_step, m.block_size, tuple(m.block_table.shape)) != (
+                m0.batch_size, m0.seq_per_step, m0.block_size, tuple(m0.block_table.shape)):
+            raise ValueError("Server: every lane must have the same batch size, S, block size and cache")
+        if not m.runner.enable_offload:
+            raise ValueError("Server: lanes must be built with enable_offload=True (selection ledger)")
+        if sorted(ln.buckets) != sorted(lanes[0].buckets):
+            raise ValueError(f"Server: every lane must have the same bucket sizes, got {sorted(ln.buckets)} "
+                             f"and {sorted(lanes[0].buckets)}")
+        for b, (bm, _) in ln.buckets.items():
+            a, ab = m.model.layers[0].self_attn, bm.model.layers[0].self_attn
+            if not (isinstance(b, int) and 1 <= b < m.batch_size and bm.batch_size == b):
+                raise ValueError(f"Server: bucket sizes must be in [1, {m.batch_size}) (the lane's batch) and "
+                                 f"match their model's batch size, got {b} -> {bm.batch_size}")
+            if ab.kv_cache is not a.kv_cache or ab.sel_status.data_ptr() != a.sel_status.data_ptr():
+                raise ValueError(f"Server: the bucket {b} model must share the lane model's caches and "
+                                 "selection rows (build it with serve.bucket_model)")
+    if prefill_model.batch_size != 1 or prefill_model.block_size != m0.block_size:
+        raise ValueError("Server: prefill_model must have batch_size 1 and the lanes' block size")
+    if transfer not in ("cpp", "torch"):
+        raise ValueError(f"Server: transfer must be 'cpp' or 'torch', got {transfer!r}")
+    refs = [ln for ln in lanes if ln.reference]
+    if (store is None and (refs or reference is not None)) or (bool(refs) != (reference is not None)):
+        raise ValueError("Server: reference lanes need a store and a reference (and a reference needs reference "
+                         f"lanes); got store={store is not None}, reference={reference is not None}, "
+                         f"{len(refs)} reference lane(s)")
+    if refs and len(refs) == len(lanes):
+        raise ValueError("Server: with a store at least one lane must be a restored (not reference) lane")
+
+
 class Server:
     """The loop. ``lanes``: decode models with one configuration (batch size, S, block size, caches);
     ``prefill_model``: a batch-1 model with the same weights; ``transfer``: ``"cpp"`` (the C++ op that
     moves no version counter, the engine's way) or ``"torch"`` (``index_copy_``, moves it). Every lane
-    has the same bucket sizes (``Lane.buckets``); ``bucket_steps`` counts the steps each bucket ran."""
+    has the same bucket sizes (``Lane.buckets``); ``bucket_steps`` counts the steps each bucket ran.
+
+    ``store`` (duck-typed, e.g. ``offload_passes.store.paged.PagedStore``): at admission the longest stored
+    prefix of the prompt (all but its last token at most) is restored into the prefill model's caches and only
+    the rest is prefilled on top (``reuse.prefill_from``); a finished or retracted request stores the KV its
+    admission wrote. ``reference`` (duck-typed, ``store.paged.RecomputeReference``): the lanes marked
+    ``Lane.reference`` get that prefix recomputed with the same boundaries instead. ``reuse_stats()``."""
 
     def __init__(self, lanes: Sequence[Lane], prefill_model: GlmMoeDsaForCausalLM,
-                 cfg: Optional[ServeConfig] = None, transfer: str = "cpp") -> None:
-        if not lanes:
-            raise ValueError("Server: at least one lane")
+                 cfg: Optional[ServeConfig] = None, transfer: str = "cpp", store=None, reference=None) -> None:
+        _check_lanes(lanes, prefill_model, transfer, store, reference)
         m0 = lanes[0].model
-        for ln in lanes:
-            m = ln.model
-            if (m.batch_size, m.seq_per_step, m.block_size, tuple(m.block_table.shape)) != (
-                    m0.batch_size, m0.seq_per_step, m0.block_size, tuple(m0.block_table.shape)):
-                raise ValueError("Server: every lane must have the same batch size, S, block size and cache")
-            if not m.runner.enable_offload:
-                raise ValueError("Server: lanes must be built with enable_offload=True (selection ledger)")
-            if sorted(ln.buckets) != sorted(lanes[0].buckets):
-                raise ValueError(f"Server: every lane must have the same bucket sizes, got {sorted(ln.buckets)} "
-                                 f"and {sorted(lanes[0].buckets)}")
-            for b, (bm, _) in ln.buckets.items():
-                a, ab = m.model.layers[0].self_attn, bm.model.layers[0].self_attn
-                if not (isinstance(b, int) and 1 <= b < m.batch_size and bm.batch_size == b):
-                    raise ValueError(f"Server: bucket sizes must be in [1, {m.batch_size}) (the lane's batch) and "
-                                     f"match their model's batch size, got {b} -> {bm.batch_size}")
-                if ab.kv_cache is not a.kv_cache or ab.sel_status.data_ptr() != a.sel_status.data_ptr():
-                    raise ValueError(f"Server: the bucket {b} model must share the lane model's caches and "
-                                     "selection rows (build it with serve.bucket_model)")
-        if prefill_model.batch_size != 1 or prefill_model.block_size != m0.block_size:
-            raise ValueError("Server: prefill_model must have batch_size 1 and the lanes' block size")
-        if transfer not in ("cpp", "torch"):
-            raise ValueError(f"Server: transfer must be 'cpp' or 'torch', got {transfer!r}")
         self.lanes = list(lanes)
         self.prefill_model = prefill_model
         self.cfg = cfg or ServeConfig()
@@ -351,16 +303,31 @@ class Server:
         self.finished = 0
         self.retracted = 0
         self.batch_changes = 0
+        self.reuse = PrefixReuse(store, reference) if store is not None else None
+        self.workload = None
+        if self.cfg.workload == "multiturn":
+            self.workload = MultiTurn(self.cfg.shared_prefix, self.cfg.branches, self.cfg.turns, self.cfg.user_len)
+            self.workload.start(self.gen, self.vocab)
 
     # ------------------------------------------------------------------ requests
     def _rand(self, lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi + 1, (1,), generator=self.gen))
 
-    def _arrive(self) -> Request:
-        lo, hi = self.cfg.prompt_len
+    def _fits(self, P: int, steps: int) -> bool:
+        return P + (steps + 1) * self.S + self.BS <= self.cap
+
+    def _arrive(self) -> Optional[Request]:
         steps = self._rand(*self.cfg.output_len)
+        if self.workload is not None:
+            turn = self.workload.next_turn(self.gen, self.vocab, lambda P: self._fits(P, steps))
+            if turn is None:
+                return None
+            req = Request(self.next_rid, turn[1], steps, turn[1].numel(), branch=turn[0])
+            self.next_rid += 1
+            return req
+        lo, hi = self.cfg.prompt_len
         P = self._rand(lo, max(lo, min(hi, self.cap - (steps + 1) * self.S - self.BS)))
-        if P + (steps + 1) * self.S + self.BS > self.cap:
+        if not self._fits(P, steps):
             raise ValueError(f"Server: the cache ({self.cap} tokens per row) cannot hold the output lengths "
                              f"{self.cfg.output_len} x S={self.S}")
         prompt = torch.randint(0, self.vocab, (P,), generator=self.gen)
@@ -373,9 +340,28 @@ class Server:
         """Prefill on the batch-1 model, then write its KV blocks into every lane's caches (the transfer)."""
         P = req.prompt.numel()
         req.blocks = self.pool.take(-(-(P + self.S) // self.BS))
-        self.prefill_model.prefill(req.prompt.view(1, P), torch.tensor([P]))
-        for ln in self.lanes:
-            transfer_blocks(self.copy_blocks, self.prefill_model, ln.model, req.blocks[: -(-P // self.BS)])
+        req.prefilled = req.prompt
+        blocks = req.blocks[: -(-P // self.BS)]
+
+        def transfer(reference: Optional[bool]) -> None:  # None: every lane
+            for ln in self.lanes:
+                if reference is None or ln.reference == reference:
+                    transfer_blocks(self.copy_blocks, self.prefill_model, ln.model, blocks)
+
+        if self.reuse is None:
+            self.prefill_model.prefill(req.prompt.view(1, P), torch.tensor([P]))
+            transfer(None)
+        else:
+            self.reuse.admit(self.prefill_model, req.prompt, transfer)
+
+    def _leave(self, req: Request) -> None:
+        """A finished or retracted request: its admission's KV goes to the store (read from the decode caches
+        at its blocks, before they go back to the pool), then the blocks go back."""
+        if self.reuse is not None and req.prefilled is not None:
+            restored = next(ln.model for ln in self.lanes if not ln.reference)
+            reference = next((ln.model for ln in self.lanes if ln.reference), None)
+            self.reuse.leave(restored, reference, req.blocks, req.prefilled)
+        self.pool.give_back(req.blocks)
 
     def _grow(self, req: Request) -> None:
         """``allocate_slots``: blocks for the cache plus this step's S tokens."""
@@ -388,22 +374,30 @@ class Server:
         """The scheduler preempts its newest running request: its blocks go back, it waits again, and its
         whole sequence (the prompt and the tokens decoded so far) is prefilled again when it is re-admitted."""
         req = self.running.pop()
-        self.pool.give_back(req.blocks)
+        self._leave(req)
         req.blocks = []
         extra = req.cur - req.prompt.numel()
-        if extra > 0:  # the decoded tokens come from the seeded generator too
+        if extra > 0 and self.workload is not None:  # the tokens it decoded
+            req.prompt = torch.cat([req.prompt] + req.generated)
+        elif extra > 0:  # the decoded tokens come from the seeded generator too
             req.prompt = torch.cat([req.prompt, torch.randint(0, self.vocab, (extra,), generator=self.gen)])
+        req.generated = []
         self.waiting.appendleft(req)
         self.retracted += 1
+
+    def _retire(self) -> None:
+        """Finished requests leave (their KV to the store), their conversation's next turn becomes ready."""
+        for r in [r for r in self.running if r.steps_left <= 0]:
+            self._leave(r)
+            if r.branch is not None:
+                self.workload.finished(r.branch, torch.cat([r.prompt] + r.generated))
+            self.finished += 1
+        self.running = [r for r in self.running if r.steps_left > 0]
 
     def _schedule(self) -> tuple[list, list]:
         """Retire finished requests, retract (``ServeConfig.retract``), admit waiting and new requests, grow
         blocks, pick the bucket; returns ``src`` per row and the batch (``None``: a padding row)."""
-        done = [r for r in self.running if r.steps_left <= 0]
-        for r in done:
-            self.pool.give_back(r.blocks)
-            self.finished += 1
-        self.running = [r for r in self.running if r.steps_left > 0]
+        self._retire()
         if (self.cfg.retract > 0 and len(self.running) > 1
                 and float(torch.rand((), generator=self.gen)) < self.cfg.retract):
             self._retract()
@@ -416,6 +410,8 @@ class Server:
                     or float(torch.rand((), generator=self.gen)) < self.cfg.arrival):
                 req = self._arrive()
             else:
+                continue
+            if req is None:  # the multi-turn workload has no turn ready
                 continue
             self._prefill(req)
             self.written.add(req.rid)
@@ -479,10 +475,21 @@ class Server:
             acc = torch.randint(1, self.S + 1, (n,), generator=self.gen).tolist()
         else:
             acc = [self.S] * n
-        for r, a in zip(batch, acc):
+        for b, (r, a) in enumerate(zip(batch, acc)):
             if r is not None:
+                r.generated.append(ids[b, :a].clone())
                 r.cur += a
                 r.steps_left -= 1
         self.bucket_steps[n] += 1
         self.step_idx += 1
         return outs
+
+    # ------------------------------------------------------------------ workload / reuse
+    @property
+    def done(self) -> bool:
+        """The multi-turn workload is over: every conversation ended and no request runs or waits."""
+        return self.workload is not None and self.workload.exhausted and not self.running and not self.waiting
+
+    def reuse_stats(self) -> dict:
+        """Prefill tokens (total, computed) and the store's counters (chunks loaded per tier, rejected...)."""
+        return self.reuse.stats() if self.reuse is not None else {}

@@ -1,0 +1,190 @@
+"""KV chunks out of and into the recipe model's paged caches (``models/glm``), by block table.
+
+A chunk holds, per layer, every cache the model keeps per token: the latent KV (``L.kv``), the rope key
+(``L.rope``), and in a layer with an indexer its keys (``L.index_k``) and, in the W8A8 model, their dequant
+scales (``L.index_scale``). :class:`PagedStore` is the object the serving loop (``models/glm/serve.py``,
+``Server(store=...)``) calls; :class:`RecomputeReference` gives its reference lanes the same prefix
+recomputed with the same boundaries (what a restore is compared with, bit for bit).
+
+Placement: every tensor is written where its cache lives. The offload keeps the latent / rope caches in host
+memory (pinned beside a CUDA model) and only the indexer keys on the device: a restore writes the host caches
+from host memory and moves only the indexer keys to the device (docs/store.md, "Serving loop").
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .keys import Fingerprint
+
+log = logging.getLogger("offload_passes.store.paged")
+
+__all__ = ["paged_caches", "paged_fingerprint", "extract_paged", "insert_paged", "PagedStore", "RecomputeReference"]
+
+_CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk", "index_head_dim",
+                  "index_n_heads", "rope_theta", "rms_norm_eps", "n_routed_experts", "num_experts_per_tok")
+
+
+def paged_caches(model: Any) -> dict[str, torch.Tensor]:
+    """Every per-token cache of ``model`` (a ``GlmMoeDsaForCausalLM``) by chunk name: ``[blocks, BS, *per-token]``."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        a = layer.self_attn
+        out[f"{i}.kv"], out[f"{i}.rope"] = a.kv_cache, a.k_rope_cache
+        if a.indexer is not None:
+            out[f"{i}.index_k"] = a.indexer.key_cache
+            if getattr(a.indexer, "int8", False):
+                out[f"{i}.index_scale"] = a.indexer.key_scale_cache
+    return out
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's name, dtype, shape and bytes (the weights' identity in a fingerprint)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        t = p.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def paged_fingerprint(model: Any, chunk_tokens: int, weights_id: Optional[str] = None) -> Fingerprint:
+    """The fingerprint of the recipe model's KV: architecture and dims, dtypes, quantisation, weights identity
+    (``weights_id``, else :func:`weights_digest`), the world layout, the chunk size and the cache layout."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"paged_fingerprint: chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+    if weights_id is not None and not isinstance(weights_id, str):
+        raise TypeError(f"paged_fingerprint: weights_id must be a str or None, got {type(weights_id).__name__}")
+    cfg = model.config
+    par = model.parallel
+    fields = {name: getattr(cfg, name) for name in _CONFIG_FIELDS if hasattr(cfg, name)}
+    fields.update(
+        architecture="glm_moe_dsa/recipe", dtype=cfg.dtype, indexer_types=list(cfg.indexer_types),
+        li_cache_int8=bool(getattr(cfg, "li_cache_int8", False)),
+        weights=weights_id if weights_id is not None else weights_digest(model),
+        world=[par.rank, par.world_size] if par is not None else [0, 1], chunk_tokens=chunk_tokens,
+        caches={n: (list(t.shape[2:]), t.dtype) for n, t in paged_caches(model).items()})
+    return Fingerprint.of(fields)
+
+
+def _slots(model: Any, blocks: Sequence[int], start: int, end: int) -> torch.Tensor:
+    BS = model.block_size
+    if end > len(blocks) * BS:
+        raise ValueError(f"paged KV: tokens [{start}, {end}) need {-(-end // BS)} blocks, got {len(blocks)}")
+    pos = torch.arange(start, end, dtype=torch.int64)
+    return torch.as_tensor(list(blocks), dtype=torch.int64)[pos // BS] * BS + pos % BS
+
+
+def extract_paged(model: Any, blocks: Sequence[int], n_tokens: int, chunk_tokens: int) -> list[dict[str, torch.Tensor]]:
+    """Tokens ``0..n_tokens-1`` of the request at ``blocks`` as chunks of ``chunk_tokens`` (the last may be
+    partial): CPU tensors ``[n_i, *per-token]`` per cache."""
+    slots = _slots(model, blocks, 0, n_tokens)
+    rows = {n: t.view(-1, *t.shape[2:]).index_select(0, slots.to(t.device)).to("cpu")
+            for n, t in paged_caches(model).items()}
+    return [{n: r[s:s + chunk_tokens] for n, r in rows.items()} for s in range(0, n_tokens, chunk_tokens)]
+
+
+@torch.no_grad()
+def insert_paged(model: Any, blocks: Sequence[int], chunks: Sequence[dict[str, torch.Tensor]]) -> int:
+    """Write ``chunks`` (tokens ``0..n-1`` in order) into the request's ``blocks``: each cache on its own device
+    (host caches from host memory; only the device-resident ones, the indexer keys, cross to the device).
+    Returns n."""
+    if not chunks:
+        return 0
+    caches = paged_caches(model)
+    if set(chunks[0]) != set(caches):
+        raise ValueError(f"insert_paged: chunk names {sorted(chunks[0])[:4]}… differ from the model's caches "
+                         f"{sorted(caches)[:4]}…")
+    n = sum(int(next(iter(c.values())).shape[0]) for c in chunks)
+    slots = _slots(model, blocks, 0, n)
+    dev = model.block_table.device
+    host = [t for t in caches.values() if t.device != dev]
+    if host and dev.type != "cpu":  # kernels launched earlier may still read or write the pinned rows
+        from .. import cuda as _cuda
+
+        _cuda.before_host_write(dev)
+    for name, t in caches.items():
+        rows = torch.cat([c[name] for c in chunks]) if len(chunks) > 1 else chunks[0][name]
+        t.view(-1, *t.shape[2:]).index_copy_(0, slots.to(t.device), rows.to(t.device, non_blocking=True))
+    return n
+
+
+def _present(store: Any, key: str) -> bool:
+    for tier in store.tiers:
+        try:
+            if tier.exists(key):
+                return True
+        except Exception:  # a tier fault: the store itself counts and reports it
+            continue
+    return False
+
+
+class PagedStore:
+    """The serving loop's view of a :class:`~offload_passes.store.KVStore` (``Server(store=PagedStore(kv))``):
+    ``restore`` a prompt's longest stored prefix into a batch-1 prefill model, ``save`` a request's KV from the
+    decode caches by its block table."""
+
+    def __init__(self, store: Any) -> None:
+        for name in ("load", "put", "chunk_keys", "tiers", "chunk_tokens"):
+            if not hasattr(store, name):
+                raise TypeError(f"PagedStore: store must be a KVStore (lacks {name}), got {type(store).__name__}")
+        self.store = store
+        self.chunk_tokens = store.chunk_tokens
+
+    @property
+    def stats(self) -> Any:
+        return self.store.stats
+
+    def restore(self, model: Any, tokens: torch.Tensor, limit: int) -> int:
+        """Load the longest stored prefix of ``tokens`` (at most ``limit`` tokens) into row 0 of ``model``
+        (batch 1, identity block table); returns its length (0: nothing restored, the caches untouched)."""
+        n, chunks = self.store.load(tokens, limit=limit)
+        if n:
+            insert_paged(model, model.block_table[0].tolist(), chunks)
+        return n
+
+    def save(self, model: Any, blocks: Sequence[int], tokens: torch.Tensor) -> list[str]:
+        """Store the KV of ``tokens`` held at ``blocks`` of ``model``'s caches; returns the keys written (chunks
+        no tier held before)."""
+        keys = self.store.chunk_keys(tokens)
+        new = [k for k in keys if not _present(self.store, k)]
+        if not new:
+            return []
+        self.store.put(tokens, extract_paged(model, blocks, len(tokens), self.chunk_tokens))
+        return [k for k in new if _present(self.store, k)]
+
+
+class RecomputeReference:
+    """The reference of a restore: per chunk key, the KV the reference lanes computed for it (their own prefill
+    with the same boundaries, never read from the store). ``restore(model, tokens, n)`` writes the first ``n``
+    tokens of those into the prefill model, as :meth:`PagedStore.restore` wrote the stored ones; ``save`` keeps
+    the reference lanes' KV of exactly the chunks the store wrote (the version a later restore reads)."""
+
+    def __init__(self, paged: PagedStore) -> None:
+        self.paged = paged
+        self.chunks: dict[str, dict[str, torch.Tensor]] = {}
+
+    def restore(self, model: Any, tokens: torch.Tensor, n: int) -> None:
+        C = self.paged.chunk_tokens
+        keys = self.paged.store.chunk_keys(tokens)[: -(-n // C)]
+        missing = [k for k in keys if k not in self.chunks]
+        if missing:
+            raise KeyError(f"RecomputeReference.restore: {len(missing)} chunk(s) of the restored prefix were stored "
+                           "by no request of this loop: the reference has no recomputed KV for them")
+        parts = [self.chunks[k] for k in keys]
+        cut = n - (len(keys) - 1) * C
+        parts[-1] = {name: t[:cut] for name, t in parts[-1].items()}
+        insert_paged(model, model.block_table[0].tolist(), parts)
+
+    def save(self, model: Any, blocks: Sequence[int], tokens: torch.Tensor, written: Sequence[str]) -> None:
+        if not written:
+            return
+        keys = self.paged.store.chunk_keys(tokens)
+        parts = extract_paged(model, blocks, len(tokens), self.paged.chunk_tokens)
+        for k, part in zip(keys, parts):
+            if k in written:
+                self.chunks[k] = part
