@@ -6,13 +6,20 @@ them costs ``prefill_cost(n)``. Reload when the first is smaller. :func:`measure
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import secrets
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-__all__ = ["TierCost", "ReuseRule"]
+if TYPE_CHECKING:
+    from .tiers.base import Tier
+
+__all__ = ["TierCost", "ReuseRule", "TierTiming", "measure_tier", "measure_tiers"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +88,49 @@ class ReuseRule:
             else:
                 lo = mid
         return hi
+
+
+@dataclass(frozen=True)
+class TierTiming:
+    """Best-of-``repeats`` seconds to put and to get-and-verify one blob of each size, and the fitted cost."""
+
+    tier: str
+    put_s: dict
+    get_s: dict
+    cost: TierCost
+
+
+def measure_tier(tier: "Tier", sizes: tuple = (1 << 20, 16 << 20), repeats: int = 3) -> TierTiming:
+    """Time ``tier`` with random blobs of two ``sizes``: the reload cost (get plus the sha256 the store's
+    verification costs) fitted as ``fixed_s + bytes / bytes_per_s`` through the two points. The blobs are
+    deleted afterwards. A tier that does not keep a blob of that size raises ValueError naming the size."""
+    if len(sizes) != 2 or not all(isinstance(s, int) and s > 0 for s in sizes) or sizes[0] >= sizes[1]:
+        raise ValueError(f"measure_tier: sizes must be two increasing positive ints, got {sizes!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"measure_tier: repeats must be an int >= 1, got {repeats!r}")
+    put_s, get_s = {}, {}
+    for size in sizes:
+        blob = os.urandom(size)
+        best_put = best_get = math.inf
+        for _ in range(repeats):
+            key = secrets.token_hex(32)
+            t0 = time.perf_counter()
+            kept = tier.put(key, blob)
+            t1 = time.perf_counter()
+            got = tier.get(key)
+            if got is not None:
+                hashlib.sha256(got).digest()
+            t2 = time.perf_counter()
+            tier.delete(key)
+            if kept is None or got != blob:
+                raise ValueError(f"measure_tier: tier {tier.name!r} did not keep a blob of {size} bytes")
+            best_put, best_get = min(best_put, t1 - t0), min(best_get, t2 - t1)
+        put_s[size], get_s[size] = best_put, best_get
+    (s0, s1), (g0, g1) = sizes, (get_s[sizes[0]], get_s[sizes[1]])
+    bw = (s1 - s0) / max(g1 - g0, 1e-9)  # the slope; timer noise can make it tiny, never negative
+    return TierTiming(tier.name, put_s, get_s, TierCost(max(0.0, g0 - s0 / bw), bw))
+
+
+def measure_tiers(tiers: Sequence["Tier"], **kw: Any) -> dict[str, TierTiming]:
+    """:func:`measure_tier` of each tier, by name (``{n: t.cost}`` builds a :class:`ReuseRule`'s tiers)."""
+    return {t.name: measure_tier(t, **kw) for t in tiers}
