@@ -176,6 +176,8 @@ setup(
         # the HF front-end (models/hf, passes/frontends/hf/), verified on 5.23.0 and 5.25.0 (models/hf TRANSFORMERS_VERIFIED)
         "hf": ["transformers>=5.23,<5.26"],
         "cuda": ["triton>=3.2"],  # the Triton kernels (custom_ops/cuda/); tests/cuda run them in its interpreter on CPU
+        # the KV store's shared tier (offload_passes/store, docs/store.md): Mooncake Store client and mooncake_master
+        "store": ["mooncake-transfer-engine-non-cuda", "safetensors"],
     },
     ext_modules=EXT_MODULES,
     cmdclass={"build_ext": _BuildExt, "bdist_wheel": _BdistWheel},

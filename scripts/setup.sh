@@ -13,7 +13,7 @@ python -m pip install -q "torch==${OFFLOAD_PASSES_TORCH:-2.13.0}"
 # --no-build-isolation so that pip builds with this environment's torch/setuptools/ninja instead of
 # downloading a second torch into an isolated build env (pyproject.toml lists no torch on purpose).
 python -m pip install -q "setuptools>=64" wheel ninja
-python -m pip install -q --no-build-isolation -e ".[test,viz,hf]"
+python -m pip install -q --no-build-isolation -e ".[test,viz,hf,store]"
 # transformers 5.25.0, the newest release the HF front-end is verified on (the [hf] extra allows 5.23 to 5.25;
 # docs/hf.md). It requires `kernels>=0.19.1,<0.20` (hub kernels for accelerators, imported only when installed),
 # which some package indexes do not carry: then 5.25.0 is installed with its other requirements, without that one.
@@ -48,3 +48,9 @@ if python -c "from offload_passes.tools.torchair_env import default_torch_npu_ve
 else
   python -c "from offload_passes.tools.torchair_env import no_torch_npu_reason as f; print('setup:', f())" >&2
 fi
+# The KV store's shared tier (the [store] extra: docs/store.md): the Mooncake Store client and mooncake_master,
+# CPU build. Its transfer engine links libibverbs even for TCP, so the library is installed where we can.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null) || echo "setup: could not install libibverbs1; the Mooncake tier may not load" >&2
+fi
+python -m pip install -q "mooncake-transfer-engine-non-cuda"  # the [store] extra above; again here for a set-up that skipped it
