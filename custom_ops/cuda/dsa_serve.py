@@ -9,7 +9,7 @@ Miss path on a GPU: ``full_kv_cache`` / ``full_k_rope`` may be *pinned host* ten
 with unified virtual addressing (every 64-bit CUDA platform) a page-locked allocation's host pointer is
 also its device pointer (``cudaHostGetDevicePointer`` returns the same value), so passing the pinned
 tensor's ``data_ptr`` reads the missed rows over the host link, zero-copy, with no staging copy of the
-cache. That assumption is checked on a GPU only (``benchmarks/gpu_check.py``).
+cache. That assumption is checked on a GPU only (``tests/cuda/test_device_ops.py`` with ``OFFLOAD_PASSES_GPU=1``).
 
 Per call the host binds the arguments and launches; validation and the launch constants are per call
 signature (``_common.CudaOp``). A zero-width rope (the no-rope mode, docs/ops.md §3.3) is skipped at compile
