@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload_passes import make_offload_backend, models
 from offload_passes.models.glm.reuse import prefill_from
@@ -133,3 +135,32 @@ def test_server_and_config_refuse_bad_reuse_input():
         Server([Lane(rl), Lane(rl, reference=True)], pm, MT)
     with pytest.raises(TypeError, match=r"Server: store must have a restore\(\) method"):
         Server([Lane(rl)], pm, MT, store=object())
+
+
+def _property_case(seed: int, branches: int, turns: int, budget_chunks: int, retract: float) -> None:
+    (rl, ref), pm = _models(2)
+    per_chunk = paged_fingerprint(pm, C, weights_id="tiny-seed0").bytes_per_token() * C + 8192
+    ps = _store(pm, [RamTier(per_chunk * budget_chunks)])  # a small budget: LRU evictions
+    reference = RecomputeReference(ps)
+    cfg = ServeConfig(seed=seed, output_len=(1, 3), workload="multiturn", shared_prefix=24, branches=branches,
+                      turns=turns, user_len=(1, 20), retract=retract)
+    hits = []
+    for phase in range(2):  # a restart: a new loop (no request, empty decode caches) over the same store
+        srv = Server([Lane(rl), Lane(ref, reference=True)], pm, cfg, store=ps, reference=reference)
+        diffs, _ = _run(srv, 40)
+        assert not diffs or max(diffs) == 0.0, (phase, diffs)
+        hits.append(srv.reuse_stats()["admitted_with_hit"])
+    assert ps.stats.chunks_rejected == 0
+    if budget_chunks >= 10:  # the same conversations after the restart: their first turns come back stored
+        assert hits[1] > 0, hits
+
+
+def test_random_multi_turn_workloads_equal_the_recompute_lane_every_step():
+    """Hypothesis: random conversations (branches, turns, retractions), a RAM tier small enough to evict and a
+    restart over the same store: every step of the restored lane equals the recompute lane."""
+    @settings(max_examples=4, deadline=None, derandomize=True)
+    @given(st.integers(0, 1000), st.integers(1, 3), st.integers(1, 3), st.integers(2, 40), st.sampled_from([0.0, 0.3]))
+    def prop(seed, branches, turns, budget_chunks, retract):
+        _property_case(seed, branches, turns, budget_chunks, retract)
+
+    prop()
