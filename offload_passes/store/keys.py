@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Fingerprint", "chain_keys", "check_token_ids"]
+__all__ = ["Fingerprint", "chain_keys", "next_key", "check_token_ids"]
 
 _SCALARS = (str, int, float, bool, type(None))
 _KEY_DOMAIN = b"offload_passes.kv_chunk.key/1"
@@ -133,11 +133,15 @@ def chain_keys(digest: str, token_ids: Sequence[int], chunk_tokens: int) -> list
     prev = bytes.fromhex(digest)
     keys = []
     for start in range(0, len(token_ids), chunk_tokens):
-        part = token_ids[start:start + chunk_tokens]
-        h = hashlib.sha256(_KEY_DOMAIN)
-        h.update(prev)
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(_le_int64(part))
-        prev = h.digest()
+        prev = next_key(prev, token_ids[start:start + chunk_tokens])
         keys.append(prev.hex())
     return keys
+
+
+def next_key(prev: bytes, part: Sequence[int]) -> bytes:
+    """The raw key of the chunk holding ``part`` after the chunk keyed ``prev`` (the digest's bytes for the first)."""
+    h = hashlib.sha256(_KEY_DOMAIN)
+    h.update(prev)
+    h.update(len(part).to_bytes(8, "little"))
+    h.update(_le_int64(part))
+    return h.digest()

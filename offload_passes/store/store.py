@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .chunk import ChunkError, check_chunk_tensors, decode_chunk, encode_chunk
-from .keys import Fingerprint, chain_keys, check_token_ids
+from .keys import Fingerprint, chain_keys, check_token_ids, next_key
 from .stats import Lookup, StoreStats
 from .tiers.base import Tier, TierFault
 
@@ -140,17 +140,45 @@ class KVStore:
                 return tier
         return None
 
+    def _exists_many(self, tier: Tier, keys: list[str]) -> list[bool]:
+        many = getattr(tier, "exists_many", None)  # optional: one round trip for a shared tier
+        return list(many(keys)) if many is not None else [tier.exists(k) for k in keys]
+
+    def _tail(self, ids: list[int], start: int, prev: Optional[str]) -> Optional[tuple[str, int, Tier]]:
+        """The longest stored partial chunk at ``start`` (a request that ended there), as (key, n_tokens, tier).
+
+        A sequence's last chunk is stored under the key of its own tokens; a longer sequence with that prefix
+        finds it only by trying each shorter length, longest first (one batch of existence checks per tier)."""
+        room = min(self.chunk_tokens, len(ids) - start)
+        if room <= 1:
+            return None
+        raw = bytes.fromhex(prev or self.fp.digest)
+        cands = [(n, next_key(raw, ids[start:start + n]).hex()) for n in range(room - 1, 0, -1)]
+        keys = [k for _, k in cands]
+        best = None
+        for tier in self.tiers:
+            hits = self._call(tier, "exists", [False] * len(keys), lambda: self._exists_many(tier, keys))
+            n, key = next(((n, k) for (n, k), hit in zip(cands, hits) if hit), (0, None))
+            if key is not None and (best is None or n > best[1]):
+                best = (key, n, tier)
+        return best
+
     def lookup(self, token_ids: Any) -> Lookup:
         """The longest prefix whose chunks some tier holds (existence only: nothing is read or verified)."""
         with self._lock:
             ids = check_token_ids("KVStore.lookup", token_ids, self.vocab_size)
             self._stats.lookups += 1
-            found = []
+            found: list[tuple[str, str, int]] = []
+            prev = None
             for key, (s, e) in zip(chain_keys(self.fp.digest, ids, self.chunk_tokens), self._spans(len(ids))):
                 tier = self._find(key)
                 if tier is None:
+                    tail = self._tail(ids, s, prev)
+                    if tail is not None:
+                        found.append((tail[0], tail[2].name, tail[1]))
                     break
                 found.append((key, tier.name, e - s))
+                prev = key
             return Lookup(tokens=sum(c[2] for c in found), chunks=found)
 
     def _check_limit(self, limit: Any) -> Optional[int]:
@@ -161,7 +189,7 @@ class KVStore:
         return limit
 
     def _load_one(self, key: str, n_expected: int) -> tuple[Optional[dict], bool]:
-        """(tensors, ok): tensors of the top-most copy that verifies; ok False ends the prefix (miss or bad)."""
+        """(tensors, rejected): tensors of the top-most copy that verifies; None on a miss or a rejected copy."""
         for index, tier in enumerate(self.tiers):
             blob = self._call(tier, "get", None, lambda: tier.get(key))
             if blob is None:
@@ -175,12 +203,12 @@ class KVStore:
                 log.warning("KV store: chunk %s… in tier %r rejected (%s); recomputing from there", key[:12],
                             tier.name, exc)
                 self._call(tier, "delete", None, lambda: tier.delete(key))
-                return None, False
+                return None, True
             self._stats.count("chunks_loaded", tier.name)
             self._stats.count("bytes_loaded", tier.name, len(blob))
             for upper in range(index):
                 self._store_in(upper, key, blob, "chunks_promoted")
-            return tensors, True
+            return tensors, False
         return None, False
 
     def load(self, token_ids: Any, limit: Optional[int] = None) -> tuple[int, list[dict[str, torch.Tensor]]]:
@@ -192,17 +220,26 @@ class KVStore:
             self._stats.loads += 1
             out: list[dict[str, torch.Tensor]] = []
             n = 0
+            prev = None
             for key, (s, e) in zip(chain_keys(self.fp.digest, ids, self.chunk_tokens), self._spans(len(ids))):
                 if limit is not None and s >= limit:
                     break
-                tensors, ok = self._load_one(key, e - s)
-                if not ok:
+                tensors, rejected = self._load_one(key, e - s)
+                last = tensors is None  # a miss: a shorter chunk stored here (an earlier request's end) may load
+                if last and not rejected:
+                    tail = self._tail(ids, s, prev)
+                    if tail is not None:
+                        e = s + tail[1]
+                        tensors, _ = self._load_one(tail[0], tail[1])
+                if tensors is None:
                     break
                 if limit is not None and e > limit:
                     tensors = {k: v[: limit - s] for k, v in tensors.items()}
                     e = limit
                 out.append(tensors)
-                n = e
+                n, prev = e, key
+                if last:
+                    break
             self._stats.tokens_loaded += n
             return n, out
 

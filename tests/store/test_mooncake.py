@@ -68,7 +68,7 @@ def test_load_from_the_shared_tier_promotes_and_verifies(mooncake):
     writer.put(ids, chunks)
     reader = KVStore(fp, C, [RamTier(1 << 20), _tier(mooncake, key_prefix=tier.key_prefix)])
     assert reader.lookup(ids).tokens == 9
-    n, got = reader.load(ids)
+    n, got = reader.load(ids + [5, 6])  # the conversation goes on: its stored 1-token tail is found in one batch
     assert n == 9 and same(got, chunks) and reader.stats.chunks_promoted == {"ram": 3}
     # a chunk of another fingerprint planted under this store's key is rejected, never loaded
     other = make_fp(weights="other")

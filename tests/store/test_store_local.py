@@ -27,9 +27,12 @@ def test_put_lookup_load_and_limit(tmp_path):
     ids = list(range(10))
     chunks = chunks_for(store.fp, ids, C)
     assert store.put(ids, chunks) == 3
-    look = store.lookup(ids + [99, 98])
-    assert look.tokens == 8 and [c[2] for c in look.chunks] == [4, 4]  # the partial chunk is not a prefix of this
-    assert [c[1] for c in look.chunks] == ["ram", "ram"]
+    look = store.lookup(ids + [99, 98])  # a resumed conversation: the stored partial chunk is found too
+    assert look.tokens == 10 and [c[2] for c in look.chunks] == [4, 4, 2]
+    assert [c[1] for c in look.chunks] == ["ram", "ram", "ram"] and look.chunks[2][0] == store.chunk_keys(ids)[2]
+    n, got = store.load(ids + [99, 98, 97, 96, 95])
+    assert n == 10 and same(got, chunks)
+    assert store.lookup(ids[:9] + [42]).tokens == 8  # chunk [8, 42] is not the stored [8, 9], nor is [8] stored
     n, got = store.load(ids)
     assert n == 10 and same(got, chunks)
     n, got = store.load(ids, limit=9)
@@ -38,7 +41,7 @@ def test_put_lookup_load_and_limit(tmp_path):
     assert store.load(ids, limit=0) == (0, [])
     assert store.put(ids, chunks) == 0 and store.stats.chunks_skipped == 3
     s = store.stats
-    assert s.chunks_stored == {"ram": 3, "disk": 3} and s.chunks_loaded == {"ram": 6}
+    assert s.chunks_stored == {"ram": 3, "disk": 3} and s.chunks_loaded == {"ram": 9}
     assert s.bytes["disk"] == s.bytes["ram"] > 0
 
 

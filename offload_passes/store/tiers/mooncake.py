@@ -163,6 +163,16 @@ class MooncakeTier:
             return False
         raise self._fault("is_exist", key, rc)
 
+    def exists_many(self, keys: list[str]) -> list[bool]:
+        """``exists`` of each key in one round trip."""
+        if self._client is None:
+            return [False] * len(keys)
+        rcs = self._client.batch_is_exist([self.key_prefix + k for k in keys])
+        bad = [rc for rc in rcs if rc not in (0, 1) and rc not in _MISS]
+        if bad:
+            raise self._fault("batch_is_exist", keys[0], bad[0])
+        return [rc == 1 for rc in rcs]
+
     def delete(self, key: str) -> None:
         if self._client is None:
             return
