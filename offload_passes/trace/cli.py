@@ -1,7 +1,8 @@
 """``offload-sim TRACE``: replay a top-k trace through replacement policies at chosen pool sizes.
 
 TRACE is a trace file (``offload-demo --record-trace``, ``offload-trace record``) or a synthetic spec
-``synth[:calibrated][,key=value...]`` (see ``offload_passes.trace.synth``). Prints a table (hit rate,
+``synth[:calibrated][,key=value...]`` (``offload_passes.trace.synth.parse_spec``; ``synth:key=value`` reads the
+same). An existing path is always a trace file, whatever its name (``synth_run.npz``). Prints a table (hit rate,
 host rows, metadata work per step, simulator speed), or ``--json``; ``--plot out.png`` draws hit rate vs
 pool size per policy with the bounds on top. Every run also prints the two offline bounds at each pool
 size, labelled with what they bound (``offload_passes.trace.sim.BOUNDS``): ``min_per_set``, the optimum
@@ -10,26 +11,28 @@ associative optimum.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import os
 import sys
 import textwrap
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import _cli
-from . import sim
+from . import sim, synth
 from .format import Trace, load_trace, save_trace
 
 log = logging.getLogger("offload_passes.trace.cli")
 
 
-def _load(spec: str) -> Trace:
-    if spec.startswith("synth"):
-        from . import synth
-
-        return synth.generate(synth.parse_spec(spec))
-    return load_trace(spec)
+def open_trace(source: str) -> Trace:
+    """``source`` as a trace: the file when the path exists (whatever its name), else a synthetic spec
+    (``synth.is_spec``) generated, else :func:`load_trace`'s error for a missing file."""
+    if not Path(source).exists() and synth.is_spec(source):
+        return synth.generate(synth.parse_spec(source))
+    return load_trace(source)
 
 
 def table(results: list[sim.SimResult]) -> str:
@@ -90,9 +93,10 @@ def plot(results: list[sim.SimResult], path: Path, title: str) -> Path:
     return path
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> _cli.ArgumentParser:
     p = _cli.ArgumentParser(prog="offload-sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("trace", help="trace file (.npz) or synth[:calibrated][,key=value...]")
+    p.add_argument("trace", help=f"trace file (.npz; an existing path is always read), or a synthetic trace "
+                                 f"{synth.SPEC_FORM}, keys: {', '.join(synth.LIMITS)} (docs/usage.md)")
     p.add_argument("--pool-sizes", default="2048,4096,8192,16384",
                    type=_cli.ints_arg("--pool-sizes", 1), help="comma-separated pool slots per row")
     p.add_argument("--policies", default=None, help=f"comma-separated subset of: {', '.join(sim.POLICIES)}")
@@ -103,6 +107,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, help="write hit rate vs pool size to this PNG")
     p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = _parser()
     a = p.parse_args(argv)
     for flag, path in (("--plot", a.plot), ("--save-trace", a.save_trace)):
         if path:  # checked before the (possibly long) run, not after it
@@ -112,27 +121,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 p.error(str(e))
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, stream=sys.stderr)
     try:
-        tr = _load(a.trace)
-        if a.k is not None:
-            tr = tr.with_k(a.k)
-        pols = a.policies.split(",") if a.policies else sim.default_policies(tr)
-        bad = [x for x in pols if x not in sim.POLICIES]
-        if bad:
-            p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(sim.POLICIES)}")
-        if a.save_trace:
-            try:
-                save_trace(tr, a.save_trace)
-            except OSError as e:  # the folder was checked; the write itself can still fail
-                raise _cli.UsageError(f"--save-trace {a.save_trace!r}: {e.strerror or e}") from None
-        from ._native import module
-
-        module()  # build/load the C++ core before timing
-        skipped: list = []
-        results = sim.sweep(tr, pols, a.pool_sizes, a.ways, a.warmup, bounds=True, skipped=skipped)
+        tr, results, skipped = _run(p, a)
     except (ValueError, OSError, RuntimeError) as e:
         msg = " ".join(str(e).split())
         print(f"offload-sim: error: {msg}", file=sys.stderr)
         return 2
+    try:
+        _report(a, tr, results, skipped)
+    except BrokenPipeError:  # `offload-sim ... | head`: the reader left, not an error
+        sys.stderr = open(os.devnull, "w")
+    return 0
+
+
+def _run(p: _cli.ArgumentParser, a: argparse.Namespace) -> tuple[Trace, list[sim.SimResult], list]:
+    """The trace (file or synthetic), then every policy at every pool size, with the bounds."""
+    tr = open_trace(a.trace)
+    if a.k is not None:
+        tr = tr.with_k(a.k)
+    pols = a.policies.split(",") if a.policies else sim.default_policies(tr)
+    bad = [x for x in pols if x not in sim.POLICIES]
+    if bad:
+        p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(sim.POLICIES)}")
+    if a.save_trace:
+        try:
+            save_trace(tr, a.save_trace)
+        except OSError as e:  # the folder was checked; the write itself can still fail
+            raise _cli.UsageError(f"--save-trace {a.save_trace!r}: {e.strerror or e}") from None
+    from ._native import module
+
+    module()  # build/load the C++ core before timing
+    skipped: list = []
+    results = sim.sweep(tr, pols, a.pool_sizes, a.ways, a.warmup, bounds=True, skipped=skipped)
+    return tr, results, skipped
+
+
+def _report(a: argparse.Namespace, tr: Trace, results: list[sim.SimResult], skipped: list) -> None:
+    """The table (or ``--json``) and the plot."""
     lookups = sum(r.lookups for r in results)
     secs = sum(r.seconds for r in results)
     out = {"trace": a.trace, "header": tr.header(), "warmup": a.warmup, "ways": a.ways,
@@ -144,16 +168,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out["plot"] = str(plot(results, Path(a.plot), f"{tr.model[:90]}  K={tr.K} S={tr.S} steps={tr.steps}"))
     if a.json:
         print(json.dumps(out, indent=1))
-    else:
-        print(f"trace {a.trace}: model={tr.model[:100]} K={tr.K} P={tr.P} S={tr.S} B={tr.B} steps={tr.steps} "
-              f"groups={len(tr.groups)} warmup={a.warmup}")
-        print(table(results))
-        for b, ps, why in skipped:
-            print(f"{b} at pool {ps}: not computed ({why})")
-        print(f"simulator: {lookups} id lookups in {secs:.3f} s = {out['lookups_per_s'] / 1e6:.2f} M lookups/s")
-        if a.plot:
-            print(f"plot: {out['plot']}")
-    return 0
+        return
+    print(f"trace {a.trace}: model={tr.model[:100]} K={tr.K} P={tr.P} S={tr.S} B={tr.B} steps={tr.steps} "
+          f"groups={len(tr.groups)} warmup={a.warmup}")
+    print(table(results))
+    for b, ps, why in skipped:
+        print(f"{b} at pool {ps}: not computed ({why})")
+    print(f"simulator: {lookups} id lookups in {secs:.3f} s = {out['lookups_per_s'] / 1e6:.2f} M lookups/s")
+    if a.plot:
+        print(f"plot: {out['plot']}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,6 +22,8 @@ hit rate (90.50 % with an 8K pool), other parameters fixed.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
@@ -55,18 +57,54 @@ class SynthParams:
     pop_drift: float = 1.0    # per-step correlation of the popularity w (1 = static; models.py "twoscale")
 
     def validate(self) -> None:
-        if self.K <= 0 or self.P < self.K:
-            raise ValueError(f"need 0 < K <= P, got K={self.K}, P={self.P}")
+        """Every parameter in its range (:data:`LIMITS`), then the ones that bound each other; ``ValueError``
+        naming the parameter and its limit otherwise."""
+        for name in LIMITS:
+            check_param(name, getattr(self, name))
+        if self.P < self.K:
+            raise ValueError(f"P must be >= K={self.K} (the ranked columns hold the top-k), got P={self.P}")
         if self.context <= self.S:
             raise ValueError(f"context must exceed S={self.S}, got {self.context}")
-        if not 0.0 <= self.drift <= 1.0:
-            raise ValueError(f"drift must be in [0, 1], got {self.drift}")
-        if self.steps < 1 or self.B < 1 or not 1 <= self.S <= 4:
-            raise ValueError(f"need steps >= 1, B >= 1, 1 <= S <= 4; got {self.steps}, {self.B}, {self.S}")
-        if not 0.0 <= self.pop_drift <= 1.0:
-            raise ValueError(f"pop_drift must be in [0, 1], got {self.pop_drift}")
-        if self.sinks < 0 or self.tau <= 0:
-            raise ValueError(f"need sinks >= 0 and tau > 0, got {self.sinks}, {self.tau}")
+        if self.sinks > self.context:
+            raise ValueError(f"sinks must be <= context={self.context}, got {self.sinks}")
+        ids = self.steps * self.B * self.S * self.P
+        if ids > MAX_IDS:
+            raise ValueError(f"steps*B*S*P must be <= {MAX_IDS} (the trace's int32 ids, 8 GiB), got "
+                             f"{self.steps}*{self.B}*{self.S}*{self.P} = {ids}")
+
+
+#: The generator holds float32 score arrays of ``context + steps*S`` entries per batch row: a context of
+#: 2^22 tokens keeps each at 16 MiB (1e11 would allocate terabytes).
+MAX_CONTEXT = 1 << 22
+#: The largest trace ``generate`` writes: ``steps*B*S*P`` int32 ids.
+MAX_IDS = 1 << 31
+#: Each parameter's kind, and its range ``[lo, hi]`` (``"(lo"``: lo excluded). ``skew`` and ``recency`` are
+#: scales against unit-variance noise: beyond 100 the noise no longer changes the selection. ``S`` is the
+#: query rows per step of MTP decode (1 + next_n <= 4).
+LIMITS: dict[str, tuple[type, str, float]] = {
+    "context": (int, "[2", MAX_CONTEXT), "steps": (int, "[1", 1 << 20), "B": (int, "[1", 1024), "S": (int, "[1", 4),
+    "K": (int, "[1", 1 << 16), "P": (int, "[1", 1 << 16), "sinks": (int, "[0", MAX_CONTEXT),
+    "skew": (float, "[0", 100.0), "drift": (float, "[0", 1.0), "recency": (float, "[0", 100.0),
+    "tau": (float, "(0", float(MAX_CONTEXT)), "seed": (int, "[0", 2 ** 63 - 1), "pop_drift": (float, "[0", 1.0),
+}
+
+
+def limit_text(name: str) -> str:
+    """``name``'s limit in words: ``an integer in [1, 4]``, ``a finite number in (0, 4194304]``."""
+    kind, lo, hi = LIMITS[name]
+    what = "an integer" if kind is int else "a finite number"
+    return f"{what} in {lo}, {int(hi) if float(hi).is_integer() else hi}]"
+
+
+def check_param(name: str, value: object) -> None:
+    """``ValueError`` naming ``name`` and its limit unless ``value`` is of its kind and in its range."""
+    kind, lo, hi = LIMITS[name]
+    low = float(lo[1:])
+    ok_kind = isinstance(value, numbers.Integral) if kind is int else isinstance(value, numbers.Real)
+    ok = (ok_kind and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if lo[0] == "(" else value >= low) and value <= hi)
+    if not ok:
+        raise ValueError(f"{name} must be {limit_text(name)}, got {value!r}")
 
 
 def generate(p: SynthParams) -> Trace:
@@ -103,23 +141,58 @@ def generate(p: SynthParams) -> Trace:
     return Trace(topk, lengths, p.K, [[0]], model, "synthetic", True, {"synth": asdict(p)})
 
 
+#: The one form of a synthetic spec, as the command lines show it.
+SPEC_FORM = "synth[:calibrated][,key=value...]"
+
+
+def is_spec(text: str) -> bool:
+    """``text`` has the form of a synthetic spec: ``synth`` alone or followed by ``:`` or ``,``."""
+    return text == "synth" or text.startswith(("synth:", "synth,"))
+
+
 def parse_spec(spec: str) -> SynthParams:
-    """``synth[:key=value,...]`` (keys of :class:`SynthParams`) -> params; ``synth:calibrated`` = fit below."""
-    body = spec.split(":", 1)[1] if ":" in spec else ""
+    """``synth[:calibrated][,key=value...]`` -> params, every value checked (:func:`check_param`).
+
+    ``calibrated`` (the first item) starts from :data:`CALIBRATED` instead of the defaults; the separator
+    after ``synth`` may be ``:`` or ``,`` (``synth,steps=10`` = ``synth:steps=10``). An unknown key, a
+    repeated key, an empty item or a value that is not a number in its range is a ``ValueError`` naming
+    the spec, the key and its limit."""
+    if not is_spec(spec):
+        raise ValueError(f"synthetic spec {spec!r} must have the form {SPEC_FORM}")
+    items = spec[len("synth") + 1:].split(",") if spec != "synth" else []
     p = SynthParams()
-    if body.startswith("calibrated"):
-        p = CALIBRATED
-        body = body[len("calibrated"):].lstrip(",")
-    kw = {}
-    fields = SynthParams.__dataclass_fields__
-    for item in filter(None, body.split(",")):
-        if "=" not in item:
-            raise ValueError(f"synthetic spec item {item!r} must be key=value")
-        k, v = item.split("=", 1)
-        if k not in fields:
-            raise ValueError(f"unknown synthetic parameter {k!r}; known: {', '.join(fields)}")
-        kw[k] = type(getattr(p, k))(v)
-    return replace(p, **kw)
+    if items and items[0] == "calibrated":
+        p, items = CALIBRATED, items[1:]
+    kw: dict = {}
+    for item in items:
+        k, eq, v = item.partition("=")
+        if not eq or not k:
+            raise ValueError(f"synthetic spec {spec!r}: item {item!r} must be key=value ({SPEC_FORM})")
+        if k not in LIMITS:
+            raise ValueError(f"synthetic spec {spec!r}: unknown synthetic parameter {k!r}; known: {', '.join(LIMITS)}")
+        if k in kw:
+            raise ValueError(f"synthetic spec {spec!r}: {k} is given twice")
+        kw[k] = _value(spec, k, v)
+    out = replace(p, **kw)
+    try:
+        out.validate()
+    except ValueError as e:
+        raise ValueError(f"synthetic spec {spec!r}: {e}") from None
+    return out
+
+
+def _value(spec: str, key: str, text: str) -> object:
+    """``text`` as ``key``'s kind, in its range."""
+    kind = LIMITS[key][0]
+    try:
+        value = int(text, 10) if kind is int else float(text)
+    except ValueError:
+        raise ValueError(f"synthetic spec {spec!r}: {key} must be {limit_text(key)}, got {text!r}") from None
+    try:
+        check_param(key, value)
+    except ValueError:
+        raise ValueError(f"synthetic spec {spec!r}: {key} must be {limit_text(key)}, got {text!r}") from None
+    return value
 
 
 def locality(p: SynthParams, warmup: int = 16) -> dict:

@@ -103,3 +103,67 @@ def test_plot_into_a_directory_is_rejected_up_front(tmp_path, capsys, monkeypatc
     with pytest.raises(SystemExit):
         cli.main([SPEC, "--plot", str(tmp_path)])
     assert "is a directory" in capsys.readouterr().err and not ran
+
+
+# ---------------------------------------------------------------------------------- files named synth*, the spec
+def test_an_existing_file_named_synth_is_read_not_generated(tmp_path, monkeypatch, capsys):
+    """``offload-sim synth_run.npz``: the file, whatever its name (it once ran the built-in synthetic model)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([SPEC, "--pool-sizes", "64", "--policies", "lru,belady", "--json",
+                     "--save-trace", "synth_run.npz"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert cli.main(["synth_run.npz", "--pool-sizes", "64", "--policies", "lru,belady", "--json"]) == 0
+    read = json.loads(capsys.readouterr().out)
+    assert read["header"]["steps"] == 8 and read["header"]["K"] == 64 and read["header"]["P"] == 128
+    assert read["header"]["model"] == written["header"]["model"] == load_trace("synth_run.npz").model
+    assert [(r["policy"], r["hits"], r["lookups"]) for r in read["results"]] == \
+        [(r["policy"], r["hits"], r["lookups"]) for r in written["results"]]
+    # a hand-made trace under a spec-like name: its figures are exact (id 5 hits in steps 2 and 3, 7 in step 3)
+    _tiny_trace(tmp_path, [[5, 6], [5, 7], [5, 7]], 100).rename(tmp_path / "synth")
+    assert cli.main(["synth", "--pool-sizes", "16", "--policies", "lru", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["header"]["steps"] == 3 and out["header"]["K"] == 2
+    assert [(r["hits"], r["lookups"]) for r in out["results"] if r["policy"] == "lru"] == [(3, 6)]
+
+
+def test_a_missing_file_named_synth_is_an_error_not_a_synthetic_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["synth_run.npz"]) == 2
+    assert capsys.readouterr().err == "offload-sim: error: trace file synth_run.npz does not exist\n"
+
+
+def test_comma_spec_keeps_its_parameters(capsys):
+    """``synth,steps=10`` (the form ``--help`` shows) runs 10 steps, not the default 96."""
+    assert cli.main(["synth,steps=10", "--pool-sizes", "2048", "--policies", "lru", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["header"]["steps"] == 10 and out["header"]["synth"]["steps"] == 10
+    lru = [r for r in out["results"] if r["policy"] == "lru"]
+    assert [r["lookups"] for r in lru] == [10 * 2048]   # 10 steps x B=1 x S=1 x K=2048
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("synth:skew=nan", "skew must be a finite number in [0, 100], got 'nan'"),
+    ("synth:skew=-5", "skew must be a finite number in [0, 100], got '-5'"),
+    ("synth,bogus=1", "unknown synthetic parameter 'bogus'; known: context, steps, B, S, K, P, sinks, skew, drift, "
+                      "recency, tau, seed, pop_drift"),
+    ("synth,steps=0", "steps must be an integer in [1, 1048576], got '0'"),
+    ("synth:tau=inf", "tau must be a finite number in (0, 4194304], got 'inf'"),
+])
+def test_bad_synthetic_specs_exit_2_with_one_line(spec, msg, capsys):
+    assert cli.main([spec, "--pool-sizes", "64"]) == 2
+    assert capsys.readouterr().err == f"offload-sim: error: synthetic spec {spec!r}: {msg}\n"
+
+
+def test_console_script_reads_a_relative_synth_file(tmp_path):
+    import subprocess
+    import sys
+
+    _tiny_trace(tmp_path, [[5, 6], [5, 7]], 100).rename(tmp_path / "synth_run.npz")
+    run = [sys.executable, "-m", "offload_passes.trace.cli"]
+    r = subprocess.run(run + ["synth_run.npz", "--pool-sizes", "16", "--policies", "lru"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("trace synth_run.npz: model=unknown K=2 P=2 S=1 B=1 steps=2 ")
+    r = subprocess.run(run + ["synth:skew=nan"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stderr) == (2, "offload-sim: error: synthetic spec 'synth:skew=nan': skew must be a "
+                                           "finite number in [0, 100], got 'nan'\n")

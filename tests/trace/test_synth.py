@@ -38,10 +38,63 @@ def test_parse_spec():
     assert synth.parse_spec("synth") == synth.SynthParams()
     with pytest.raises(ValueError, match="must be key=value"):
         synth.parse_spec("synth:steps")
-    with pytest.raises(ValueError, match=r"need 0 < K <= P, got K=64, P=32"):
+    with pytest.raises(ValueError, match=r"P must be >= K=64 \(the ranked columns hold the top-k\), got P=32"):
         synth.generate(replace(SMALL, P=32))
-    with pytest.raises(ValueError, match=r"drift must be in \[0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"drift must be a finite number in \[0, 1\], got 1.5"):
         synth.generate(replace(SMALL, drift=1.5))
+
+
+def test_both_separators_read_alike_and_calibrated_comes_first():
+    assert synth.parse_spec("synth,steps=10") == synth.parse_spec("synth:steps=10") == replace(synth.SynthParams(),
+                                                                                               steps=10)
+    assert synth.parse_spec("synth,calibrated,steps=7") == replace(synth.CALIBRATED, steps=7)
+    assert synth.parse_spec("synth:skew=0.5,tau=1e2").tau == 100.0
+    assert not synth.is_spec("synthetic") and not synth.is_spec("synth_run.npz") and synth.is_spec("synth")
+
+
+SPEC_ERRORS = [
+    ("synth:skew=nan", "skew must be a finite number in [0, 100], got 'nan'"),
+    ("synth:skew=-5", "skew must be a finite number in [0, 100], got '-5'"),
+    ("synth:skew=inf", "skew must be a finite number in [0, 100], got 'inf'"),
+    ("synth:recency=1e9", "recency must be a finite number in [0, 100], got '1e9'"),
+    ("synth:tau=0", "tau must be a finite number in (0, 4194304], got '0'"),
+    ("synth:drift=1.5", "drift must be a finite number in [0, 1], got '1.5'"),
+    ("synth:pop_drift=-0.1", "pop_drift must be a finite number in [0, 1], got '-0.1'"),
+    ("synth:steps=0", "steps must be an integer in [1, 1048576], got '0'"),
+    ("synth:steps=1.5", "steps must be an integer in [1, 1048576], got '1.5'"),
+    ("synth:steps=ten", "steps must be an integer in [1, 1048576], got 'ten'"),
+    ("synth:S=5", "S must be an integer in [1, 4], got '5'"),
+    ("synth:B=-1", "B must be an integer in [1, 1024], got '-1'"),
+    ("synth:seed=-1", "seed must be an integer in [0, 9223372036854775807], got '-1'"),
+    ("synth:context=99999999999999999999999", "context must be an integer in [2, 4194304], got "
+                                               "'99999999999999999999999'"),
+    ("synth:sinks=-1", "sinks must be an integer in [0, 4194304], got '-1'"),
+    ("synth:K=4096", "P must be >= K=4096 (the ranked columns hold the top-k), got P=2048"),
+    ("synth:context=3000,sinks=4000", "sinks must be <= context=3000, got 4000"),
+    ("synth:steps=1048576,B=1024", "steps*B*S*P must be <= 2147483648 (the trace's int32 ids, 8 GiB), got "
+                                   "1048576*1024*1*2048 = 2199023255552"),
+    ("synth,bogus=1", "unknown synthetic parameter 'bogus'; known: context, steps, B, S, K, P, sinks, skew, drift, "
+                      "recency, tau, seed, pop_drift"),
+    ("synth:steps=4,steps=5", "steps is given twice"),
+    ("synth:steps=4,", "item '' must be key=value (synth[:calibrated][,key=value...])"),
+    ("synth:", "item '' must be key=value (synth[:calibrated][,key=value...])"),
+    ("synth:steps=4,calibrated", "item 'calibrated' must be key=value (synth[:calibrated][,key=value...])"),
+]
+
+
+@pytest.mark.parametrize("spec,msg", SPEC_ERRORS, ids=[s for s, _ in SPEC_ERRORS])
+def test_every_parameter_is_checked_naming_the_key_and_its_limit(spec, msg):
+    with pytest.raises(ValueError) as e:
+        synth.parse_spec(spec)
+    assert str(e.value) == f"synthetic spec {spec!r}: {msg}"
+
+
+def test_library_params_of_the_wrong_kind_are_refused():
+    with pytest.raises(ValueError, match=r"^steps must be an integer in \[1, 1048576\], got 2.0$"):
+        synth.generate(replace(SMALL, steps=2.0))
+    with pytest.raises(ValueError, match=r"^skew must be a finite number in \[0, 100\], got True$"):
+        synth.generate(replace(SMALL, skew=True))
+    assert synth.generate(replace(SMALL, steps=np.int64(2), skew=np.float32(0.5))).steps == 2
 
 
 def test_calibrated_parameters_reproduce_the_references_lru_side_numbers():
