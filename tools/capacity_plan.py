@@ -55,12 +55,14 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from offload_passes._cli import ArgumentParser, UsageError, finite, int_arg, run_cli
-from offload_passes.custom_ops._pool import WAYS, id_range_for, pool_size_problem
+from offload_passes._cli import ArgumentParser, int_arg, run_cli
+from offload_passes.custom_ops._pool import WAYS, id_range_for
 
 try:  # package import (console script) or flat import (python tools/capacity_plan.py)
+    from .capacity_plan_budget import LIMITS, MAX_BATCH, Budget
     from .capacity_plan_model import WEIGHT_KEYS, ModelShape, list_presets, load_model_shape
 except ImportError:  # pragma: no cover - only when run as a loose script
+    from capacity_plan_budget import LIMITS, MAX_BATCH, Budget  # type: ignore
     from capacity_plan_model import WEIGHT_KEYS, ModelShape, list_presets, load_model_shape  # type: ignore
 
 log = logging.getLogger("offload_passes.tools.capacity_plan")
@@ -71,65 +73,6 @@ ALIAS = "offload-plan"
 
 GiB = 1 << 30
 INT32 = 4
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Hardware budget and every assumption of the arithmetic, with the GLM-5.2 reference defaults."""
-
-    devices: int = 16                      # Atlas A3 cards (2 machines x 8)
-    ranks_per_device: int = 2              # dies per card: world_size = 2 * chip_num
-    hbm_per_device_gib: float = 128.0      # Ascend 910C: 2 x 64 GiB
-    host_mem_per_device_gib: float | None = None   # host DRAM for offloaded KV per card; None = unbounded
-    context_len: int = 65536               # tokens cached per request (prompt + generated), rounded up to BS
-    next_n: int = 3                        # MTP draft tokens: S = 1 + next_n query rows per request
-    pool_sizes: tuple[int, ...] = (8192, 16384)   # pool entries per layer: 8192, 16384 with enlarge_pool_size
-    pa_block_size: int = 128
-    kv_dtype_bytes: int = 2                # bf16 latent KV (the W8A8C16 deployment); 4 = f32
-    indexer_dtype_bytes: int = 2           # bf16 indexer keys
-    indexer_scale_bytes: int = 0           # per token per indexer layer when the indexer cache is quantised
-    weight_bytes: float = 1.0              # W8A8
-    embed_bytes: float = 2.0               # bf16 embedding / lm_head
-    gate_bytes: float = 4.0                # fp32 MoE router
-    weights_gib_per_rank: float | None = None   # replaces the estimate from the config
-    reserve_gib_per_rank: float = 10.0     # activations, comm buffers, workspace, runtime
-    prefill_mini_batch: int = 1            # prefill staging cache (offload modes) holds this many requests
-
-    @property
-    def ranks(self) -> int:
-        return self.devices * self.ranks_per_device
-
-    def validate(self) -> None:
-        pos_int = ("devices", "ranks_per_device", "context_len", "pa_block_size",
-                   "kv_dtype_bytes", "indexer_dtype_bytes", "prefill_mini_batch")
-        for name in pos_int:
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.kv_dtype_bytes not in (2, 4):
-            raise ValueError(f"kv_dtype_bytes must be 2 (f16/bf16) or 4 (f32), got {self.kv_dtype_bytes}: the int8 "
-                             "(C8) cache layout is not modeled, and the pass refuses quantised KV")
-        if not 0 <= self.next_n <= 3:
-            raise ValueError(f"next_n must be in [0, 3] (raw_seq = 1 + next_n <= 4), got {self.next_n}")
-        if self.hbm_per_device_gib <= 0:
-            raise ValueError(f"hbm_per_device_gib must be > 0, got {self.hbm_per_device_gib}")
-        if self.reserve_gib_per_rank < 0:
-            raise ValueError(f"reserve_gib_per_rank must be >= 0, got {self.reserve_gib_per_rank}")
-        if self.indexer_scale_bytes < 0:
-            raise ValueError(f"indexer_scale_bytes must be >= 0, got {self.indexer_scale_bytes}")
-        for name in ("host_mem_per_device_gib", "weights_gib_per_rank"):
-            v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ValueError(f"{name} must be >= 0, got {v}")
-        if not self.pool_sizes:
-            raise ValueError("pool_sizes must name at least one pool size")
-        for ps in self.pool_sizes:
-            if not isinstance(ps, int):
-                raise ValueError(f"pool_size must be an integer, got {ps!r}")
-            # the ops' pool rule, with the selection block size the plan assumes (pa_block_size)
-            problem = pool_size_problem(ps, self.pa_block_size)
-            if problem is not None:
-                raise ValueError(f"pool_size {problem[0]} (dsa_plan / dsa_install limits), got {problem[1]}")
 
 
 @dataclass
@@ -160,7 +103,8 @@ class ModeResult:
     max_per_rank: int
     bound_by: str
     max_global: int
-    reserve_window_gib: tuple[float, float] | None   # reserve range (lo, hi] in which max_per_rank holds
+    reserve_window_gib: tuple[float, float] | None   # reserve range (lo, hi] (lo 0: [0, hi]) in which max_per_rank
+    # holds; None when host memory bounds the batch or no request fits
     pool_per_request: int = 0
     pool_bytes_per_rank: int = 0
     host_bytes_per_device: int = 0
@@ -367,46 +311,63 @@ def plan(shape: ModelShape, budget: Budget, batch: int | None = None,
                       "refused by the pass: dsa_serve / dsa_install take f16/bf16 KV only"))
     steps = out.sections.setdefault("largest batch", [])
     for name, dev, fixed, host, pool_req, applicable, note in modes:
-        per_rank = math.floor((free - fixed) / dev) if free > fixed else 0
-        bound = "HBM"
-        if host and host_rank is not None:
-            by_host = math.floor(host_rank / host)
-            if by_host < per_rank:
-                per_rank, bound = by_host, "host memory"
-        window = None
-        if bound == "HBM":
-            # reserve r keeps per_rank iff per_rank*dev <= hbm - weights - r - fixed < (per_rank+1)*dev
-            base = hbm_rank - weights - fixed
-            window = ((base - (per_rank + 1) * dev) / GiB, (base - per_rank * dev) / GiB)
-        out.modes.append(ModeResult(
-            mode=name, device_per_request=dev, device_fixed=fixed, host_per_request=host,
-            max_per_rank=per_rank, bound_by=bound, max_global=per_rank * b.ranks, reserve_window_gib=window,
-            pool_per_request=pool_req, pool_bytes_per_rank=per_rank * pool_req, host_bytes_per_device=per_rank * b.ranks_per_device * host,
-            applicable=applicable, note=note))
+        m = _largest_batch(name, dev, fixed, host, free, hbm_rank - weights, host_rank, b.ranks_per_device)
+        m.max_global, m.pool_per_request, m.applicable, m.note = m.max_per_rank * b.ranks, pool_req, applicable, note
+        m.pool_bytes_per_rank = m.max_per_rank * pool_req
+        out.modes.append(m)
+        per_rank = m.max_per_rank
         steps.append(Step(f"{name}: HBM / request", note, dev))
         if fixed:
             steps.append(Step(f"{name}: HBM fixed / rank", f"prefill staging {b.prefill_mini_batch} * {ctx} * {D} * {b.kv_dtype_bytes} B", fixed))
         steps.append(Step(f"{name}: batch / rank",
-                          "floor((free - fixed) / per request)" + (" (host-bound)" if bound != "HBM" else ""),
+                          "floor((free - fixed) / per request)" + (" (host-bound)" if m.bound_by != "HBM" else ""),
                           per_rank, "req"))
         steps.append(Step(f"{name}: global batch", f"{per_rank} * {b.ranks} ranks", per_rank * b.ranks, "req"))
-
     if batch is not None:
-        if batch <= 0 or batch % b.ranks:
-            raise ValueError(f"batch must be a positive multiple of the {b.ranks} ranks "
-                             f"(attention is data-parallel), got {batch}")
-        per = batch // b.ranks
-        for m in out.modes:
-            need = m.device_fixed + per * m.device_per_request
-            host_need = per * m.host_per_request
-            fits_host = host_rank is None or host_need <= host_rank
-            out.batch_check.append({
-                "mode": m.mode, "batch": batch, "per_rank": per, "hbm_needed_per_rank": need,
-                "hbm_free_per_rank": free, "host_needed_per_device": host_need * b.ranks_per_device,
-                "pool_hbm_per_rank": per * m.pool_per_request,
-                "fits": bool(need <= free and fits_host and m.applicable),
-            })
+        out.batch_check = _batch_check(out.modes, batch, b, free, host_rank)
     log.debug("%s %s: %s", PROG, shape.name, {m.mode: m.max_global for m in out.modes})
+    return out
+
+
+def _largest_batch(name: str, dev: int, fixed: int, host: int, free: float, room: float,
+                   host_rank: float | None, ranks_per_device: int) -> ModeResult:
+    """The largest batch per rank of one mode: ``dev`` HBM and ``host`` host bytes per request, ``fixed``
+    HBM per rank; ``room`` = HBM - weights per rank (the reserve comes out of it)."""
+    per_rank = math.floor((free - fixed) / dev) if free > fixed else 0
+    bound = "HBM"
+    if host and host_rank is not None:
+        by_host = math.floor(host_rank / host)
+        if by_host < per_rank:
+            per_rank, bound = by_host, "host memory"
+    window = None
+    if bound == "HBM" and per_rank > 0:
+        # reserve r keeps per_rank iff per_rank*dev <= room - r - fixed < (per_rank+1)*dev; r >= 0. No window
+        # when nothing fits: every larger reserve gives 0 too
+        base = room - fixed
+        window = (max((base - (per_rank + 1) * dev) / GiB, 0.0), (base - per_rank * dev) / GiB)
+    return ModeResult(mode=name, device_per_request=dev, device_fixed=fixed, host_per_request=host,
+                      max_per_rank=per_rank, bound_by=bound, max_global=0, reserve_window_gib=window,
+                      host_bytes_per_device=per_rank * ranks_per_device * host)
+
+
+def _batch_check(modes: list[ModeResult], batch: int, b: Budget, free: float,
+                 host_rank: float | None) -> list[dict[str, Any]]:
+    """Whether the global ``batch`` fits in each mode."""
+    if batch <= 0 or batch % b.ranks:
+        raise ValueError(f"batch must be a positive multiple of the {b.ranks} ranks "
+                         f"(attention is data-parallel), got {batch}")
+    per = batch // b.ranks
+    out = []
+    for m in modes:
+        need = m.device_fixed + per * m.device_per_request
+        host_need = per * m.host_per_request
+        fits_host = host_rank is None or host_need <= host_rank
+        out.append({
+            "mode": m.mode, "batch": batch, "per_rank": per, "hbm_needed_per_rank": need,
+            "hbm_free_per_rank": free, "host_needed_per_device": host_need * b.ranks_per_device,
+            "pool_hbm_per_rank": per * m.pool_per_request,
+            "fits": bool(need <= free and fits_host and m.applicable),
+        })
     return out
 
 
@@ -433,7 +394,8 @@ def render(p: Plan) -> str:
     hdr = f"  {'mode':<36} {'HBM/request':>14} {'batch/rank':>10} {'global':>7}  {'bound':<11} {'pool HBM/rank':>14} {'host/device':>13}  reserve window"
     lines.append(hdr)
     for r in p.modes:
-        win = "-" if r.reserve_window_gib is None else f"({r.reserve_window_gib[0]:.2f}, {r.reserve_window_gib[1]:.2f}] GiB"
+        win = "-" if r.reserve_window_gib is None else \
+            f"{'[' if r.reserve_window_gib[0] == 0 else '('}{r.reserve_window_gib[0]:.2f}, {r.reserve_window_gib[1]:.2f}] GiB"
         glob = str(r.max_global) if r.applicable else "refused"
         lines.append(f"  {r.mode:<36} {r.device_per_request / GiB:>10.3f} GiB {r.max_per_rank:>10} {glob:>7}  "
                      f"{r.bound_by:<11} {r.pool_bytes_per_rank / GiB:>10.3f} GiB {r.host_bytes_per_device / GiB:>9.1f} GiB  {win}")
@@ -467,7 +429,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--next-n", type=int_arg("--next-n", 0), default=None,
                     help="MTP draft tokens (default: config next_n, else 3)")
     ap.add_argument("--pool-size", type=int_arg("--pool-size"), action="append", default=None,
-                    help="pool entries per layer; repeat for several (default: 8192 and 16384, the recipe's two)")
+                    help="pool entries per layer; repeat for several (default: 8192 and 16384, the recipe's two); "
+                         "a multiple of 16 and of --block-size in (0, 16384] with a power-of-two number of "
+                         "16-way sets (custom_ops/_pool.py)")
     ap.add_argument("--block-size", type=int_arg("--block-size", 1), default=None,
                     help="pa_block_size (default: config, else 128)")
     ap.add_argument("--kv-bytes", type=int_arg("--kv-bytes", 1), default=d.kv_dtype_bytes)
@@ -481,12 +445,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--reserve-gib", type=float, default=d.reserve_gib_per_rank,
                     help="per-rank HBM for activations / comm buffers / workspace (GiB)")
     ap.add_argument("--prefill-mini-batch", type=int_arg("--prefill-mini-batch", 1), default=d.prefill_mini_batch)
-    ap.add_argument("--batch", type=int_arg("--batch", 1), default=None,
-                    help="also check whether this global batch fits")
+    ap.add_argument("--batch", type=int_arg("--batch", 1, MAX_BATCH), default=None,
+                    help=f"also check whether this global batch fits (a multiple of the ranks, at most {MAX_BATCH})")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     ap.add_argument("--list-presets", action="store_true")
     ap.add_argument("--what-if", action="store_true",
                     help="A3 per-step latency what-if model instead (flags: offload-capacity --what-if --help)")
+    ranges = {lim.flag: lim.text() for lim in LIMITS if lim.flag}
+    for action in ap._actions:  # each number's range, from the one table the check reads
+        flag = next((o for o in action.option_strings if o in ranges), None)
+        if flag:
+            action.help = f"{action.help + '; ' if action.help else ''}{ranges[flag]}"
     return ap
 
 
@@ -530,31 +499,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli(PROG, lambda: _main(args))
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """Every number must be finite and in range before any arithmetic (``nan`` / ``inf`` / negatives)."""
-    for name in ("hbm_gib", "host_gib", "weight_bytes", "weights_gib", "reserve_gib"):
-        v = getattr(args, name)
-        if v is not None:
-            finite(v, "--" + name.replace("_", "-"), positive=name != "reserve_gib")
-            if v < 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
-    for name in ("weights_gib", "reserve_gib"):  # per rank: more than a device's HBM is a typo (1e308 overflowed)
-        v = getattr(args, name)
-        if v is not None and v > args.hbm_gib:
-            raise UsageError(f"--{name.replace('_', '-')} must be <= --hbm-gib ({args.hbm_gib:g} GiB per device), "
-                             f"got {v:g}")
-    # integer flags: parsed and range-checked by their type (_cli.int_arg)
-    for ps in args.pool_size or ():
-        problem = pool_size_problem(ps)
-        if problem is not None:
-            raise UsageError(f"--pool-size {problem[0]} (dsa_plan / dsa_install limits), got {problem[1]}")
-
-
 def _main(args: argparse.Namespace) -> int:
-    _check_args(args)
     shape = load_model_shape(args.config)
     like = load_model_shape(args.weights_like) if args.weights_like else None
-    result = plan(shape, budget_from_args(args, shape), batch=args.batch, weights_like=like)
+    budget = budget_from_args(args, shape)
+    # every number in range (capacity_plan_budget.LIMITS: nan, inf, negatives, beyond a kernel), named by its flag
+    budget.validate(flags=True)
+    result = plan(shape, budget, batch=args.batch, weights_like=like)
     try:
         print(json.dumps(result.to_json(), indent=2) if args.json else render(result))
     except BrokenPipeError:  # `offload-capacity | head`: the reader left, not an error

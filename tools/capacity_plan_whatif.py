@@ -40,6 +40,11 @@ from typing import Any, Optional, Sequence
 
 from offload_passes.custom_ops._pool import pool_size_problem
 
+try:  # package import (console script) or flat import (python tools/capacity_plan.py)
+    from .capacity_plan_budget import MAX_BATCH
+except ImportError:  # pragma: no cover - only when run as a loose script
+    from capacity_plan_budget import MAX_BATCH  # type: ignore
+
 log = logging.getLogger("offload_passes.tools.capacity_plan_whatif")
 
 #: name -> (value, unit, public source)
@@ -541,10 +546,10 @@ def render_trace(o: dict) -> str:
 #: CLI limits (the synthetic traces are generated per context: a context of 1e11 would allocate terabytes)
 MAX_CONTEXT = 1 << 20
 MAX_SEEDS = 16
-MAX_BATCH = 65536
+MAX_STEPS = 100000
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     from offload_passes import _cli
 
     ap = _cli.ArgumentParser(prog="offload-capacity --what-if", description=__doc__.split("\n\n")[0])
@@ -563,7 +568,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--models", default=None, help="trace models of the ensemble (default: all)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--trace", default=None,
-                    help="a recorded trace (offload-demo --record-trace, offload-trace record) or synth spec: "
+                    help="a recorded trace (offload-demo --record-trace, offload-trace record; an existing path is "
+                         "always read) or a synthetic spec synth[:calibrated][,key=value...] (offload-sim --help): "
                          "predict the latency of --policy with --pool on it instead of the ensemble study")
     ap.add_argument("--pool", type=_cli.int_arg("--pool"), default=8192, help="with --trace: pool slots per batch row")
     ap.add_argument("--policy", default="sa_fifo", help="with --trace: replacement policy")
@@ -577,34 +583,49 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="with --anchored: candidate real SA-FIFO 16K hit rates")
     ap.add_argument("--fifo16k-hit", type=float, default=None,
                     help="with --trace: the real SA-FIFO 16K hit rate (default: the trace's)")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = _parser()
     a = ap.parse_args(argv)
     try:
         import numpy  # noqa: F401
         import scipy.optimize  # noqa: F401
     except ImportError as e:
         ap.error(f"--what-if needs numpy and scipy ({e}): pip install 'offload_passes[plan]'")
-    from offload_passes.trace import models as tmodels
-    from offload_passes.trace import sim, study
-
     if a.anchored is not None:
-        try:
-            h16s = [float(x) for x in a.h16.split(",") if x]
-        except ValueError:
-            ap.error(f"--h16 must be comma-separated hit rates, got {a.h16!r}")
-        if not h16s or any(not REFERENCE_HIT[8192] < h <= 1.0 for h in h16s):
-            ap.error(f"--h16 must be hit rates in ({REFERENCE_HIT[8192]}, 1], got {a.h16!r}")
-        try:
-            with open(a.anchored) as fh:
-                st = json.load(fh)
-        except (OSError, ValueError) as e:
-            print(f"offload-capacity: error: --anchored {a.anchored}: {' '.join(str(e).split())}", file=sys.stderr)
-            return 2
-        print("\n".join(consistency_table(h16s) + [""] + anchored_table(st, h16s, mode=a.mode)))
-        return 0
+        return _main_anchored(ap, a)
     if a.trace is not None:
         a.warmup = a.warmup or 0
         return _main_trace(ap, a)
     a.warmup = 384 if a.warmup is None else a.warmup
+    return _main_ensemble(ap, a)
+
+
+def _main_anchored(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """``--anchored STUDY_JSON``: the 8K-vs-16K answer per policy at the candidate real 16K rates."""
+    try:
+        h16s = [float(x) for x in a.h16.split(",") if x]
+    except ValueError:
+        ap.error(f"--h16 must be comma-separated hit rates, got {a.h16!r}")
+    if not h16s or any(not REFERENCE_HIT[8192] < h <= 1.0 for h in h16s):
+        ap.error(f"--h16 must be hit rates in ({REFERENCE_HIT[8192]}, 1], got {a.h16!r}")
+    try:
+        with open(a.anchored) as fh:
+            st = json.load(fh)
+    except (OSError, ValueError) as e:
+        print(f"{ap.prog}: error: --anchored {a.anchored}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print("\n".join(consistency_table(h16s) + [""] + anchored_table(st, h16s, mode=a.mode)))
+    return 0
+
+
+def _main_ensemble(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """The ensemble study: every trace model, seed, context, pool, policy and batch."""
+    from offload_passes.trace import models as tmodels
+    from offload_passes.trace import sim, study
+
     pols = [p for p in a.policies.split(",") if p]
     bad = [p for p in pols if not study.known_policy(p)]
     if bad or not pols:
@@ -614,10 +635,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     badm = [m for m in which if m not in tmodels.MODELS]
     if badm or not which:
         ap.error(f"--models: unknown {', '.join(badm) or '(none)'}; choose from {', '.join(tmodels.MODELS)}")
+    _check_ranges(ap, a)
+    try:
+        o = what_if(a.batches, a.pools, pols, a.contexts, a.mode, a.seeds, a.steps, a.warmup, which)
+    except NonPhysicalFit as e:
+        print(f"{ap.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(json.dumps(o, indent=1) if a.json else render(o))
+    return 0
+
+
+def _check_ranges(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The ensemble's numbers in range (a context of 1e11 would allocate terabytes of trace)."""
     if not 1 <= a.seeds <= MAX_SEEDS:
         ap.error(f"--seeds must be in [1, {MAX_SEEDS}], got {a.seeds}")
-    if not 1 <= a.steps <= 100000 or not 0 <= a.warmup <= 100000:
-        ap.error(f"--steps must be in [1, 100000] and --warmup in [0, 100000], got {a.steps}, {a.warmup}")
+    for flag, v, lo in (("--steps", a.steps, 1), ("--warmup", a.warmup, 0)):
+        if not lo <= v <= MAX_STEPS:
+            ap.error(f"{flag} must be in [{lo}, {MAX_STEPS}], got {v}")
     shape = Shape()
     for c in a.contexts:
         if not shape.K < c <= MAX_CONTEXT:
@@ -630,13 +664,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         problem = pool_size_problem(ps)
         if problem is not None:
             ap.error(f"--pools {problem[0]} (dsa_plan / dsa_install limits), got {problem[1]}")
-    try:
-        o = what_if(a.batches, a.pools, pols, a.contexts, a.mode, a.seeds, a.steps, a.warmup, which)
-    except NonPhysicalFit as e:
-        print(f"offload-capacity: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    print(json.dumps(o, indent=1) if a.json else render(o))
-    return 0
 
 
 def _main_trace(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
@@ -656,12 +683,12 @@ def _main_trace(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         if v is not None and not 0.0 <= v <= 1.0:
             ap.error(f"{name} must be a hit rate in [0, 1], got {v}")
     try:
-        tr = trace_cli._load(a.trace)
+        tr = trace_cli.open_trace(a.trace)
         if not 0 <= a.warmup < tr.steps:
             raise ValueError(f"--warmup must be in [0, steps={tr.steps}) of the trace, got {a.warmup}")
         o = predict_trace(tr, a.policy, a.pool, a.batch, a.mode, a.warmup, a.fifo8k_hit, a.fifo16k_hit)
     except (ValueError, OSError, RuntimeError) as e:
-        print(f"offload-capacity: error: --trace {a.trace}: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"{ap.prog}: error: --trace {a.trace}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     o["trace"] = a.trace
     print(json.dumps(o, indent=1) if a.json else render_trace(o))

@@ -203,7 +203,8 @@ def test_weight_dims_missing_needs_weights_gib():
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"next_n": 4}, r"next_n must be in \[0, 3\]"),
+    ({"next_n": 4}, r"next_n must be an integer in \[0, 3\] \(raw_seq = 1 \+ next_n <= custom::dsa_install's "
+                     r"MAX_RAW_SEQ 4\), got 4"),
     ({"pool_sizes": (1000,)}, r"pool_size must be a multiple of 16 \(dsa_plan / dsa_install limits\), got 1000"),
     ({"pool_sizes": (32768,)}, r"pool_size must be in \(0, 16384\] \(dsa_plan / dsa_install limits\), got 32768"),
     ({"pool_sizes": (48 * 16,)}, r"pool_size / 16 \(sets\) must be a power of two \(dsa_plan / dsa_install "
@@ -211,9 +212,10 @@ def test_weight_dims_missing_needs_weights_gib():
     ({"pool_sizes": (16 * 4,)}, r"pool_size must be a multiple of the selection block size 128 "
                                 r"\(dsa_plan / dsa_install limits\), got 64"),
     ({"pool_sizes": (8192.0,)}, r"pool_size must be an integer, got 8192.0"),
-    ({"devices": 0}, "devices must be a positive integer, got 0"),
+    ({"devices": 0}, r"devices must be an integer in \[1, 8192\] \(up to 8192 devices\), got 0"),
     ({"hbm_per_device_gib": 64.0}, "hbm_per_device_gib: 64 GiB per device leaves no room for KV"),
-    ({"reserve_gib_per_rank": -1.0}, "reserve_gib_per_rank must be >= 0"),
+    ({"reserve_gib_per_rank": -1.0}, r"reserve_gib_per_rank must be a finite number in \[0, 4096\] \(GiB per rank\), "
+                                       r"got -1.0"),
     ({"kv_dtype_bytes": 1}, "kv_dtype_bytes must be 2 .* or 4 .*, got 1: the int8"),
 ])
 def test_bad_budget(kw, message):
@@ -256,7 +258,7 @@ def test_cli_json_and_errors(capsys):
     assert cp.main(["--config", "nope"]) == 2
     assert "offload-capacity: error: --config 'nope'" in capsys.readouterr().err
     assert cp.main(["--next-n", "5"]) == 2
-    assert "next_n must be in [0, 3]" in capsys.readouterr().err
+    assert "--next-n must be an integer in [0, 3]" in capsys.readouterr().err
 
 
 def test_offload_plan_is_an_alias_of_offload_capacity(capsys):
@@ -288,4 +290,7 @@ def test_weights_gib_beyond_the_device_is_one_line_error(capsys):
     # 1e308 GiB overflowed int() in the planner (a traceback)
     assert cp.main(["--config", "glm-5.2", "--weights-gib", "1e308"]) == 2
     err = capsys.readouterr().err
-    assert "--weights-gib must be <= --hbm-gib" in err and "Traceback" not in err and err.count("\n") == 1
+    assert err == "offload-capacity: error: --weights-gib must be a finite number in (0, 4096] (GiB per rank), got 1e+308\n"
+    assert cp.main(["--config", "glm-5.2", "--weights-gib", "200"]) == 2
+    assert capsys.readouterr().err == ("offload-capacity: error: --weights-gib must be <= --hbm-gib / "
+                                       "--ranks-per-device (64 GiB per rank), got 200\n")
