@@ -104,7 +104,11 @@ class MooncakeTier:
         return None
 
     def _setup(self, local_hostname: str, segment: int, buffer: int, protocol: str, device: str) -> Optional[str]:
-        from mooncake.store import MooncakeDistributedStore  # optional dependency: the [store] extra
+        try:
+            from mooncake.store import MooncakeDistributedStore  # optional dependency: the [store] extra
+        except ImportError as exc:
+            raise ImportError(f"MooncakeTier needs the Mooncake Store client: pip install "
+                              f"'offload_passes[store]' (mooncake-transfer-engine-non-cuda); {exc}") from exc
 
         client = MooncakeDistributedStore()
         rc = client.setup(local_hostname, self.metadata, segment, buffer, protocol, device, self.master)
