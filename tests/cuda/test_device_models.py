@@ -71,8 +71,10 @@ def _hf_run(preset: str, dev: torch.device, kind: str, ctx: int = 256) -> list:
     if key not in _HF_RUNS:
         from offload_passes.models import hf
 
-        b = hf.build(preset)
-        model = b.model.to(dev)
+        if preset not in _HF_RUNS:  # one model per preset: every run of it reads the same weights
+            b = hf.build(preset)
+            _HF_RUNS[preset] = (b, b.model.to(dev))
+        b, model = _HF_RUNS[preset]
         if kind == "unmodified":
             _HF_RUNS[key] = hf_logits(b, model, model, False, ctx, STEPS, dev)
         else:
@@ -132,6 +134,7 @@ def test_captured_decode_step_equals_op_by_op(dev, path, record_property):
     problems = capture_problems(be.final_graph())
     record_property("max_abs_diff", diff)
     record_property("replays", replays)
+    record_property("capture_problems", len(problems))
     assert problems == []
     assert diff == 0
     assert replays == (steps - 2 if dev.type == "cuda" else 0)  # warm-up and capture, then replays
