@@ -134,6 +134,7 @@ class PagedStore:
                 raise TypeError(f"PagedStore: store must be a KVStore (lacks {name}), got {type(store).__name__}")
         self.store = store
         self.chunk_tokens = store.chunk_tokens
+        self.last_keys: list[str] = []
 
     @property
     def stats(self) -> Any:
@@ -142,7 +143,10 @@ class PagedStore:
     def restore(self, model: Any, tokens: torch.Tensor, limit: int) -> int:
         """Load the longest stored prefix of ``tokens`` (at most ``limit`` tokens) into row 0 of ``model``
         (batch 1, identity block table); returns its length (0: nothing restored, the caches untouched)."""
+        look = self.store.lookup(tokens)
         n, chunks = self.store.load(tokens, limit=limit)
+        # the keys of what was loaded, in order (a partial last chunk has its own key): the reference's index
+        self.last_keys = [k for k, _, _ in look.chunks][: len(chunks)]
         if n:
             insert_paged(model, model.block_table[0].tolist(), chunks)
         return n
@@ -169,8 +173,9 @@ class RecomputeReference:
         self.chunks: dict[str, dict[str, torch.Tensor]] = {}
 
     def restore(self, model: Any, tokens: torch.Tensor, n: int) -> None:
+        """Call right after ``PagedStore.restore`` of the same ``tokens`` returned ``n``."""
         C = self.paged.chunk_tokens
-        keys = self.paged.store.chunk_keys(tokens)[: -(-n // C)]
+        keys = self.paged.last_keys[: -(-n // C)]  # what PagedStore.restore loaded for these tokens
         missing = [k for k in keys if k not in self.chunks]
         if missing:
             raise KeyError(f"RecomputeReference.restore: {len(missing)} chunk(s) of the restored prefix were stored "
