@@ -20,7 +20,7 @@ batch is the previous one's. docs/engine.md shows the loop; ``benchmarks/engine_
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -45,10 +45,11 @@ class EngineAdapter:
     def __init__(self, model: Any, *, row_tensors: Optional[Sequence[torch.Tensor]] = None,
                  ledgers: Optional[Sequence[torch.Tensor]] = None, batch_size: Optional[int] = None,
                  state: Optional[Callable[[], OffloadState]] = None) -> None:
+        where = "EngineAdapter"
         if row_tensors is None and ledgers is None:
             row_tensors, ledgers = request_rows(model)
-        self.row_tensors = list(row_tensors or ())
-        self.ledgers = list(ledgers or ())
+        self.row_tensors = _tensors(row_tensors, where, "row_tensors")
+        self.ledgers = _tensors(ledgers, where, "ledgers")
         if batch_size is None:
             if not self.ledgers:
                 raise ValueError("EngineAdapter: batch_size is needed when no ledgers are given (it is their first "
@@ -60,9 +61,12 @@ class EngineAdapter:
             if t.dim() == 0 or t.size(0) % batch_size:
                 raise ValueError(f"EngineAdapter: every row tensor and ledger needs a first dimension divisible by "
                                  f"batch_size={batch_size} (one block of rows per batch row), got {list(t.shape)}")
+        if state is not None and not callable(state):
+            raise TypeError(f"EngineAdapter: state must be a callable returning the OffloadState (e.g. "
+                            f"lambda: module_state(model)), got {type(state).__name__}")
         self.model = model
         self.batch_size = batch_size
-        self._state = state if state is not None else (lambda: module_state(model))
+        self._state = state if state is not None else (lambda: module_state(model, batch_size=batch_size))
         self._rows: list = []  # request id per row at the previous step (None: padding)
         self.batch_changes = 0
 
@@ -77,19 +81,13 @@ class EngineAdapter:
         ``written``: the ids whose KV the engine wrote outside the decode graph since the previous step (a
         prefill, a KV transfer, a re-admission after a retraction): they are new wherever they sit. Returns
         ``src`` (-1: a new request or a padding row); when it differs from the previous step's batch, the
-        model's rows and the offload state follow it."""
-        if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
-            raise TypeError(f"EngineAdapter.step: rows must be a list or tuple of request ids (None: a padding row), "
-                            f"one per batch row, got {type(rows).__name__}")
-        if not 1 <= len(rows) <= self.batch_size:
-            raise ValueError(f"EngineAdapter.step: rows must have 1 to {self.batch_size} entries (the batch), got "
-                             f"{len(rows)}")
-        ids = [r for r in rows if r is not None]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"EngineAdapter.step: a request runs in one row only, got rows={list(rows)}")
-        if isinstance(written, (str, bytes)):
-            raise TypeError("EngineAdapter.step: written must be a collection of request ids, got a string")
-        new = set(written)
+        model's rows and the offload state follow it.
+
+        Everything is checked before anything changes, the offload state's own checks included (it is
+        told first): a refused call leaves the model's rows, the offload state and the adapter's account
+        of the previous step as they were, so a corrected call is the only one applied."""
+        rows = _checked_rows(rows, self.batch_size)
+        new = _checked_written(written)
         prev = {rid: b for b, rid in enumerate(self._rows) if rid is not None}
         src = [prev.get(r, -1) if r is not None and r not in new else -1 for r in rows]
         old = self._rows
@@ -97,8 +95,65 @@ class EngineAdapter:
         changed = len(rows) != len(old) or any(
             (r is not None and x != b) or (r is None and old[b] is not None) for b, (r, x) in enumerate(zip(rows, src)))
         if changed:
+            self.state.move_rows(src)  # first: it refuses what it cannot hold before anything moved
             follow_requests(self.row_tensors, self.ledgers, src, self.batch_size)
-            self.state.move_rows(src)
             self.batch_changes += 1
-        self._rows = list(rows)
+        self._rows = rows
         return src
+
+
+def _tensors(value: Any, where: str, arg: str) -> list[torch.Tensor]:
+    """``value`` (None: none) as a list of tensors, each named when it is not one."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor) or not isinstance(value, Iterable):
+        raise TypeError(f"{where}: {arg} must be a list or tuple of tensors (one per buffer), got "
+                        f"{type(value).__name__}")
+    out = list(value)
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {arg}[{i}] must be a tensor, got {type(t).__name__}")
+    return out
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _checked_rows(rows: Any, batch_size: int) -> list:
+    """``EngineAdapter.step``'s ``rows`` as a list, after every check."""
+    where = "EngineAdapter.step"
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise TypeError(f"{where}: rows must be a list or tuple of request ids (None: a padding row), one per "
+                        f"batch row, got {type(rows).__name__}")
+    if not 1 <= len(rows) <= batch_size:
+        raise ValueError(f"{where}: rows must have 1 to {batch_size} entries (the batch), got {len(rows)}")
+    for b, r in enumerate(rows):
+        if not _hashable(r):
+            raise TypeError(f"{where}: rows[{b}] is {type(r).__name__} {r!r}, not a request id (ids must be "
+                            f"hashable; None: a padding row)")
+    ids = [r for r in rows if r is not None]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{where}: a request runs in one row only, got rows={list(rows)}")
+    return list(rows)
+
+
+def _checked_written(written: Any) -> set:
+    """``EngineAdapter.step``'s ``written`` as a set, after every check."""
+    where = "EngineAdapter.step"
+    if written is None or isinstance(written, (str, bytes, Mapping)) or not isinstance(written, Iterable):
+        what = "None" if written is None else f"{type(written).__name__}"
+        if isinstance(written, (int, float, str, bytes)) and not isinstance(written, bool):
+            what += f" {written!r}"
+        raise TypeError(f"{where}: written must be a collection of request ids (a set, list or tuple; empty: "
+                        f"none written), got {what}")
+    items = list(written)
+    for i, x in enumerate(items):
+        if not _hashable(x):
+            raise TypeError(f"{where}: written[{i}] is {type(x).__name__} {x!r}, not a request id (ids must be "
+                            f"hashable)")
+    return set(items)

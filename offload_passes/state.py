@@ -48,11 +48,12 @@ def row_indices(value: Any, where: str, arg: str, lo: int, hi: Optional[int], li
     """``value`` as a list of ints, each in ``[lo, hi)`` (``hi`` None: no upper limit known yet).
 
     Accepted: a list, tuple or range of Python / numpy ints (and, with ``sets``, a set: order-free row
-    lists), a 1-D integer tensor on any device, a 1-D integer numpy array. Refused with a ``TypeError``
-    naming ``where``, ``arg`` and the accepted forms: a bool mask (a mask is not a row list), floats (a
-    float is not an index, 2.0 included), strings, mappings, iterators and generators (they cannot be
-    checked without being consumed), scalars, None. ``ValueError``: a tensor or array that is not 1-D, an
-    entry outside ``[lo, hi)`` (the message carries ``limit``, what the bound is)."""
+    lists), a 1-D integer tensor on any real device (strided layout), a 1-D integer numpy array. Refused
+    with a ``TypeError`` naming ``where``, ``arg``, the accepted forms and the limit: a bool mask (a mask is
+    not a row list), floats (a float is not an index, 2.0 and NaN included), strings, mappings, iterators
+    and generators (they cannot be checked without being consumed), scalars, None, a meta or sparse
+    tensor (no values to read). ``ValueError``: a tensor or array that is not 1-D, an entry outside
+    ``[lo, hi)`` (the message carries ``limit``, what the bound is)."""
     forms = ROW_FORMS.replace("list, tuple or range of ints", "list, tuple, range or set of ints") if sets \
         else ROW_FORMS
     bound = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
@@ -60,55 +61,103 @@ def row_indices(value: Any, where: str, arg: str, lo: int, hi: Optional[int], li
     def refuse(what: str) -> TypeError:
         return TypeError(f"{where}: {arg} must be {forms}, each in {bound} ({limit}); got {what}")
 
-    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
-        dt = getattr(value, "dtype", None)
-        if dt is None or getattr(value, "ndim", None) is None:
-            raise refuse(f"{type(value).__name__} {value!r}")
-        is_bool = dt == torch.bool if isinstance(value, torch.Tensor) else str(dt) == "bool"
-        is_int = (not dt.is_floating_point and not dt.is_complex) if isinstance(value, torch.Tensor) \
-            else str(dt).startswith(("int", "uint"))
-        if is_bool:
-            raise refuse(f"a bool mask {type(value).__name__} of shape {list(value.shape)} (a mask is not a row "
-                         f"list: pass its row indices, e.g. mask.nonzero().flatten())")
-        if not is_int:
-            raise refuse(f"a {type(value).__name__} of dtype {dt}")
-        if value.ndim != 1:
-            raise ValueError(f"{where}: {arg} must be 1-D (one entry per row), got shape {list(value.shape)}")
-        items = [int(x) for x in value.tolist()]
+    if isinstance(value, torch.Tensor):
+        items = _tensor_items(value, where, arg, refuse)
+    elif type(value).__module__ == "numpy":
+        items = _array_items(value, where, arg, refuse)
     elif isinstance(value, (list, tuple, range)) or (sets and isinstance(value, (set, frozenset))):
-        items = []
-        for x in value:
-            if isinstance(x, bool) or type(x).__name__ in ("bool_", "bool"):
-                raise refuse(f"{type(value).__name__} holding the bool {x!r} (a mask is not a row list: pass its "
-                             f"row indices)")
-            if not isinstance(x, numbers.Integral):
-                raise refuse(f"{type(value).__name__} holding {type(x).__name__} {x!r}")
-            items.append(int(x))
+        items = _sequence_items(value, refuse)
     else:
-        what = f"{type(value).__name__}"
-        if isinstance(value, (int, float, str, bytes)) or value is None:
-            what += f" {value!r}" + (f" (one row: pass [{value}])" if isinstance(value, int) and
-                                     not isinstance(value, bool) else "")
-        raise refuse(what)
+        raise refuse(_describe(value))
     bad = [x for x in items if x < lo or (hi is not None and x >= hi)]
     if bad:
         raise ValueError(f"{where}: {arg} entries must be in {bound} ({limit}), got {bad}")
     return items
 
 
-def _rows_limit(held: int, cap: Optional[int]) -> str:
-    """What bounds an announcement's rows, for its error messages."""
-    if cap is None or cap <= held:
-        return f"the batch: the {held} rows of the offload state"
-    return (f"the {held} rows held, or up to {cap} for a larger batch bucket whose graph has not run yet "
-            f"(the full caches' blocks)")
+#: the tensor dtypes a row list may have (quantized and bit dtypes are not indices)
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+_MASK_HINT = "a mask is not a row list: pass its row indices, e.g. mask.nonzero().flatten()"
+
+
+def _tensor_items(t: torch.Tensor, where: str, arg: str, refuse: Any) -> list[int]:
+    """A tensor's entries, after checks that it has values (not meta, not sparse) of an integer dtype."""
+    if t.layout != torch.strided:
+        raise refuse(f"a {t.layout} Tensor (a row list is a dense tensor: pass t.to_dense())")
+    if t.device.type == "meta":
+        raise refuse("a meta Tensor (it holds no values)")
+    if t.dtype == torch.bool:
+        raise refuse(f"a bool mask Tensor of shape {list(t.shape)} ({_MASK_HINT})")
+    if t.dtype not in _INT_DTYPES:
+        raise refuse(f"a Tensor of dtype {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{where}: {arg} must be 1-D (one entry per row), got shape {list(t.shape)}")
+    return [int(x) for x in t.tolist()]
+
+
+def _array_items(a: Any, where: str, arg: str, refuse: Any) -> list[int]:
+    """A numpy array's entries (a numpy scalar is refused as not 1-D: one row is ``[x]``)."""
+    dt = getattr(a, "dtype", None)
+    if dt is None or getattr(a, "ndim", None) is None:
+        raise refuse(f"{type(a).__name__} {a!r}")
+    if str(dt) == "bool":
+        raise refuse(f"a bool mask ndarray of shape {list(a.shape)} ({_MASK_HINT})")
+    if not str(dt).startswith(("int", "uint")):
+        raise refuse(f"a {type(a).__name__} of dtype {dt}")
+    if a.ndim != 1:
+        raise ValueError(f"{where}: {arg} must be 1-D (one entry per row), got shape {list(a.shape)}")
+    return [int(x) for x in a.tolist()]
+
+
+def _sequence_items(value: Any, refuse: Any) -> list[int]:
+    """A list / tuple / range / set's entries, each a Python or numpy int (a bool is refused: no mask)."""
+    items = []
+    for x in value:
+        if isinstance(x, bool) or type(x).__name__ in ("bool_", "bool"):
+            raise refuse(f"{type(value).__name__} holding the bool {x!r} (a mask is not a row list: pass its "
+                         f"row indices)")
+        if not isinstance(x, numbers.Integral):
+            raise refuse(f"{type(value).__name__} holding {type(x).__name__} {x!r}")
+        items.append(int(x))
+    return items
+
+
+def _describe(value: Any) -> str:
+    """What a refused row list is, for the message (a single int: the list it should have been)."""
+    what = type(value).__name__
+    if isinstance(value, (int, float, str, bytes)) or value is None:
+        what += f" {value!r}"
+        if isinstance(value, int) and not isinstance(value, bool):
+            what += f" (one row: pass [{value}])"
+    return what
+
+
+def check_flag(value: Any, where: str, arg: str, none_ok: bool = False) -> None:
+    """``value`` must be True or False (or None with ``none_ok``): a TypeError naming the call otherwise."""
+    if isinstance(value, bool) or (none_ok and value is None):
+        return
+    allowed = "None, True or False" if none_ok else "True or False"
+    raise TypeError(f"{where}: {arg} must be {allowed}, got {type(value).__name__} {value!r}")
+
+
+def batch_text(held: int, cap: int, ran: Sequence[int], declared: Optional[int]) -> str:
+    """What bounds an announcement's rows, for its error messages: the batch sizes that exist."""
+    sizes = ", ".join(map(str, ran)) if ran else str(held)
+    text = f"the batch: {held} rows held, graphs of batch {sizes} ran on these caches"
+    if declared is not None:
+        text += f", the model's batch {declared}"
+        if cap < declared:
+            text += " (private state: it cannot grow)"
+    return text
 
 
 class GroupPools:
     """The tensors of one IndexShare group on one set of full caches (shared by every graph serving them)."""
 
     __slots__ = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external_write", "pools", "ran",
-                 "versions", "flagged", "seen_table", "announced", "expect", "max_rows", "gen", "__weakref__")
+                 "versions", "flagged", "seen_table", "announced", "announced_batch", "growable", "batches", "gen",
+                 "__weakref__")
 
     def __init__(self, B: int, PS: int, IR: int, dims: Sequence[tuple[int, int, torch.dtype]],
                  device: torch.device, table_cols: int = 0) -> None:
@@ -131,12 +180,15 @@ class GroupPools:
         # begin_request / move_rows since the last step: the engine named every row it wrote outside the
         # graph, so an outside write seen by the version counters invalidates only those rows
         self.announced = False
-        # an announcement that named rows past the ones held (a batch bucket whose graph has not bound yet):
-        # (what, rows, exact), checked against the batch of the next graph that binds (StateBinder.state_for)
-        self.expect: Optional[tuple[str, int, bool]] = None
-        # how far an announcement may grow a shared group (StateRegistry.bind sets it: the full caches'
-        # blocks, every batch row holds blocks of its own); None: private state, never grown
-        self.max_rows: Optional[int] = None
+        # the batch a move_rows since the last step named (len(src)); the next graph's batch is compared with
+        # it (a mismatch is served exactly and logged: StateBinder.state_for)
+        self.announced_batch: Optional[int] = None
+        # shared state (StateRegistry.bind): graphs take the tensors per call, so an announcement for a larger
+        # batch bucket may grow them; private state (a graph's buffers) never grows
+        self.growable = False
+        # the batch sizes of the graphs bound to these tensors (what an announcement's row count is checked
+        # against, with the model's batch)
+        self.batches: set[int] = {B}
         self.ran = False  # has served a step (a fresh group holds nothing that could be stale)
         self.versions: Optional[tuple] = None  # the full caches' version counters after the last step
         self.flagged = False  # external_write was set for the coming step
@@ -276,6 +328,9 @@ class OffloadState:
     layouts: Optional[list] = field(default=None, repr=False, compare=False)
     cache_refs: Optional[list] = field(default=None, repr=False, compare=False)
     shared: bool = field(default=False, repr=False, compare=False)
+    # the model's batch (module_state): how many rows an announcement may name before a graph of that batch
+    # has run on a shared state (a larger bucket); None: the rows held
+    batch_limit: Optional[int] = field(default=None, repr=False, compare=False)
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -371,6 +426,9 @@ class OffloadState:
 
     def totals(self, which: str = "total") -> dict[str, int]:
         """Sums over groups of ``counters()[*][which]``."""
+        if which not in ("step", "total"):
+            raise ValueError(f"OffloadState.totals: which must be 'step' (the last decode step) or 'total' (the "
+                             f"running sum), got {which!r}")
         keys = ("hits", "misses", "window", "host_rows_read")
         agg = {k: 0 for k in keys}
         for c in self.counters():
@@ -388,9 +446,7 @@ class OffloadState:
         reset also clears the counters (``counters``: None, True or False overrides); a row reset keeps
         them. Bad input raises ``TypeError`` / ``ValueError`` before anything changes.
         """
-        if counters is not None and not isinstance(counters, bool):
-            raise TypeError(f"OffloadState.reset: counters must be None, True or False, got "
-                            f"{type(counters).__name__} {counters!r}")
+        check_flag(counters, "OffloadState.reset", "counters", none_ok=True)
         idx = None if rows is None else row_indices(rows, "OffloadState.reset", "rows", 0, self.B or None,
                                                      f"the batch B={self.B}")
         if not self.groups:  # nothing compiled yet: nothing cached
@@ -432,13 +488,22 @@ class OffloadState:
                 out.append(g.shared)
         return out
 
-    def _limits(self) -> tuple[int, Optional[int]]:
-        """(rows every shared group holds now, how far an announcement may name rows: the shared groups'
-        ``max_rows`` when all can grow, else the rows held)."""
+    def _limits(self) -> tuple[Optional[int], Optional[int], str]:
+        """(rows every shared group holds now, how many rows an announcement may name, the message text).
+
+        The bound is the largest batch that exists: the rows held (the largest graph bound so far) or,
+        when every group can grow (shared state), the model's batch (``batch_limit``, from
+        :func:`module_state`): a larger bucket whose graph has not run yet."""
         groups = self._shared_groups()
+        if not groups:  # nothing compiled yet: only the model's batch is known (None: nothing)
+            n = self.batch_limit
+            return n, n, "the batch" if n is None else f"the model's batch {n}; no graph has run yet"
         held = min(sg.rows for sg in groups)
-        caps = [sg.max_rows for sg in groups]
-        return held, (min(caps) if all(c is not None for c in caps) else held)
+        cap = held
+        if self.batch_limit is not None and all(sg.growable for sg in groups):
+            cap = max(held, self.batch_limit)
+        ran = sorted(set().union(*(sg.batches for sg in groups)))
+        return held, cap, batch_text(held, cap, ran, self.batch_limit)
 
     @torch.no_grad()
     def begin_request(self, rows: Iterable[int]) -> None:
@@ -448,24 +513,23 @@ class OffloadState:
         an outside write the version counters show then invalidates only these rows, not the batch
         (docs/new-requests.md, "The engine's contract"). ``rows`` may be empty (nothing new).
 
-        ``rows``: as :func:`row_indices` accepts them (a bool mask is refused), each in ``[0, B)``; on a
-        shared state (the CPU modes) a row past the ones held so far is accepted for a larger batch bucket
-        whose graph has not run yet, and checked against the batch of the next graph that runs."""
+        ``rows``: as :func:`row_indices` accepts them (a bool mask is refused), each below the largest batch
+        that exists (:meth:`_limits`: the rows held, or on a shared state the model's batch, for a larger
+        bucket whose graph has not run yet: such a row holds nothing yet). Everything is checked before
+        anything changes: a refused call changes nothing."""
         where = "OffloadState.begin_request"
-        if not self.groups:  # nothing compiled yet: nothing cached; the form is still checked
-            row_indices(rows, where, "rows", 0, None, "the batch")
-            return
-        held, cap = self._limits()
-        idx = row_indices(rows, where, "rows", 0, cap, _rows_limit(held, cap))
+        _, cap, text = self._limits()  # nothing compiled yet: nothing cached, but the call is still checked
+        idx = row_indices(rows, where, "rows", 0, cap, text)
         self._reset_rows(idx)
-        self._announce(where, (max(idx) + 1) if idx and max(idx) >= held else 0, exact=False)
+        self._announce(None)
 
-    def _announce(self, where: str, past: int, exact: bool) -> None:
-        """Mark every shared group announced; ``past`` > 0: the announcement named that many rows, more than
-        a group held, to be checked against the next graph's batch (``exact``: equal to it, else at most)."""
+    def _announce(self, batch: Optional[int]) -> None:
+        """Mark every shared group announced (the engine's account of the interval before the next step);
+        ``batch``: the next step's batch a ``move_rows`` named."""
         for sg in self._shared_groups():
             sg.announced = True
-            sg.expect = (where, past, exact) if past else None
+            if batch is not None:
+                sg.announced_batch = batch
 
     @torch.no_grad()
     def move_rows(self, src: Sequence[int]) -> None:
@@ -475,34 +539,49 @@ class OffloadState:
         graph: only the ``-1`` rows may have been (docs/new-requests.md). ``src`` is as long as the next
         step's batch; with batch buckets it may be shorter than the shared state's rows (the largest
         bucket): the rows past it hold no request and are emptied. Longer than the rows held (a larger
-        bucket whose graph has not run yet; shared state only): the shared state grows to it at once, and
-        the next graph that runs must have exactly ``len(src)`` rows.
+        bucket whose graph has not run yet: shared state, up to the model's batch): the shared state grows
+        to it at once.
 
         ``src``: a list, tuple or range of ints, or a 1-D integer tensor / numpy array (any device); each
-        entry in ``[-1, rows)`` (the rows of the previous step), no row twice. Bad input raises
-        ``TypeError`` / ``ValueError`` naming the limit before anything changes."""
+        entry in ``[-1, rows)`` (the rows of the previous step), no row twice, 1 to the largest batch that
+        exists entries (:meth:`_limits`). Bad input raises ``TypeError`` / ``ValueError`` naming the call,
+        the argument and the limit before anything changes."""
         where = "OffloadState.move_rows"
-        if not self.groups:  # nothing compiled yet: nothing cached; the form is still checked
-            row_indices(src, where, "src", -1, None, "the rows of the previous step", sets=False)
-            return
-        held, cap = self._limits()
-        full_src = row_indices(src, where, "src", -1, held, f"the {held} rows of the offload state: the rows of "
-                               "the previous step; -1: a new request", sets=False)
-        if not 1 <= len(full_src) <= cap:
-            raise ValueError(f"{where}: src must have one entry per batch row of the next step, 1 to {cap} "
-                             f"({_rows_limit(held, cap)}), got {len(full_src)}")
+        full_src = self._checked_src(src, where)  # nothing compiled yet: nothing to move, the call is checked
+        if self.groups:
+            self._move(full_src)
+        self._announce(len(full_src))
+
+    def _checked_src(self, src: Any, where: str) -> list[int]:
+        """``src`` as a list, after every check of :meth:`move_rows` (nothing changed yet)."""
+        held, cap, text = self._limits()
+        rows = "the rows of the previous step"
+        if held is not None:
+            rows = f"the {held} rows of the offload state: {rows}"
+        full_src = row_indices(src, where, "src", -1, held, f"{rows}; -1: a new request", sets=False)
+        if not full_src or (cap is not None and len(full_src) > cap):
+            count = "at least 1" if cap is None else f"1 to {cap}"
+            raise ValueError(f"{where}: src must have one entry per batch row of the next step, {count} "
+                             f"({text}), got {len(full_src)}")
         kept = [x for x in full_src if x >= 0]
         if len(set(kept)) != len(kept):
             dup = sorted({x for x in kept if kept.count(x) > 1})
             raise ValueError(f"{where}: src names row(s) {dup} twice: a request cannot move to two rows")
-        n = len(full_src)
+        return full_src
+
+    @torch.no_grad()
+    def _move(self, src: list[int]) -> None:
+        """Row ``b`` of every shared group takes row ``src[b]`` (checked); ``-1`` rows and the rows past
+        ``len(src)`` are emptied; a state with fewer rows grows first (a larger bucket next)."""
+        n = len(src)
         groups = self._shared_groups()
+        held = min(sg.rows for sg in groups)
         if n > held:  # a larger batch bucket next: its rows exist before its graph binds
             for sg in groups:
                 sg.grow(n)
         rows = max(n, held)
         # a smaller batch bucket next: the rows past it hold no request (emptied, never trusted)
-        full = full_src + [-1] * (rows - n)
+        full = src + [-1] * (rows - n)
         if any(x >= 0 and x != b for b, x in enumerate(full)):  # some request moves (-1 rows: emptied below)
             idx = torch.tensor([max(x, 0) for x in full], dtype=torch.long)
             for sg in groups:
@@ -510,7 +589,6 @@ class OffloadState:
                 for t in sg.per_row():
                     t[:rows].copy_(t[:rows][i])
         self._reset_rows([b for b, x in enumerate(full) if x < 0])
-        self._announce(where, n if n > held else 0, exact=True)
 
     @torch.no_grad()
     def reset_counters(self) -> None:
@@ -521,12 +599,16 @@ class OffloadState:
     def record_trace(self, enable: bool = True) -> None:
         """Start (``enable=False``: stop) recording the top-k and lengths every ``dsa_plan`` of this state's
         groups receives, step by step; ``trace()`` returns them. Recording stays on until stopped."""
+        check_flag(enable, "OffloadState.record_trace", "enable")
         from .trace.record import attach
 
         attach(self, enable)
 
     def trace(self, model: str = "unknown"):
         """The recorded steps as an ``offload_passes.trace.Trace`` (``save_trace`` writes the npz)."""
+        if not isinstance(model, str):
+            raise TypeError(f"OffloadState.trace: model must be a str (the trace's model name), got "
+                            f"{type(model).__name__}")
         from .trace.record import state_trace
 
         return state_trace(self, model)
@@ -633,7 +715,7 @@ class StateRegistry:
             sg = ref() if ref is not None else None
             if sg is None:
                 sg = GroupPools(lay.B, lay.pool_size, lay.id_range, lay.dims, dev, lay.table_cols)
-                sg.max_rows = max(lay.B, min(int(t.size(0)) for t in cs)) if cs else None
+                sg.growable = True  # taken per call: an announcement for a larger bucket may grow it
                 self._shared[skey] = weakref.ref(sg)
                 for t in cs:
                     self._watch(_owner(t), skey)
@@ -643,6 +725,7 @@ class StateRegistry:
                 log.debug("%s: group %d's shared state grows from %d to %d rows", graph_id, lay.group_id,
                           sg.rows, lay.B)
                 sg.grow(lay.B)
+            sg.batches.add(lay.B)
             shared.append(sg)
         st = OffloadState.from_shared(graph_id, layouts, shared)
         self._bindings[key] = st
@@ -765,13 +848,37 @@ class StateRegistry:
         return out
 
 
-def module_state(module: Any, registry: Optional[StateRegistry] = None) -> OffloadState:
+def module_state(module: Any, registry: Optional[StateRegistry] = None,
+                 batch_size: Optional[int] = None) -> OffloadState:
     """The offload state of every graph that serves ``module`` (its buffers own the full caches; the graphs
     may get them as views), graph breaks and batch buckets included: one :class:`OffloadState` over all
     of them, with every row of the shared state (the largest batch bound), layers numbered in the
     module's buffer order (views of one buffer by address), groups by first layer. Empty
-    (``groups == []``, ``reset`` a no-op) before the first call."""
-    reg = registry or REGISTRY
+    (``groups == []``, ``reset`` a no-op) before the first call.
+
+    ``batch_size``: the model's (largest) batch, how many rows an announcement may name before a graph of
+    that batch has run (default: ``module.batch_size`` when it is an int, else the rows held)."""
+    where = "module_state"
+    if not callable(getattr(module, "buffers", None)):  # a module, or an object listing its cache tensors
+        raise TypeError(f"{where}: module must be a torch.nn.Module (the model whose buffers hold the full caches), "
+                        f"got {type(module).__name__}")
+    if registry is not None and not isinstance(registry, StateRegistry):
+        raise TypeError(f"{where}: registry must be a StateRegistry or None, got {type(registry).__name__}")
+    if batch_size is None:
+        own = getattr(module, "batch_size", None)
+        batch_size = own if isinstance(own, int) and not isinstance(own, bool) and own >= 1 else None
+    elif isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise TypeError(f"{where}: batch_size must be an int >= 1 (the model's batch) or None, got "
+                        f"{type(batch_size).__name__} {batch_size!r}")
+    elif batch_size < 1:
+        raise ValueError(f"{where}: batch_size must be an int >= 1 (the model's batch) or None, got {batch_size}")
+    st = _module_groups(module, registry or REGISTRY)
+    st.batch_limit = batch_size
+    return st
+
+
+def _module_groups(module: Any, reg: StateRegistry) -> OffloadState:
+    """:func:`module_state` after its checks: the groups found by the module's buffers."""
     pos: dict[int, int] = {}
     for i, buf in enumerate(module.buffers()):
         pos.setdefault(id(buf), i)
@@ -841,23 +948,20 @@ def _check_outside_writes(sg: GroupPools, caches: Sequence[torch.Tensor], graph_
         log.debug("%s: full caches written outside the graph since its last step: invalidating every row", graph_id)
 
 
-def _check_expected_rows(g: GroupState, graph_id: str) -> None:
-    """An announcement that named more rows than its state held (``GroupPools.expect``) must fit the batch of
-    the graph that runs next: ``move_rows`` exactly, ``begin_request`` at most. Checked once, before the
-    step."""
-    exp = g.shared.expect
-    if exp is None:
-        return
-    g.shared.expect = None
-    where, rows, exact = exp
-    if (rows == g.B) if exact else (rows <= g.B):
-        return
-    g.shared.announced = False  # a refused announcement is void: the version-counter fallback applies again
-    if exact:
-        raise ValueError(f"{where}: src had {rows} entries, but the next step ran {graph_id}, a graph of batch "
-                         f"{g.B}: src must have one entry per row of the next step's batch")
-    raise ValueError(f"{where}: rows named row {rows - 1}, but the next step ran {graph_id}, a graph of batch {g.B}: "
-                     f"rows must be in [0, {g.B})")
+def _check_announced_batch(st: OffloadState, graph_id: str) -> None:
+    """A ``move_rows`` names the next step's batch (``len(src)``). A graph of another batch may still run:
+    the rows past ``len(src)`` were emptied and the rows past the graph's batch are not served, so the step
+    is exact; but the engine's account and its step disagree, which the log says (once per announcement)."""
+    named = [(g.shared.announced_batch, g.B) for g in st.groups if g.shared.announced_batch is not None]
+    for g in st.groups:
+        g.shared.announced_batch = None
+    bad = [(n, b) for n, b in named if n != b]
+    if bad:
+        n, b = bad[0]
+        log.warning("%s: OffloadState.move_rows named a batch of %d rows (src had %d entries), but this step runs a "
+                    "graph of batch %d: src should be as long as the next step's batch (docs/new-requests.md). "
+                    "Served exactly: the rows past src were emptied, the rows past the batch are not served.",
+                    graph_id, n, n, b)
 
 
 @torch.no_grad()
@@ -866,6 +970,7 @@ def after_step(sg: GroupPools, caches: Sequence[torch.Tensor]) -> None:
     clear the flag the step consumed."""
     sg.versions = cache_versions(caches)
     sg.announced = False  # an announcement covers the interval before one step
+    sg.announced_batch = None
     if sg.flagged:
         sg.external_write.zero_()
         sg.flagged = False
@@ -940,8 +1045,7 @@ class StateBinder:
             st = self._initial
         else:
             st = self.registry.bind(self.graph_id, self.layouts, caches, keys)
-        for g in st.groups:
-            _check_expected_rows(g, self.graph_id)
+        _check_announced_batch(st, self.graph_id)
         self._note_fresh(st)
         if self.registry.activate(st, caches, keys):
             self.cold_resets += 1

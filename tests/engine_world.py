@@ -6,6 +6,12 @@ with the offload backend and glued by ``offload_passes.engine.EngineAdapter`` (t
 the same compiled model told nothing (the loop only keeps its ledgers with their requests, the unmodified
 model's own requirement). Every step of both compiled lanes is compared with the unmodified one.
 
+A schedule's ``invalid`` rate has the announcing lane's engine try, before that many of its steps, a
+wrong announcement first (:data:`HOSTILE`: too many rows, a row past the batch, a bool mask, floats, a
+meta tensor, a row twice; ``EngineAdapter.step`` with ``written=None`` or an unhashable id, ...): each
+must raise, change nothing (offload state, the model's rows, the adapter's account), and the corrected
+announcement that follows keeps the lane bit-identical with the unmodified model.
+
 A :class:`World` compiles its lanes once (one cell: S, ``update_ledger``, buckets, mode); each schedule
 runs a new :class:`~offload_passes.models.glm.serve.Server` on them after putting every model and offload
 state back to where it started, so a schedule's result does not depend on the ones before it (what
@@ -13,9 +19,11 @@ hypothesis needs to replay and shrink).
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+import pytest
 import torch
 from hypothesis import strategies as st
 
@@ -55,6 +63,7 @@ class Schedule:
     mtp_accept: str = "random"
     prompt_len: tuple = (64, 160)
     output_len: tuple = (1, 6)
+    invalid: float = 0.0  # share of steps whose announcement is tried wrong first (module doc)
 
 
 SCHEDULES = st.builds(
@@ -69,7 +78,48 @@ SCHEDULES = st.builds(
     # one prompt length: a new request's first length equals its predecessor's (the same-block case)
     prompt_len=st.sampled_from([(64, 64), (96, 96), (64, 160)]),
     output_len=st.sampled_from([(1, 1), (1, 3), (2, 8)]),
+    invalid=st.sampled_from([0.0, 0.5, 1.0]),
 )
+
+
+def _limit(state: Any) -> int:
+    """How many rows an announcement may name on ``state`` (the model's batch before the first step)."""
+    return state._limits()[1]
+
+
+#: wrong announcements: (name, call(adapter, rows, written, limit) that must raise, the exception)
+HOSTILE: list[tuple[str, Callable, type]] = [
+    ("src one too long", lambda ad, r, w, n: ad.state.move_rows([-1] * (n + 1)), ValueError),
+    ("src row twice", lambda ad, r, w, n: ad.state.move_rows([0, 0] + [-1] * (len(r) - 2)), ValueError),
+    ("src a bool mask", lambda ad, r, w, n: ad.state.move_rows(torch.ones(len(r), dtype=torch.bool)), TypeError),
+    ("src floats", lambda ad, r, w, n: ad.state.move_rows([float(b) for b in range(len(r))]), TypeError),
+    ("src NaN", lambda ad, r, w, n: ad.state.move_rows(torch.full((len(r),), float("nan"))), TypeError),
+    ("src meta", lambda ad, r, w, n: ad.state.move_rows(torch.zeros(len(r), dtype=torch.long, device="meta")),
+     TypeError),
+    ("src sparse", lambda ad, r, w, n: ad.state.move_rows(torch.arange(len(r)).to_sparse()), TypeError),
+    ("rows past the batch", lambda ad, r, w, n: ad.state.begin_request([0, n]), ValueError),
+    ("rows a float", lambda ad, r, w, n: ad.state.begin_request([0.0]), TypeError),
+    ("adapter too many rows", lambda ad, r, w, n: ad.step(list(r) + [None] * (ad.batch_size + 1 - len(r)), w),
+     ValueError),
+    ("adapter written None", lambda ad, r, w, n: ad.step(r, None), TypeError),
+    ("adapter written int", lambda ad, r, w, n: ad.step(r, 5), TypeError),
+    ("adapter unhashable id", lambda ad, r, w, n: ad.step([["x"]] + list(r)[1:], w), TypeError),
+    ("adapter id twice", lambda ad, r, w, n: ad.step(["x", "x"], w), ValueError),
+]
+
+
+def _snapshot(adapter: EngineAdapter) -> list:
+    """Everything a refused announcement must leave as it was."""
+    st = adapter.state
+    out: list = [t.clone() for t in st.tensors().values()] if st.groups else []
+    out += [[(g.shared.announced, g.shared.announced_batch, g.shared.rows) for g in st.groups]]
+    out += [t.clone() for t in adapter.row_tensors + adapter.ledgers]
+    return out + [list(adapter._rows), adapter.batch_changes]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+                                    for x, y in zip(a, b))
 
 
 class World:
@@ -109,10 +159,27 @@ class World:
             self.backends.append(be)
             if name == "told":  # the announcing lane: told by the engine adapter
                 self.adapter = EngineAdapter(m)
-                self.lanes.append(lane(m, be, engine_step=self.adapter.step))
+                self.lanes.append(lane(m, be, engine_step=self._engine_step))
             else:  # told nothing: the loop only keeps its ledgers with their requests
                 self.lanes.append(lane(m, be))
         self.fresh = True
+        self._rng = random.Random(0)
+        self._invalid = 0.0
+        self._first = 0
+        self.refused: list[str] = []  # the wrong announcements tried (and refused) in the last run
+
+    def _engine_step(self, rows: list, written: set) -> list:
+        """The announcing lane's engine: sometimes a wrong announcement first (refused, nothing changed),
+        then the right one."""
+        ad = self.adapter
+        if self._rng.random() < self._invalid:  # the kinds in turn, from a schedule-chosen one
+            name, call, exc = HOSTILE[(self._first + len(self.refused)) % len(HOSTILE)]
+            before = _snapshot(ad)
+            with pytest.raises(exc):
+                call(ad, rows, written, _limit(ad.state))
+            assert _same(before, _snapshot(ad)), f"the refused announcement '{name}' changed something"
+            self.refused.append(name)
+        return ad.step(rows, written)
 
     def model(self, name: str) -> Any:
         """The model of lane ``name`` (``"told"``, ``"blind"``)."""
@@ -142,6 +209,10 @@ class World:
         if not self.fresh:
             self._restart()
         self.fresh = False
+        self._rng = random.Random(sched.seed)
+        self._invalid = sched.invalid
+        self._first = self._rng.randrange(len(HOSTILE))
+        self.refused = []
         cfg = ServeConfig(seed=sched.seed, prompt_len=sched.prompt_len, output_len=sched.output_len,
                           mtp_accept=sched.mtp_accept, arrival=sched.arrival, free_list=sched.free_list,
                           retract=sched.retract)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from offload_passes.state import GroupLayout, OffloadState, row_indices
+from offload_passes.state import GroupLayout, OffloadState, module_state, row_indices
 
 B = 4
 
@@ -60,6 +60,22 @@ HOSTILE = [
     ("move_rows", ([],), ValueError, "src must have one entry per batch row .*got 0"),
     ("move_rows", ([0, 0, 1, 2],), ValueError, r"src names row\(s\) \[0\] twice"),
     ("move_rows", (np.array([[0, 1, 2, 3]]),), ValueError, r"src must be 1-D .*got shape \[1, 4\]"),
+    # tensors with no values to read, other dtypes, NaN
+    ("move_rows", (torch.tensor([1, 0, 2, 3], device="meta"),), TypeError, r"src .*got a meta Tensor \(it holds no "
+                                                                          r"values\)"),
+    ("move_rows", (torch.tensor([1, 0, 2, 3]).to_sparse(),), TypeError, r"src .*got a torch.sparse_coo Tensor \(a "
+                                                                       r"row list is a dense tensor"),
+    ("begin_request", (torch.tensor([1]).to_sparse(),), TypeError, "rows .*sparse_coo Tensor"),
+    ("begin_request", (torch.empty(1, device="meta", dtype=torch.long),), TypeError, "rows .*a meta Tensor"),
+    ("move_rows", (torch.tensor([float("nan")] * 4),), TypeError, "src .*a Tensor of dtype torch.float32"),
+    ("move_rows", ([float("nan")] * 4,), TypeError, "src .*holding float nan"),
+    ("move_rows", (np.array([1.0, 0.0, 2.0, 3.0]),), TypeError, "src .*an? ndarray of dtype float64"),
+    ("move_rows", (torch.tensor([1, 0, 2, 3], dtype=torch.complex64),), TypeError, "src .*dtype torch.complex64"),
+    ("move_rows", (np.array(["1", "0", "2", "3"]),), TypeError, "src .*ndarray of dtype <U1"),
+    ("move_rows", (np.int64(1),), ValueError, r"src must be 1-D .*got shape \[\]"),
+    ("move_rows", (torch.tensor(1),), ValueError, r"src must be 1-D .*got shape \[\]"),
+    ("begin_request", (b"\x01",), TypeError, r"rows .*got bytes b'\\x01'"),
+    ("begin_request", (iter([1]),), TypeError, r"rows .*got list_iterator"),
 ]
 
 
@@ -126,6 +142,54 @@ def test_an_empty_state_checks_the_form_too():
         st.move_rows([0.5])
     with pytest.raises(ValueError, match=r"OffloadState.move_rows: src entries must be in >= -1"):
         st.move_rows([-3])
+
+
+@pytest.mark.parametrize("call,exc,msg", [
+    (lambda st: st.totals("steps"), ValueError, r"OffloadState\.totals: which must be 'step' .* or 'total' .*got "
+                                                r"'steps'"),
+    (lambda st: st.record_trace("yes"), TypeError, r"OffloadState\.record_trace: enable must be True or False, got "
+                                                   r"str 'yes'"),
+    (lambda st: st.record_trace(None), TypeError, r"OffloadState\.record_trace: enable must be True or False"),
+    (lambda st: st.trace(3), TypeError, r"OffloadState\.trace: model must be a str .*got int"),
+    (lambda st: module_state(st), TypeError, r"module_state: module must be a torch\.nn\.Module .*got OffloadState"),
+    (lambda st: module_state(torch.nn.Linear(1, 1), registry={}), TypeError,
+     r"module_state: registry must be a StateRegistry or None, got dict"),
+    (lambda st: module_state(torch.nn.Linear(1, 1), batch_size=0), ValueError,
+     r"module_state: batch_size must be an int >= 1 .*got 0"),
+    (lambda st: module_state(torch.nn.Linear(1, 1), batch_size=2.0), TypeError,
+     r"module_state: batch_size must be an int >= 1 .*got float 2\.0"),
+])
+def test_every_public_call_names_its_bad_argument_and_changes_nothing(call, exc, msg):
+    st = _state()
+    before = _snapshot(st)
+    with pytest.raises(exc, match=msg):
+        call(st)
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(before, _snapshot(st)))
+
+
+def test_the_row_count_limit_is_the_batch_that_exists():
+    """A private state (a graph's buffers) holds one batch and cannot grow: ``move_rows`` takes 1 to B entries
+    whatever the model's batch says, and ``begin_request`` rows below B; an empty state (nothing compiled)
+    knows only the model's batch, and checks against it."""
+    st = _state()
+    st.batch_limit = 8  # a model of batch 8: this private state still cannot grow past its 4 rows
+    with pytest.raises(ValueError, match=r"src must have one entry per batch row of the next step, 1 to 4 \(the "
+                                         r"batch: 4 rows held, graphs of batch 4 ran on these caches, the model's "
+                                         r"batch 8 \(private state: it cannot grow\)\), got 5"):
+        st.move_rows([0, 1, 2, 3, -1])
+    with pytest.raises(ValueError, match=r"rows entries must be in \[0, 4\)"):
+        st.begin_request([4])
+    empty = module_state(torch.nn.Linear(1, 1), batch_size=2)
+    assert empty.groups == [] and empty.batch_limit == 2
+    with pytest.raises(ValueError, match=r"OffloadState\.move_rows: src must have one entry per batch row of the "
+                                         r"next step, 1 to 2 \(the model's batch 2; no graph has run yet\), got 3"):
+        empty.move_rows([-1, -1, -1])
+    with pytest.raises(ValueError, match=r"OffloadState\.begin_request: rows entries must be in \[0, 2\)"):
+        empty.begin_request([2])
+    with pytest.raises(ValueError, match=r"OffloadState\.move_rows: src names row\(s\) \[0\] twice"):
+        empty.move_rows([0, 0])
+    empty.move_rows([1, -1])
+    empty.begin_request([1])
 
 
 def test_row_indices_names_where_and_the_limit():

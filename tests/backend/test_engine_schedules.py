@@ -6,6 +6,10 @@ or interleaved), with the compiled model glued by the engine adapter (``offload_
 the same model told nothing. Both are exact at every step in eager, for S = 1..4, with the ledger kept or
 not (the NPU modes' default). The npugraph_ex cut is in tests/converters/test_new_requests_npu.py.
 
+Schedules also have the announcing lane's engine try wrong announcements before some steps (too many
+rows, bool masks, floats, meta tensors, ``written=None``, ...; ``engine_world.HOSTILE``): each is refused
+at the call with nothing changed, and the corrected one that follows keeps every step exact.
+
 CI runs a few cells and examples; ``OFFLOAD_PASSES_LONG=1`` every cell with more examples."""
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from engine_world import SCHEDULES, TOL, Cell, Schedule, World
+from engine_world import HOSTILE, SCHEDULES, TOL, Cell, Schedule, World
 from offload_passes.engine import EngineAdapter
 from offload_passes.state import module_state
 
@@ -100,20 +104,49 @@ def test_buckets_in_any_order_are_exact_and_warm():
                                                                     world.backends[0].reports), st
 
 
-def test_an_announcement_for_a_bucket_not_bound_yet_is_checked_against_the_next_graph():
-    """``move_rows`` with more entries than the rows held grows the shared state at once; the next graph
-    that runs must have exactly that batch, else a ValueError names the announcement (nothing runs)."""
+def test_every_wrong_announcement_is_refused_and_the_corrected_one_stays_exact():
+    """Before every step the engine first tries a wrong announcement (each kind of ``HOSTILE`` in turn, over
+    buckets 1 and 2 of 4: small, large, the state growing for a bucket whose graph has not run): each raises
+    and changes nothing, the corrected one follows, and both lanes equal the unmodified model at every
+    step (asserted by ``_check``); the announcing lane stays warmer than the lane told nothing."""
+    world = World(Cell(2, False, (1, 2)))
+    out = _check(world, Schedule(seed=3, steps=2 * len(HOSTILE), arrival=0.5, retract=0.25, output_len=(2, 6),
+                                 invalid=1.0))
+    assert sorted(set(world.refused)) == sorted(name for name, *_ in HOSTILE), world.refused
+    assert len(set(out["bucket"])) >= 2 and world.adapter.batch_changes > 0, out["bucket"]
+    assert sum(out["hits_told"]) > sum(out["hits_blind"]), out
+
+
+def test_an_announcement_for_a_bucket_not_bound_yet_grows_the_state_and_names_its_limit(caplog):
+    """``move_rows`` with more entries than the rows held grows the shared state at once, up to the model's
+    batch (``module_state`` of the largest model: 4); one entry more is refused naming the batch sizes that
+    exist, and changes nothing. A graph of another batch running next is served exactly (rows past ``src``
+    emptied, rows past its batch not served) and logged."""
+    import logging
+
     world = World(Cell(1, False, (2,)), lanes=("told",))
     world.run(Schedule(seed=4, steps=2, arrival=0.2, output_len=(4, 8)))  # buckets [2, 2]
     st = module_state(world.model("told"))
     assert [g.pool_ids.size(0) for g in st.groups] == [2, 2], "only the B=2 bucket has run"
-    st.move_rows([0, 1, -1, -1])  # a B=4 step is announced
-    assert [g.pool_ids.size(0) for g in module_state(world.model("told")).groups] == [4, 4]
+    before = [t.clone() for t in st.tensors().values()]
+    ids0 = st.groups[0].pool_ids.clone()
+    with pytest.raises(ValueError, match=r"OffloadState.move_rows: src must have one entry per batch row of the "
+                                         r"next step, 1 to 4 \(the batch: 2 rows held, graphs of batch 2 ran on these "
+                                         r"caches, the model's batch 4\), got 5"):
+        st.move_rows([0, 1, -1, -1, -1])
+    assert all(torch.equal(a, b) for a, b in zip(before, st.tensors().values())) and st.groups[0].pool_ids.size(0) == 2
+    with pytest.raises(ValueError, match=r"OffloadState.move_rows: src must have one entry .*1 to 2 \(the batch: 2 "
+                                         r"rows held, graphs of batch 2 ran on these caches, the model's batch 2\), got 4"):
+        module_state(world.model("told"), batch_size=2).move_rows([0, 1, -1, -1])
+    st.move_rows([1, 0, -1, -1])  # a B=4 step is announced
+    st4 = module_state(world.model("told"))
+    assert [g.pool_ids.size(0) for g in st4.groups] == [4, 4]
+    assert torch.equal(st4.groups[0].pool_ids[:2], ids0[[1, 0]]) and (st4.groups[0].pool_ids[2:] == -1).all()
     bm, step = world.lanes[1].buckets[2]
-    ids = torch.zeros(2, 1, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"OffloadState.move_rows: src had 4 entries, but the next step ran "
-                                         r"graph_\d+, a graph of batch 2"):
-        step(ids, torch.tensor([[70], [70]]))
+    with caplog.at_level(logging.WARNING, logger="offload_passes.state"), torch.no_grad():
+        step(torch.zeros(2, 1, dtype=torch.long), torch.tensor([[70], [70]]))
+    msg = [r.getMessage() for r in caplog.records if "move_rows named a batch of 4 rows" in r.getMessage()]
+    assert len(msg) == 1 and "runs a graph of batch 2" in msg[0], msg
 
 
 def test_engine_adapter_names_bad_input():
@@ -128,6 +161,21 @@ def test_engine_adapter_names_bad_input():
             ad.step(rows)
     with pytest.raises(TypeError, match="written must be a collection of request ids"):
         ad.step([1], written="1")
+    for written, msg in ((None, "written must be a collection of request ids .*got None"),
+                         (5, "written must be a collection of request ids .*got int 5"),
+                         ({1: 2}, "written must be a collection of request ids .*got dict"),
+                         ([[1]], r"written\[0\] is list \[1\], not a request id")):
+        with pytest.raises(TypeError, match=rf"EngineAdapter\.step: {msg}"):
+            ad.step([1], written=written)
+    with pytest.raises(TypeError, match=r"EngineAdapter\.step: rows\[1\] is dict \{\}, not a request id"):
+        ad.step([1, {}])
+    with pytest.raises(TypeError, match=r"EngineAdapter: row_tensors\[0\] must be a tensor, got int"):
+        EngineAdapter(world.model("told"), row_tensors=[1], ledgers=())
+    with pytest.raises(TypeError, match=r"EngineAdapter: ledgers must be a list or tuple of tensors"):
+        EngineAdapter(world.model("told"), row_tensors=(), ledgers=torch.zeros(4, 2))
+    with pytest.raises(TypeError, match=r"EngineAdapter: state must be a callable returning the OffloadState"):
+        EngineAdapter(world.model("told"), state=module_state(world.model("told")))
+    assert ad._rows == [] and ad.batch_changes == 0  # every refused call changed nothing
     with pytest.raises(ValueError, match="batch_size is needed when no ledgers are given"):
         EngineAdapter(world.model("told"), row_tensors=(), ledgers=())
     with pytest.raises(ValueError, match=r"first dimension divisible by batch_size=3"):
