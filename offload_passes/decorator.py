@@ -11,11 +11,13 @@ breaks included; empty before the first call), ``offload_backend`` (the ``Offloa
 that ``generate()`` builds): its ``offload_state`` is then the state bound to the caches of the
 backend's most recently run rewritten graph, i.e. of the last ``generate()`` call.
 
-Hugging Face models (``generate()``): the class form compiles ``nn.Module.__call__``, which ``generate``
-calls, so it offloads as it is. The instance form keeps ``generate``: ``offload(model).generate(...)``
-runs the model's own ``generate`` with its ``forward`` compiled by the backend for the duration of the
-call (``torch.compile(model).generate()`` compiles nothing: torch's wrapper hands ``generate`` to the
-original module; see docs/hf.md).
+Hugging Face models (``generate()``): ``offload(model).generate(...)`` and the class form's ``generate`` run
+the model's own ``generate`` with a :class:`offload_passes.hf_generate.GenerateRouter` for the duration of the
+call: where the caller chose no cache it supplies a ``StaticCache`` of a bucketed length (``cache_len_buckets``,
+``host_kv``), the prefill runs eagerly and each decode key (batch, cache length) is compiled once from a code
+object of its own, so a server's varied traffic stays offloaded under Dynamo's recompile limit (docs/hf.md, "A
+server's traffic"). ``torch.compile(model).generate()`` compiles nothing: torch's wrapper hands ``generate`` to
+the original module.
 
 ``copy.deepcopy``, ``torch.save`` / ``torch.load(..., weights_only=False)`` and ``pickle`` keep the
 module's parameters and buffers and its offload options; the copy (or loaded module) is compiled again
@@ -26,7 +28,6 @@ backend are process state, not module state). ``state_dict()`` holds the wrapped
 """
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -34,11 +35,14 @@ from torch import nn
 
 from . import _compat
 from .backend import OffloadBackend, make_offload_backend
+from .hf_generate import GenerateRouter, check_cache_len_buckets, generate_kwargs, own_method
 from .hf_reorder import cache_tensors
 from .state import OffloadState, module_state
 
 #: Options ``make_offload_backend`` takes beside ``OffloadOptions`` (the NPU lowerings').
 _NPU_KW = ("compiler_config", "npu_options", "side_stream")
+#: Options of ``generate()`` under ``offload`` (offload_passes/hf_generate.py), not of the backend.
+_GENERATE_KW = ("cache_len_buckets", "host_kv")
 
 
 def own_forward(model: nn.Module) -> Any:
@@ -47,15 +51,9 @@ def own_forward(model: nn.Module) -> Any:
     model's ``forward`` is one wrapper function (transformers/utils/generic.py), so models compiled through
     it share one budget and a third model may run unmodified. ``torch.compile(own_forward(model),
     backend=...)`` compiles the same code, counted for this model alone (``offload(model)`` does this)."""
-    bound = model.forward
-    f = getattr(bound, "__func__", None)
-    if not isinstance(f, types.FunctionType):
-        raise TypeError(f"own_forward: model.forward must be a method defined in Python, got {type(bound).__name__}")
-    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    g.__kwdefaults__ = f.__kwdefaults__
-    g.__dict__.update(f.__dict__)
-    g.__qualname__, g.__doc__, g.__module__ = f.__qualname__, f.__doc__, f.__module__
-    return types.MethodType(g, bound.__self__)
+    return own_method(model.forward, where="own_forward: model.forward")
+
+
 
 
 def _rebuild_options(backend: OffloadBackend, options: dict) -> dict:
@@ -92,39 +90,33 @@ class _ExposesOffload:
 class OffloadedModule(_ExposesOffload, nn.Module):
     """A module compiled with the offload backend (the original stays reachable as ``.module``)."""
 
-    def __init__(self, module: nn.Module, backend: OffloadBackend, options: dict | None = None):
+    def __init__(self, module: nn.Module, backend: OffloadBackend, options: dict | None = None,
+                 generate_options: dict | None = None):
         super().__init__()
         self.module = module
         self.offload_backend = backend
         self._offload_rebuild = _rebuild_options(backend, options or {})
+        self._generate_options = dict(generate_options or {})
         self._compiled = torch.compile(module, backend=backend)
-        # generate() (HF GenerationMixin) calls the module's forward: compiled per call, see generate()
-        # its own code object: its recompiles do not count against other models' (own_forward)
-        self._compiled_forward = torch.compile(own_forward(module), backend=backend) if hasattr(module, "generate") \
+        # generate() (HF GenerationMixin): the cache and the compiled decode step per call, see generate()
+        self.offload_router = GenerateRouter(backend, **self._generate_options) if hasattr(module, "generate") \
             else None
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's ``generate`` with its ``forward`` compiled by the backend during the call."""
+        """The wrapped model's ``generate``; during the call the cache (where the caller chose none) and the
+        compiled decode steps are ``offload_router``'s (offload_passes/hf_generate.py)."""
         m = self.module
-        if self._compiled_forward is None:
+        if self.offload_router is None:
             raise AttributeError(f"{type(m).__name__} has no generate()")
-        had = "forward" in m.__dict__
-        prev = m.__dict__.get("forward")
-        m.forward = self._compiled_forward
-        try:
-            return m.generate(*args, **kwargs)
-        finally:
-            if had:
-                m.forward = prev
-            else:
-                del m.forward
+        with self.offload_router.installed(m):
+            return m.generate(*args, **generate_kwargs(kwargs))
 
     def __getstate__(self) -> dict:
         # the backend (weak references, compiled graphs) and the compiled wrapper are process state: a copy
         # gets its own in __setstate__ (pickling them fails deep inside a WeakValueDictionary)
         state = dict(self.__dict__)
         state.pop("offload_backend", None)
-        state.pop("_compiled_forward", None)
+        state.pop("offload_router", None)
         state["_modules"] = {k: v for k, v in self._modules.items() if k != "_compiled"}
         return state
 
@@ -132,7 +124,7 @@ class OffloadedModule(_ExposesOffload, nn.Module):
         super().__setstate__(state)
         self.offload_backend = make_offload_backend(**self._offload_rebuild)
         self._compiled = torch.compile(self.module, backend=self.offload_backend)
-        self._compiled_forward = torch.compile(own_forward(self.module), backend=self.offload_backend) \
+        self.offload_router = GenerateRouter(self.offload_backend, **self._generate_options) \
             if hasattr(self.module, "generate") else None
 
     def _offload_target(self) -> nn.Module:
@@ -142,26 +134,42 @@ class OffloadedModule(_ExposesOffload, nn.Module):
         return self._compiled(*args, **kwargs)
 
 
-def _wrap_class(cls: type, opts: dict) -> type:
+def _wrap_class(cls: type, opts: dict, generate_options: dict) -> type:
     class Offloaded(_ExposesOffload, cls):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
-            # not an nn.Module attribute (no submodule registration): keep it out of state_dict
+            self._offload_setup()
+
+        def _offload_setup(self) -> None:
+            # not nn.Module attributes (no submodule registration): kept out of state_dict
             object.__setattr__(self, "offload_backend", make_offload_backend(**opts))
+            router = GenerateRouter(self.offload_backend, **generate_options) if hasattr(cls, "generate") else None
+            object.__setattr__(self, "offload_router", router)
             self.compile(backend=self.offload_backend)
 
         def __getstate__(self) -> dict:
             # nn.Module.compile's wrapper calls *this* instance's _call_impl: a deep copy keeping it would
-            # run the original model; the backend is process state. Both are made anew in __setstate__.
+            # run the original model; the backend and router are process state. All made anew in __setstate__.
             state = dict(self.__dict__)
-            for k in ("offload_backend", "_compiled_call_impl"):
+            for k in ("offload_backend", "offload_router", "_compiled_call_impl"):
                 state.pop(k, None)
             return state
 
         def __setstate__(self, state: dict) -> None:
             super().__setstate__(state)
-            object.__setattr__(self, "offload_backend", make_offload_backend(**opts))
-            self.compile(backend=self.offload_backend)
+            self._offload_setup()
+
+        if hasattr(cls, "generate"):
+            def generate(self, *args: Any, **kwargs: Any) -> Any:
+                """The model's ``generate`` as ``offload(model).generate`` runs it (offload_passes/hf_generate.py):
+                the compiled ``__call__`` is set aside for the call, the router compiles the decode steps."""
+                compiled = self.__dict__.get("_compiled_call_impl")
+                object.__setattr__(self, "_compiled_call_impl", None)
+                try:
+                    with self.offload_router.installed(self):
+                        return super().generate(*args, **generate_kwargs(kwargs))
+                finally:
+                    object.__setattr__(self, "_compiled_call_impl", compiled)
 
     Offloaded.__name__ = cls.__name__
     Offloaded.__qualname__ = cls.__qualname__
@@ -170,13 +178,15 @@ def _wrap_class(cls: type, opts: dict) -> type:
     return Offloaded
 
 
-class _CacheTensors:
-    """The tensors of a cache object in layer order, for ``module_state`` (which reads ``buffers()``)."""
+class _CacheTensors(nn.Module):
+    """The tensors of a cache object in layer order, for ``module_state`` (which takes a module and reads its
+    ``buffers()``); not registered as buffers: they stay the cache's."""
 
     def __init__(self, tensors: list):
+        super().__init__()
         self._tensors = tensors
 
-    def buffers(self) -> Any:
+    def buffers(self, recurse: bool = True) -> Any:
         return iter(self._tensors)
 
 
@@ -196,12 +206,19 @@ def static_cache_state(cache: Any) -> OffloadState:
 
 
 def offload(target: Any = None, /, **options: Any) -> Any:
-    """Decorate a model class or wrap an instance; options as ``make_offload_backend``."""
+    """Decorate a model class or wrap an instance; options as ``make_offload_backend``, and for a Hugging Face
+    model's ``generate()``: ``cache_len_buckets`` (None: powers of two from 64; or strictly increasing ints)
+    and ``host_kv`` (the supplied cache a ``HostStaticCache``), offload_passes/hf_generate.py."""
+    gen = {k: options.pop(k) for k in _GENERATE_KW if k in options}
+    gen["cache_len_buckets"] = check_cache_len_buckets(gen.get("cache_len_buckets"))
+    if not isinstance(gen.setdefault("host_kv", False), bool):
+        raise TypeError(f"offload: host_kv must be a bool, got {type(gen['host_kv']).__name__}")
+
     def apply(t: Any) -> Any:
         if isinstance(t, type) and issubclass(t, nn.Module):
-            return _wrap_class(t, options)
+            return _wrap_class(t, options, gen)
         if isinstance(t, nn.Module):
-            return OffloadedModule(t, make_offload_backend(**options), options)
+            return OffloadedModule(t, make_offload_backend(**options), options, gen)
         raise TypeError(f"offload: expected an nn.Module class or instance, got {type(t).__name__}")
 
     if target is None:

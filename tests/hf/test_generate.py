@@ -169,25 +169,32 @@ def test_compile_config_helper_and_what_torch_rejects(refs):
 
 
 def test_offload_instance_and_class_keep_generate(refs):
-    """offload(model).generate(...) and @offload on the HF class: both offload, and offload_state /
-    offload_reports show the pools bound to the generate() call's StaticCache."""
+    """offload(model).generate(...) and @offload on the HF class: both offload (the decode step compiled, the
+    prefill eager: offload_passes/hf_generate.py), with the caller's cache_implementation="static" as with
+    generate()'s defaults, and offload_state / offload_reports show the pools bound to the call's StaticCache."""
     torch._dynamo.reset()
     ids, mask = _prompt(2, 72, 30)
     w = offload(_model(), pool_size=1024)
     out = w.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache_implementation="static",
                      output_scores=True, return_dict_in_generate=True, pad_token_id=0)
     assert "forward" not in w.module.__dict__  # the model itself is left as it was
+    assert "_prepare_cache_for_generation" not in w.module.__dict__
     st = _check_call(out, refs, ids, mask)
     assert w.offload_state.totals() == st.totals() and w.offload_state.totals()["hits"] > 0
-    assert _kinds(w.offload_backend, len(w.offload_reports)) == (1, 1) == (len(w.offload_reports) - 1, 1)
+    assert _kinds(w.offload_backend, len(w.offload_reports)) == (1, 0) and len(w.offload_reports) == 1
+    assert w.offload_router.supplied == 0 and w.offload_router.compiled == 1  # the caller chose the cache
 
     torch._dynamo.reset()
     cls = offload(pool_size=1024)(type(refs["float32"]))
     m = _model(cls=cls)
-    out = _generate(m, ids, mask)
-    st = _check_call(out, refs, ids, mask)
-    assert len(m.offload_state.groups) == 1 and m.offload_state.totals() == st.totals()
-    assert _kinds(m.offload_backend, len(m.offload_reports)) == (1, 1) and len(m.offload_reports) == 2
+    for kw in ({"cache_implementation": "static"}, {}):  # the caller's StaticCache, then generate()'s defaults
+        out = m.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=0, **kw)
+        st = _check_call(out, refs, ids, mask)
+        assert len(m.offload_state.groups) == 1 and m.offload_state.totals() == st.totals()
+    assert _kinds(m.offload_backend, len(m.offload_reports)) == (2, 0) and len(m.offload_reports) == 2
+    assert m.offload_router.supplied == 1 and m.offload_router.compiled == 2  # max_cache_len 75, then 128
+    assert m.__dict__.get("_compiled_call_impl") is not None and "forward" not in m.__dict__
 
 
 def test_torch_compile_of_the_model_warns_that_generate_compiles_nothing():
