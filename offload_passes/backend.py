@@ -1,11 +1,9 @@
 """The ``dsa_offload`` torch.compile backend: the class Dynamo calls, its factories and the default instance.
 
-One core for every exe_mode (:class:`OffloadBackend`): graph ids, the rewrite (``pipeline.py``: every
-front-end, the guards, the new-request invalidation), state binding with the stale-state rule and the
-outside-write check (``state.StateBinder``), dumps and the typed report (``report.GraphReport``). The
-modes differ only in their lowering (``modes.MODES``: ``lowering.cpu.CpuLowering`` for eager /
-inductor, ``lowering.npu.NpuLowering`` for ge_graph / npugraph_ex). The design decisions and their reasons
-are written once, in docs/design.md.
+One core for every exe_mode (:class:`OffloadBackend`): a compile runs the pass list (``pipeline.py``: the
+core's passes, then the lowering's own), binds the state (``state.StateBinder``: the stale-state rule and
+the outside-write check), records and dumps the report, and lowers. The modes differ only in their lowering
+(``modes.MODES``).
 """
 from __future__ import annotations
 
@@ -28,10 +26,10 @@ from .lowering import LowerContext, Lowering
 from .modes import CPU_EXE_MODES, EXE_MODES, MODES, NPU_EXE_MODES, check_exe_mode, lowering_for
 from .options import OffloadOptions
 from .passes import _fx
-from .passes.emit import InstallHook
+from .passes.manager import CompileContext
 from .passes.refusal import OffloadRefused
 from .passes.state_inputs import state_as_inputs, static_fakes
-from .pipeline import OffloadWarning, new_graph_id, rewrite_for_offload, warn_once
+from .pipeline import CORE_PASSES, OffloadWarning, new_graph_id, rewrite_for_offload, run_passes, warn_once
 from .report import GraphReport
 from .state import REGISTRY, OffloadState, StateBinder
 
@@ -208,7 +206,6 @@ class OffloadBackend:
         self._last: Optional[weakref.ref] = None  # binder of the rewritten graph that ran last
         # the newest MAX_REPORTS GraphReports (a process-long backend must not grow per compile)
         self.reports: "collections.deque[GraphReport]" = collections.deque(maxlen=MAX_REPORTS)
-        self.install_hook: Optional[InstallHook] = None  # CPU modes; the NPU lowerings bring their own
         # graph id -> its compiled callable, weakly: the post-reinplace graph lives as long as Dynamo keeps
         # the compiled graph (torch._dynamo.reset() and deleting the model free it)
         self._compiled: "weakref.WeakValueDictionary[str, _Compiled]" = weakref.WeakValueDictionary()
@@ -267,8 +264,8 @@ class OffloadBackend:
 
     # -- compile --------------------------------------------------------------------------
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
-        """Rewrite (every mode alike), bind the state, record / dump the report, lower per mode.
-        ``kwargs``: what Dynamo passes; torch.compile's ``mode`` goes to the lowering, which honours or refuses it."""
+        """The pass list (the core's, then the lowering's), the state bound, the report kept and dumped, the
+        lowered step. ``kwargs``: what Dynamo passes; torch.compile's ``mode`` goes to the lowering."""
         compile_mode = check_torch_mode(kwargs.pop("mode", None))
         t_start = time.perf_counter()
         graph_id = new_graph_id()
@@ -276,50 +273,70 @@ class OffloadBackend:
         dumper = Dumper(dump_dir) if dump_dir else None
         if dumper:
             dumper.graph(graph_id, "dynamo", gm)
-        opts, hook = self.lowering.prepare(self.options, graph_id, self.install_hook)
-        gm, state, report = rewrite_for_offload(gm, example_inputs, opts, hook, graph_id,
-                                                state_from_caches=self.lowering.state_from_caches)
-        report.dynamo = _dynamo_frame()
-        if report.dynamo is not None:
-            _count_frame_compile(report.dynamo, gm, example_inputs)
-        if report.dynamo is not None and report.dynamo["last_allowed"] and (report.rewritten or report.dense):
-            # past this compile Dynamo runs the frame as it is (no graph, no offload) for any shape its guards
-            # reject, and says so once in its own log; the user hears it from us too
-            msg = _recompile_limit_message(graph_id, report.dynamo, report.frontend == "hf" or bool(report.hf))
-            log.warning(msg)
-            warn_once(("recompile_limit", graph_id), msg)  # the last allowed compile: once per frame
-        self.lowering.after_rewrite(gm, state, report, opts, hook)
-        binder = None
-        bump: list[int] = []
-        if state is not None:
-            if dumper:
-                dumper.graph(graph_id, "rewrite", gm)
-            gm, example_inputs, binder = self._bind(gm, example_inputs, state, graph_id)
-            binder.frontend = report.frontend or "recipe"
-            report.state_per_caches = binder.input_names is not None
-            report.cold_resets = 0  # counted by the binder (a pattern that keeps the pools cold)
-            if report.frontend == "hf":  # beam search moves every cache row each step: the pools follow
-                follow_cache_reorders()
-        elif MODES[opts.exe_mode].platform != "cpu":
-            bump = _fx.mutated_placeholders(gm)
-        self.reports.append(report)
+        ctx = CompileContext.start(gm, example_inputs, graph_id, self.options,
+                                   state_from_caches=self.lowering.state_from_caches,
+                                   in_graph_guards=MODES[self.options.exe_mode].guards)
+        self.lowering.configure(ctx)
+        with _fx.paused_gc():  # a full sweep of the compiler's heap is never charged to a pass at random
+            run_passes(ctx, [*CORE_PASSES, *self.lowering.passes(ctx)])
+        self._note_frame(ctx)
+        gm, example_inputs, binder, bump = self._bind_state(ctx, dumper)
+        self.reports.append(ctx.report)
         if dumper:  # before lowering too: a lowering that stops (no CANN here) leaves the report
-            dumper.report(report.to_dict())
-        ctx = LowerContext(graph_id, opts, state, report, dumper, dict(kwargs), compile_mode)
-        timings = report.timings
+            dumper.report(ctx.report.to_dict())
+        lctx = LowerContext(graph_id, ctx.options, ctx.state, ctx.report, dumper, dict(kwargs), compile_mode)
+        fn = self._lower(gm, example_inputs, lctx, t_start)
+        compiled = _Compiled(fn, binder, self, graph_id, bump, lctx.final_graph, ctx.report)
+        if lctx.final_graph is not None:
+            self._recent_graphs.append((graph_id, lctx.final_graph))
+        self._compiled[graph_id] = compiled
+        return compiled
+
+    @staticmethod
+    def _note_frame(ctx: CompileContext) -> None:
+        """Dynamo's compile id of the frame; the compile that reaches its recompile_limit warns: past it Dynamo
+        runs the frame as it is (no graph, no offload) for any shape its guards reject."""
+        report = ctx.report
+        report.dynamo = _dynamo_frame()
+        if report.dynamo is None:
+            return
+        _count_frame_compile(report.dynamo, ctx.gm, ctx.example_inputs)
+        if report.dynamo["last_allowed"] and (report.rewritten or report.dense):
+            msg = _recompile_limit_message(ctx.graph_id, report.dynamo, report.frontend == "hf" or bool(report.hf))
+            log.warning(msg)
+            warn_once(("recompile_limit", ctx.graph_id), msg)  # the last allowed compile: once per frame
+
+    def _bind_state(self, ctx: CompileContext, dumper: Optional[Dumper]
+                    ) -> tuple[fx.GraphModule, Sequence[Any], Optional[StateBinder], list[int]]:
+        """A rewritten graph's binder (its dump first); a graph without offload whose lowering may hide its
+        input writes (graph replay off the CPU) gets the inputs it writes, whose versions it moves itself."""
+        state, report = ctx.state, ctx.report
+        if state is None:
+            bump = _fx.mutated_placeholders(ctx.gm) if MODES[ctx.options.exe_mode].platform != "cpu" else []
+            return ctx.gm, ctx.example_inputs, None, bump
+        if dumper:
+            dumper.graph(ctx.graph_id, "rewrite", ctx.gm)
+        gm, example_inputs, binder = self._bind(ctx.gm, ctx.example_inputs, state, ctx.graph_id)
+        binder.frontend = report.frontend or "recipe"
+        report.state_per_caches = binder.input_names is not None
+        report.cold_resets = 0  # counted by the binder (a pattern that keeps the pools cold)
+        if report.frontend == "hf":  # beam search moves every cache row each step: the pools follow
+            follow_cache_reorders()
+        return gm, example_inputs, binder, []
+
+    def _lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext, t_start: float
+               ) -> Callable:
+        """The lowering's compiled step; the lowering and total timings; the report dumped again."""
+        timings = ctx.report.timings
         t_lower = time.perf_counter()
         fn = self.lowering.lower(gm, example_inputs, ctx)
         timings["lower_s"] = time.perf_counter() - t_lower
         timings["total_s"] = time.perf_counter() - t_start
         timings["pass_s"] = sum(timings.get(k, 0.0) for k in ("detect_s", "group_s", "plan_s", "rewrite_s",
                                                               "reinplace_s"))
-        if dumper:
-            dumper.report(report.to_dict())
-        compiled = _Compiled(fn, binder, self, graph_id, bump, ctx.final_graph, report)
-        if ctx.final_graph is not None:
-            self._recent_graphs.append((graph_id, ctx.final_graph))
-        self._compiled[graph_id] = compiled
-        return compiled
+        if ctx.dumper:
+            ctx.dumper.report(ctx.report.to_dict())
+        return fn
 
     def _bind(self, gm: fx.GraphModule, example_inputs: Sequence[Any], state: OffloadState, graph_id: str
               ) -> tuple[fx.GraphModule, Sequence[Any], StateBinder]:

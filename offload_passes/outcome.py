@@ -1,22 +1,10 @@
-"""What a graph with DSA sites becomes: a pure function (:func:`decide`) of the facts the passes found.
+"""What a graph with DSA sites becomes: :func:`decide`, a pure function of the facts the passes found.
 
-The pipeline (``pipeline.py::_run``) does the work — detection, screening, the preconditions, the
-rewrite — and asks :func:`decide` what to make of it; nothing here reads a graph. The four outcomes:
-
-* **rewritten** — the front-end's rewrite, with the offload in every group that asked for it;
-* **partial** — the front-end's rewrite, some groups without the offload (the Hugging Face form keeps
-  its exact sparse attention, ``PartialRefusal.SPARSE_WITHOUT_OFFLOAD``): a warning naming the reasons
-  (``strict`` raises) unless the refusals are the design (a prefill);
-* **dense** — compiled unmodified by design (a prefill, a graph the dense attention serves cheaper): no
-  warning, ``strict`` does not apply;
-* **refused** — compiled unmodified: a warning naming each reason (``strict`` raises).
-
-The offload is decided per group (:attr:`Facts.group_refusals`, :attr:`Outcome.offload_groups`): a
-front-end that keeps its rewrite without the offload (the Hugging Face form) offloads every group whose
-preconditions pass and serves the others with sparse attention only (:func:`offload_groups`); a front-end
-whose rewrite *is* the offload (the recipe form) is refused as a whole. ``strict`` raises when any group is
-refused (the warning of a partial graph is what ``strict`` turns into an error).
-The table of cases is ``tests/test_outcome.py``.
+Four outcomes: **rewritten** (the offload in every group that asked for it); **partial** (a front-end that
+keeps its rewrite without the offload, ``PartialRefusal.SPARSE_WITHOUT_OFFLOAD``, offloads the groups whose
+preconditions pass; a warning unless the refusals are the design); **dense** (unmodified by design: a
+prefill, no warning, ``strict`` does not apply); **refused** (unmodified, a warning naming each reason;
+``strict`` raises, as it does for a partial graph). The table of cases is ``tests/test_outcome.py``.
 """
 from __future__ import annotations
 
@@ -51,7 +39,7 @@ class Facts:
 
     #: what an offload refusal leaves of the front-end's rewrite (``FrontEnd.on_offload_refusal``)
     on_offload_refusal: PartialRefusal
-    #: the detection's refusals and notes (``FrontEnd.screen``)
+    #: the detection's refusals and notes (``Detection.screening``)
     screening: Screening
     #: ``enable_offload`` and ``shared_indexer_offload`` of the options
     offload_enabled: bool

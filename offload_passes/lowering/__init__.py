@@ -16,7 +16,7 @@ from torch import fx
 
 from ..dump import Dumper
 from ..options import OffloadOptions
-from ..passes.emit import InstallHook
+from ..passes.manager import CompileContext, Pass
 from ..report import GraphReport
 from ..state import OffloadState
 
@@ -63,11 +63,12 @@ class Lowering(Protocol):
     #: the state as per-call graph inputs chosen by the caches (CPU) or as private graph buffers (NPU)
     state_from_caches: bool
 
-    def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
-                ) -> tuple[OffloadOptions, Optional[InstallHook]]: ...
+    def configure(self, ctx: CompileContext) -> None:
+        """Before the passes: the options they read (``ctx.use_options``) and the install hook the rewrite
+        hands each layer's installs (``ctx.install_hook``)."""
 
-    def after_rewrite(self, gm: fx.GraphModule, state: Optional[OffloadState], report: GraphReport,
-                      options: OffloadOptions, install_hook: Optional[InstallHook]) -> None: ...
+    def passes(self, ctx: CompileContext) -> list[Pass]:
+        """Its own pre-AOT passes, run after the core's on every graph (rewritten or not)."""
 
     def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable:
         """The compiled step; honours or refuses ``ctx.compile_mode`` (torch.compile's ``mode``)."""

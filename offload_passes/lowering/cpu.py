@@ -19,8 +19,7 @@ from ..options import OffloadOptions
 from ..passes import _fx
 from ..passes.inductor_targets import define_aliases, retarget_for_inductor
 from ..passes.reinplace import ReinplaceReport, reinplace
-from ..passes.emit import InstallHook
-from ..state import OffloadState
+from ..passes.manager import CompileContext, Pass
 from . import LowerContext
 
 __all__ = ["CpuLowering", "pass_uuid"]
@@ -98,13 +97,11 @@ class CpuLowering:
             raise ValueError(f"{given} only apply to the NPU exe_modes, not {mode!r}")
         self.mode = mode
 
-    def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
-                ) -> tuple[OffloadOptions, Optional[InstallHook]]:
-        return options, install_hook
+    def configure(self, ctx: CompileContext) -> None:
+        return None  # the options as given, installs in program order
 
-    def after_rewrite(self, gm: fx.GraphModule, state: Optional[OffloadState], report: Any,
-                      options: OffloadOptions, install_hook: Optional[InstallHook]) -> None:
-        return None
+    def passes(self, ctx: CompileContext) -> list[Pass]:
+        return []  # everything of its own runs after AOT (our reinplace)
 
     def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable:
         ctx.ignore_compile_mode()  # the CPU modes run op by op or through our Inductor settings

@@ -1,45 +1,19 @@
-"""``exe_mode="cuda"``: the offload graph on a CUDA device, installs on a side CUDA stream.
+"""``exe_mode="cuda"``: the CPU ``eager`` lowering (AOT, our reinplace, op by op) on CUDA tensors with the
+Triton kernels of ``custom_ops/cuda/``, installs on a side CUDA stream (the NPU schedule,
+``lowering/side_stream.py``: ``offload_cuda::scope_enter`` / ``record_stream`` / ``scope_exit`` /
+``stream_join``, side-effectful ops that do nothing without CUDA).
 
-What the mode is (the decisions; docs/cuda.md has the reasons at length):
-
-* **Lowering** = the CPU ``eager`` lowering (AOT functionalisation, our reinplace, the graph run op by op;
-  ``lowering/cpu.py``) on CUDA tensors, with the Triton kernels of ``custom_ops/cuda/`` as the CUDA
-  implementation of the same ops. The state is per-call graph inputs chosen by the caches
-  (``state_from_caches = True``), the in-graph run-time guards stay.
-* **Schedule** = the NPU modes' (``lowering/npu.py``, ``lowering/side_stream.py``): each layer's installs (its md=0 install; on the
-  group's last layer also the owner's md=1 install) move right after that layer's ``dsa_serve`` and run
-  on a side stream: ``scope_enter`` (record a *ready* event on the main stream, the side stream waits on
-  it, becomes current), ``record_stream`` of every main-stream intermediate the installs read (the plan's
-  install records: the caching allocator must not reuse them early), the installs, ``scope_exit``
-  (record *done* on the side stream, the main stream becomes current again). The main stream waits on
-  *done* (``stream_join``) before the first later main-stream node that touches what the installs write
-  or writes what they read, else before the graph output — the same joins as the CPU/NPU schedule
-  (``lowering/side_stream.py join_points``). They are ops of the ``offload_cuda`` namespace with side effects (never
-  dead-code eliminated), traced by AOT in program order; on a machine without CUDA they do nothing.
-* **Inductor** would reorder the ops across the stream switches (it has no notion of the current stream
-  of a custom op), so this mode never hands the graph to Inductor; ``torch.compile(mode="max-autotune" |
-  "max-autotune-no-cudagraphs")`` (Inductor's tuning) is refused by name.
-* **CUDA graphs**: ``torch.compile(mode="reduce-overhead")`` (what the mode means to a user: the step as
-  CUDA-graph replays) or the option ``cuda_graphs=True`` captures the lowered step in one CUDA graph per
-  input signature (the lowering's own capture, ``lowering/cuda_graphs.py``; not cudagraph trees, which
-  would run Inductor and refuse the host caches): refused at compile time, naming the nodes, when
-  :func:`~offload_passes.lowering.cuda_graphs.capture_problems` finds a host synchronisation in the graph.
-  A graph without a CUDA tensor has nothing to capture and runs op by op.
-* **Host-resident KV**: the full caches may be pinned host tensors (:mod:`offload_passes.cuda`); the
-  serve kernel reads their missed rows zero-copy. Nothing here copies them. The model writes its new rows
-  into them with the cache-write op (device stores through the pinned address, ``custom_ops/cuda/cache_write.py``);
-  ``passes/host_cache_writes.py`` (run in :meth:`CudaLowering.after_rewrite` on every graph) gives host operands
-  only to an ATen write into a host graph input, which Dynamo-traced graphs do not contain.
-* **Guards**: every ``aten._assert_async.msg`` of the rewrite (a device-side assert on CUDA, fatal to the
-  context) becomes ``offload_cuda::guard``: raised at once on the host, a pinned error word on the device,
-  raised by the lowered step before its next call (:func:`device_safe_guards`, ``custom_ops/cuda/guard.py``).
+Never Inductor (it would reorder ops across the stream switches): ``mode="max-autotune*"`` is refused;
+``mode="reduce-overhead"`` or ``cuda_graphs=True`` captures the step in one CUDA graph
+(``lowering/cuda_graphs.py``). The guards become ``offload_cuda::guard`` (raised on the host, never a
+device-side assert). The decisions and their reasons: docs/cuda.md.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Sequence
 
 import torch
 from torch import fx
@@ -50,12 +24,10 @@ from . import LowerContext
 from .cpu import CpuLowering
 from . import cuda_graphs
 from .cuda_graphs import GraphReplay, capture_problems, input_specs
-from .side_stream import SideStreamHook
+from .side_stream import SideStreamHook, side_stream_joins
 from ..modes import CUDA_EXE_MODES, check_exe_mode
-from ..options import OffloadOptions
 from ..passes.host_cache_writes import HostCacheWritesReport, host_cache_writes
-from ..passes.emit import InstallHook
-from ..state import OffloadState
+from ..passes.manager import CompileContext, Pass, StepPass
 
 log = logging.getLogger("offload_passes.lowering.cuda")
 
@@ -269,22 +241,24 @@ class CudaLowering:
         #: graph id -> the captured step (``cuda_graphs=True``; ``lowering/cuda_graphs.py``)
         self.replays: dict[str, GraphReplay] = {}
 
-    def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Optional[InstallHook]
-                ) -> tuple[OffloadOptions, Optional[InstallHook]]:
-        if install_hook is not None or not self.side_stream:
-            return options, install_hook
-        return options, CudaInstallHook(graph_id)
+    def configure(self, ctx: CompileContext) -> None:
+        if self.side_stream:
+            ctx.install_hook = CudaInstallHook(ctx.graph_id)
 
-    def after_rewrite(self, gm: fx.GraphModule, state: Optional[OffloadState], report: Any,
-                      options: OffloadOptions, install_hook: Optional[InstallHook]) -> None:
-        report.side_stream = isinstance(install_hook, CudaInstallHook) and state is not None
-        if state is not None and isinstance(install_hook, CudaInstallHook):
-            report.joins_before = install_hook.finish(gm.graph)
-            gm.recompile()
-        # after the joins: it only adds copies of main-stream values right before their host write
-        gid = str(getattr(report, "graph_id", len(self.host_cache_writes)))
-        self.host_cache_writes[gid] = host_cache_writes(gm)
-        self.guards[gid] = device_safe_guards(gm)
+    def passes(self, ctx: CompileContext) -> list[Pass]:
+        """The side stream's joins; then, on every graph, host operands for writes into host caches (only
+        copies of main-stream values right before their write) and the guards made device-safe."""
+        return [StepPass("side_stream_joins", side_stream_joins),
+                StepPass("host_cache_writes", self._host_cache_writes),
+                StepPass("device_safe_guards", self._device_safe_guards)]
+
+    def _host_cache_writes(self, ctx: CompileContext) -> HostCacheWritesReport:
+        rep = self.host_cache_writes[ctx.graph_id] = host_cache_writes(ctx.gm)
+        return rep
+
+    def _device_safe_guards(self, ctx: CompileContext) -> List[str]:
+        done = self.guards[ctx.graph_id] = device_safe_guards(ctx.gm)
+        return done
 
     def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable:
         mode = ctx.compile_mode

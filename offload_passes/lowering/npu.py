@@ -1,38 +1,12 @@
-"""NPU execution modes of the offload backend: ``ge_graph`` (TorchAir GE) and ``npugraph_ex`` (ACL graph).
+"""The NPU lowering (``ge_graph``: TorchAir GE; ``npugraph_ex``: ACL graph): the rewritten graph handed to
+torch_npu's own backend, so TorchAir's handling (streams, decompositions, AOT, reinplace, converters, static
+inputs) is kept; our converters and reinplace pairs are registered first (:mod:`offload_passes.converters`).
 
-Both run in the one backend core (``offload_passes.backend.OffloadBackend``: rewrite, state binding and
-the stale-state rule, dumps, reports) with :class:`NpuLowering` as their lowering, which hands the
-rewritten Dynamo graph to torch_npu's own backend, so all of TorchAir's handling
-(stream/event rewriting, decompositions, AOT with input mutations, reinplace, converters, static /
-frozen inputs) is kept:
-
-* ``ge_graph``   -> ``torchair.get_npu_backend(compiler_config)``; our GE converters and the DSA ref-copy
-  elimination are registered first (:mod:`offload_passes.converters`);
-* ``npugraph_ex`` -> ``npugraph_ex.get_npu_backend(compiler_config)`` with ``mode="npugraph_ex"``, our
-  reinplace pairs registered and ``split_install_chains`` chained into ``post_grad_custom_post_pass``.
-
-Side stream (docs/ops.md §5), the schedule the reference runs: each layer's installs (md=0 for a shared
-layer; on the group's last layer also the owner's md=1 install, after it on the same stream) may start
-as soon as that layer's ``dsa_serve`` has finished, so they overlap the layer's SFA and MoE:
-
-* npugraph_ex: right after the serve, ``record_tagged_stream_`` of every intermediate the installs read
-  (the plan's install records), ``tagged_event_record(ready)`` on the main stream, then
-  ``scope_enter(_user_stream_label)``, ``tagged_event_wait(ready)``, the installs,
-  ``tagged_event_record(done)``, ``scope_exit``. The main stream waits on ``done`` before the first later
-  main-stream node that touches what the installs write or writes what they read (in the decode graph:
-  none, so before the graph output; the next step's plan and serves are the next call) — the join the
-  recipe lacks;
-* ge_graph: ``air.record()`` right after the serve (a control edge from the serve), then
-  ``air.scope_enter`` with the stream label, ``air.wait([record])``, the installs, ``air.scope_exit``.
-  GE finishes every stream of a graph before the run returns, and the install refs feed the graph
-  outputs, so the join is the end of the run.
-
-Per-step bookkeeping (the pool statistics and the ledger update) is main-stream work the reference does
-not do: off by default in these modes, ``npu_bookkeeping=True`` keeps it. In ge_graph the model's
-KV-cache writes become ``ScatterNdUpdate`` on the cache inputs (:mod:`offload_passes.passes.cache_writes`),
-which GE runs in place.
-
-Nothing here imports torch_npu / TorchAir at import time; CPU users never need them.
+Installs run on a side stream (:class:`AclInstallHook`, :class:`GeInstallHook`; the shared schedule is
+``lowering/side_stream.py``): each layer's installs start once its ``dsa_serve`` is done, beside its SFA
+and MoE. The per-step bookkeeping (pool statistics, ledger update) is off unless ``npu_bookkeeping``. In
+ge_graph the model's KV-cache writes become ``ScatterNdUpdate`` on the cache inputs
+(``passes/cache_writes.py``). Nothing here imports torch_npu / TorchAir at import time.
 """
 from __future__ import annotations
 
@@ -45,11 +19,10 @@ from torch import fx
 
 from .. import _compat
 from ..modes import NPU_EXE_MODES, check_exe_mode
-from ..options import OffloadOptions
-from ..state import OffloadState
 from ..passes.bookkeeping import strip_bookkeeping
+from ..passes.manager import CompileContext, Pass, StepPass
 from . import LowerContext
-from .side_stream import SIDE_STREAM_LABEL, SideStreamHook, is_collective
+from .side_stream import SIDE_STREAM_LABEL, SideStreamHook, is_collective, side_stream_joins
 
 log = logging.getLogger("offload_passes.lowering.npu")
 
@@ -279,6 +252,16 @@ def lower_npugraph_ex(gm: fx.GraphModule, example_inputs: Sequence[Any], compile
 
 
 # ------------------------------------------------------------------------------------------- backend
+def _strip_bookkeeping(ctx: CompileContext) -> Optional[int]:
+    """Unless ``npu_bookkeeping``: the pool statistics out of the rewritten graph (``passes/bookkeeping.py``)."""
+    keep = ctx.options.npu_bookkeeping
+    ctx.report.bookkeeping = bool(keep) and ctx.state is not None
+    if ctx.state is None or keep:
+        return None
+    stats = [v for k, v in (ctx.report.buffers or {}).items() if k.startswith("stats_g")]
+    ctx.report.bookkeeping_nodes_removed = strip_bookkeeping(ctx.gm, stats)
+    return ctx.report.bookkeeping_nodes_removed
+
 
 
 def recipe_compiler_config(mode: str) -> Any:
@@ -336,34 +319,23 @@ class NpuLowering:
         self.npu_options = dict(npu_options or {})
         self.side_stream = side_stream
 
-    def prepare(self, options: OffloadOptions, graph_id: str, install_hook: Any = None) -> tuple:
-        """Register the mode's converters; the rewrite's options and side-stream install hook."""
+    def configure(self, ctx: CompileContext) -> None:
+        """Register the mode's converters; the side-stream install hook; no ledger update unless
+        ``npu_bookkeeping`` (the reference keeps none)."""
         from .. import converters
 
         if self.mode == "ge_graph":
             converters.register_ge()
         else:
             converters.register_npugraph_ex()
-        hook = None
         if self.side_stream:
-            hook = ge_install_hook() if self.mode == "ge_graph" else acl_install_hook(graph_id)
-        opts = options if options.npu_bookkeeping else options.replace(update_ledger=False)
-        return opts, hook
+            ctx.install_hook = ge_install_hook() if self.mode == "ge_graph" else acl_install_hook(ctx.graph_id)
+        if not ctx.options.npu_bookkeeping:
+            ctx.use_options(ctx.options.replace(update_ledger=False))
 
-    def after_rewrite(self, gm: fx.GraphModule, state: Optional[OffloadState], report: dict,
-                      options: OffloadOptions, install_hook: Any) -> None:
-        """Place the side stream's joins; strip the bookkeeping unless ``npu_bookkeeping``."""
-        keep = options.npu_bookkeeping
-        report.side_stream = bool(install_hook) and state is not None
-        report.bookkeeping = bool(keep) and state is not None
-        if state is None:
-            return
-        if install_hook is not None:
-            report.joins_before = install_hook.finish(gm.graph)
-            gm.recompile()
-        if not keep:
-            stats = [v for k, v in (report.buffers or {}).items() if k.startswith("stats_g")]
-            report.bookkeeping_nodes_removed = strip_bookkeeping(gm, stats)
+    def passes(self, ctx: CompileContext) -> list[Pass]:
+        """The side stream's joins, then the per-step bookkeeping out of the timed graph."""
+        return [StepPass("side_stream_joins", side_stream_joins), StepPass("strip_bookkeeping", _strip_bookkeeping)]
 
     def lower(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: LowerContext) -> Callable:
         """TorchAir's GE backend (with its GE graph dump into ``<dump_dir>/<graph_id>`` when dumping) or

@@ -11,7 +11,7 @@ which takes the plan first, alike), never by its position.
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, List, Optional
+from typing import Any, Hashable, List, NamedTuple, Optional
 
 from torch import fx
 
@@ -19,8 +19,9 @@ from .. import _compat
 from ..custom_ops import spec_for
 from ..custom_ops.opspec import OpSpec
 from ..passes import _fx
+from ..passes.manager import CompileContext
 
-__all__ = ["SIDE_STREAM_LABEL", "MC2_OPS", "NPUGRAPH_EX_COLLECTIVES", "SideStreamHook", "is_graph_input", "spec_of",
+__all__ = ["SIDE_STREAM_LABEL", "MC2_OPS", "NPUGRAPH_EX_COLLECTIVES", "SideStreamHook", "side_stream_joins", "is_graph_input", "spec_of",
            "args_in_role", "serve_of", "last_serve", "written_bases", "read_bases", "namespace_and_op",
            "is_collective", "join_points", "move_after_serve", "side_inputs"]
 
@@ -144,50 +145,85 @@ def is_collective(n: fx.Node) -> bool:
     return (ns == "_c10d_functional" and op != "wait_tensor") or op in MC2_OPS or (ns, op) in NPUGRAPH_EX_COLLECTIVES
 
 
+class _Scope(NamedTuple):
+    exit: fx.Node  # the node that ends the scope
+    writes: set  # what its installs write (pools, metadata), views stripped
+    reads: set  # what they only read (plan, records, selection buffers, table)
+    tag: Hashable
+
+
+class _OpenScopes:
+    """The scopes not joined yet, with the union of what they write and read (a node is checked against
+    the unions before the scopes one by one)."""
+
+    def __init__(self) -> None:
+        self.open: List[_Scope] = []
+        self.writes: set = set()
+        self.reads: set = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.open)
+
+    def add(self, s: _Scope) -> None:
+        self.open.append(s)
+        self.writes |= s.writes
+        self.reads |= s.reads
+
+    def join_all(self, n: fx.Node) -> dict:
+        """Every open scope joins before ``n``."""
+        out = {s.tag: n for s in self.open}
+        self._keep([])
+        return out
+
+    def join_hazards(self, n: fx.Node) -> dict:
+        """The open scopes ``n`` conflicts with (it reads or writes what they write, or writes what they
+        read) join before ``n``."""
+        w, r = written_bases(n), read_bases(n)
+        if not ((w & (self.writes | self.reads)) or (r & self.writes)):
+            return {}
+        hit = [s for s in self.open if (w & (s.writes | s.reads)) or (r & s.writes)]
+        self._keep([s for s in self.open if s not in hit])
+        return {s.tag: n for s in hit}
+
+    def _keep(self, scopes: List[_Scope]) -> None:
+        self.open = scopes
+        self.writes = set().union(*(s.writes for s in scopes))
+        self.reads = set().union(*(s.reads for s in scopes))
+
+
+def _scope_step(n: fx.Node) -> int:
+    """+1 for a node that opens a side-stream scope, -1 for one that closes it, 0 otherwise."""
+    name = str(n.target)
+    return 1 if name.endswith("scope_enter.default") else -1 if name.endswith("scope_exit.default") else 0
+
+
 def join_points(graph: fx.Graph, pending: List[tuple]) -> dict:
     """For each ``(installs, scope_exit, tag)``: the node before which the main stream must wait for the
     installs — the first later main-stream node that reads or writes what they write (pools, metadata)
     or writes what they read (records, selection buffers), or is a collective (:func:`is_collective`:
     the side stream never runs across one), else the graph output (the next step's plan and serves are
     the next call). One walk over the graph."""
-    hazards = []  # (exit node, writes, reads, tag)
+    exits = {}
     for installs, ex, tag in pending:
-        writes = {_base(a) for i in installs for a in args_in_role(i, *_WRITES)}
-        reads = {_base(a) for i in installs for a in args_in_role(i, *_READS)}
-        hazards.append((ex, writes, reads, tag))
-    exits = {h[0]: h for h in hazards}
+        exits[ex] = _Scope(ex, {_base(a) for i in installs for a in args_in_role(i, *_WRITES)},
+                           {_base(a) for i in installs for a in args_in_role(i, *_READS)}, tag)
     out: dict = {}
-    open_: List[tuple] = []
-    all_w: set = set()
-    all_r: set = set()
+    scopes = _OpenScopes()
     depth = 0
     for n in graph.nodes:
-        name = str(n.target)
         if n in exits:
-            open_.append(exits[n])
-            all_w |= exits[n][1]
-            all_r |= exits[n][2]
+            scopes.add(exits[n])
         if n.op == "output":
-            for h in open_:
-                out[h[3]] = n
+            out.update(scopes.join_all(n))
             break
-        if name.endswith("scope_enter.default"):
-            depth += 1
-        elif name.endswith("scope_exit.default"):
-            depth -= 1
-        elif depth == 0 and open_ and is_collective(n):
-            for h in open_:
-                out[h[3]] = n
-            open_, all_w, all_r = [], set(), set()
-        elif depth == 0 and open_ and n.op in ("call_function", "call_method"):
-            w, r = written_bases(n), read_bases(n)
-            if (w & (all_w | all_r)) or (r & all_w):
-                hit = [h for h in open_ if (w & (h[1] | h[2])) or (r & h[1])]
-                for h in hit:
-                    out[h[3]] = n
-                open_ = [h for h in open_ if h not in hit]
-                all_w = set().union(*(h[1] for h in open_))
-                all_r = set().union(*(h[2] for h in open_))
+        step = _scope_step(n)
+        depth += step
+        if step or depth or not scopes:  # inside a scope the side stream's own nodes need no join
+            continue
+        if is_collective(n):
+            out.update(scopes.join_all(n))
+        elif n.op in ("call_function", "call_method"):
+            out.update(scopes.join_hazards(n))
     return out
 
 
@@ -269,3 +305,16 @@ class SideStreamHook:
             where.append(point.name)
         self.pending.clear()
         return where
+
+
+def side_stream_joins(ctx: CompileContext) -> Optional[List[str]]:
+    """The lowering pass after the rewrite: the joins of the side-stream scopes the install hook opened
+    (:meth:`SideStreamHook.finish`); ``report.side_stream`` says whether the installs run on a side stream,
+    ``report.joins_before`` before which nodes the main stream waits for them."""
+    hook = ctx.install_hook
+    ctx.report.side_stream = isinstance(hook, SideStreamHook) and ctx.state is not None
+    if not ctx.report.side_stream:
+        return None
+    ctx.report.joins_before = hook.finish(ctx.gm.graph)
+    ctx.gm.recompile()
+    return ctx.report.joins_before

@@ -182,9 +182,14 @@ def input_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[fx.N
     return out
 
 
-def count_ops(graph: fx.Graph) -> dict[str, int]:
+def count_ops(graph: fx.Graph, targets: Sequence[Any] = ()) -> dict[Any, int]:
     """Counts of our offload and decode-path ops (``custom_ops`` specs with those roles, and every top-k
-    producer of ``producers.TOPK_PRODUCERS``), keyed by the short op name in any namespace."""
+    producer of ``producers.TOPK_PRODUCERS``), keyed by the short op name in any namespace. With
+    ``targets`` (op overloads, any callables): the calls of exactly those, keyed by target (a pass test
+    counts what it rewrites before and after)."""
+    if targets:
+        calls_of = Counter(n.target for n in graph.nodes if n.op == "call_function")
+        return {t: calls_of.get(t, 0) for t in targets}
     interesting = COUNTED_OPS | PRODUCER_NAMES
     c: Counter = Counter()
     for n in graph.nodes:

@@ -1,13 +1,8 @@
-"""The emission helpers: what a front-end's emit hooks and the rewrite core build nodes with.
+"""The emission helpers the rewrite core and a front-end's ``emit_site`` build nodes with.
 
-The rewrite core (``passes/rewrite.py``) hands every front-end (``passes/frontends/``) one
-:class:`RewriteCtx` per rewrite and one :class:`GroupNodes` per offloaded group; a front-end emits a
-site's serve and attention with :class:`Builder`, :func:`emit_serve` / :func:`emit_serve_pool` and
-:func:`guard`, and returns what it emitted as a :class:`SiteEmission`. The core alone files it (the
-report's :class:`SiteRewrite` rows, the per-layer node lists, the installs' place).
-
-This module imports nothing from ``passes/frontends/``: the protocol module (``frontends/protocol.py``)
-and every front-end import it, never the other way round (``tests/test_import_structure.py``).
+One :class:`RewriteCtx` per rewrite (the graph, the :class:`RewriteSettings`, the state attributes and
+guards emitted so far), one :class:`GroupNodes` per offloaded group; a front-end returns what it emitted
+at a site as a :class:`SiteEmission`, which the core files. Imports nothing from ``passes/frontends/``.
 """
 from __future__ import annotations
 
@@ -24,7 +19,7 @@ from . import _fx
 from ._fx import strip_views
 from .preconditions import GroupGeometry
 
-__all__ = ["InstallHook", "SiteRewrite", "SiteEmission", "SelectionBuffers", "Builder", "RewriteCtx", "GroupNodes", "LEDGER_SERVED",
+__all__ = ["InstallHook", "RewriteSettings", "SiteRewrite", "SiteEmission", "SelectionBuffers", "Builder", "RewriteCtx", "GroupNodes", "LEDGER_SERVED",
            "input_name", "guard", "state_attr", "emit_serve", "emit_serve_pool"]
 
 aten = torch.ops.aten
@@ -34,9 +29,25 @@ custom = torch.ops.custom
 InstallHook = Callable[[fx.Graph, list, int], None]
 
 
+@dataclass(frozen=True)
+class RewriteSettings:
+    """What one rewrite is asked to do besides its graph (``passes/rewrite.py::rewrite``)."""
+
+    #: keep the model's gather ledger valid after serve (else it is marked served, ``LEDGER_SERVED``)
+    update_ledger: bool = True
+    #: check every compile-time assumption at run time (``aten._assert_async``; GE has no converter for it)
+    in_graph_guards: bool = True
+    #: the in-graph new-request invalidation before each plan (``rewrite.invalidate_new_rows``)
+    detect_new_requests: bool = True
+    #: ``fifo`` installs with ``custom::dsa_install``, ``second_chance`` with ``offload_ref::dsa_install_sc``
+    replacement_policy: str = "fifo"
+    #: a lowering's hook, handed each layer's installs as they are placed (None: program order)
+    install_hook: Optional[InstallHook] = None
+
+
 @dataclass
 class SiteRewrite:
-    """What the rewrite did at one layer (report row; docs/ARCHITECTURE.md §5)."""
+    """What the rewrite did at one layer (a row of ``GraphReport.sites``)."""
 
     layer: int
     group_id: int
@@ -124,18 +135,14 @@ def state_attr(gm: fx.GraphModule, name: str, t: torch.Tensor, buffers: dict[str
 
 @dataclass
 class RewriteCtx:
-    """One rewrite's graph and options (what a front-end's emit hooks receive), and the state attributes and
-    guards emitted so far."""
+    """One rewrite's graph and settings (what a front-end's ``emit_site`` receives), and the state
+    attributes and guards emitted so far."""
 
     gm: fx.GraphModule
     b: Builder
     first: fx.Node  # the first computing node: state attributes and early guards go before it
     state: Optional[OffloadState]
-    update_ledger: bool
-    install_hook: Optional[InstallHook]
-    detect_new_requests: bool
-    replacement_policy: str
-    in_graph_guards: bool
+    settings: RewriteSettings
     buffers: dict[str, str] = field(default_factory=dict)
     guards: list[str] = field(default_factory=list)
     guarded: set[fx.Node] = field(default_factory=set)  # graph inputs already guarded

@@ -1,4 +1,4 @@
-"""Pass 2 — group sites by their top-k producer (IndexShare groups), in graph order.
+"""Group sites by their top-k producer (IndexShare groups), in graph order.
 
 Sites sharing one indexer call form a group; the owner is the site that consumes the producer first
 (the first gather in graph order), the last layer is the group's last site. Singleton groups are
@@ -18,6 +18,9 @@ class GroupedSite(Protocol):
     layer: int
     producer: fx.Node  # the top-k node the site's selection comes from: the group key
     topk: fx.Node  # the top-k tensor the site reads (the recipe's gather input, the HF mask's ids)
+    #: the node the site's rewrite replaces (the recipe's gather, the HF dense attention): the group's
+    #: plan goes before its owner's
+    anchor: fx.Node
 
 
 class DetectedSites(Protocol):

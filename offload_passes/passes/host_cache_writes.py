@@ -20,7 +20,7 @@ the write stays in place on the host tensor. New nodes get ``meta["val"]`` (``_f
 Nothing changes when the devices agree (every CPU run), nor for a write into a device tensor
 (``dsa_serve`` / ``dsa_install`` read the host caches and write device buffers).
 
-Run by ``lowering.cuda.CudaLowering.after_rewrite`` on the pre-AOT graph after the offload rewrite.
+A pass of ``lowering.cuda.CudaLowering.passes``, on the pre-AOT graph after the offload rewrite.
 """
 from __future__ import annotations
 

@@ -1,31 +1,15 @@
-"""FX passes that prepare the functional graph for the registry-driven reinplace (npugraph_ex / ACL).
+"""FX passes that prepare the functional graph for npugraph_ex's registry-driven reinplace, which only
+reinplaces a functional twin whose mutated arguments are all graph inputs with their own ``copy_``
+epilogues (run as its ``post_grad_custom_post_pass``, ``lowering/npu.py::npugraph_ex_config``):
 
-Both run as npugraph_ex's ``post_grad_custom_post_pass`` (``offload_passes.lowering.npu.npugraph_ex_config``),
-after AOT and before npugraph_ex's reinplace, which only reinplaces a functional twin whose mutated
-arguments are all graph inputs with their own ``copy_`` epilogues.
+* :func:`split_install_chains`: functionalization chains a group's installs through the shared metadata,
+  so none would be reinplaced and every step would copy each pool; a ``metadata_update=0`` install leaves
+  the metadata bit-identical (docs/ops.md §4.2), so the next install may read the graph inputs instead;
+* :func:`inplace_masked_input_updates`: the new-request invalidation made in place on the input;
+* :func:`clone_input_copy_sources`: ``copy_(P, Q)`` with ``Q`` a graph input reads a clone (torch-npu
+  2.8.0.post5's reinplace fails on a graph-input source).
 
-``split_install_chains``: within a group, every ``metadata_update=0`` install is followed by the group's
-``metadata_update=1`` install, and all of them name the shared metadata (``pool_ids``, ``id_to_slot``,
-``lru_counter``) as mutated. Functionalization therefore chains them: the last install reads the
-metadata *outputs* of the previous one, and only the last one gets ``copy_`` epilogues, so neither
-install is reinplaced and every step copies each pool of the group (verified on CPU with npugraph_ex).
-A ``metadata_update=0`` install leaves the metadata bit-identical (docs/ops.md §4.2), so its metadata
-outputs equal its metadata inputs. The pass routes the next install to the graph inputs themselves and
-gives the ``metadata_update=0`` install its own (value-preserving) epilogue right after it. The rewrite
-is applied only when no other node reads the metadata inputs after the first install of the chain
-(other than the chain's installs and epilogues), so the graph's meaning is unchanged either way.
-
-``inplace_masked_input_updates``: the new-request invalidation of the metadata, made in place on the
-graph input so the plan and the installs read graph inputs.
-
-``clone_input_copy_sources``: ``copy_(P, Q)`` where ``Q`` is itself a graph input (the rewrite's
-``seen_len.copy_(L)`` when the lengths are a graph input) gets ``copy_(P, clone(Q))``. npugraph_ex in
-torch-npu 2.8.0.post5 takes every epilogue source as a reinplace candidate and reads its first argument,
-which a graph input does not have (``IndexError`` inside its reinplace pass); 2.13 skips graph inputs.
-The clone is one small tensor per group.
-
-Argument and output positions come from the ops' schemas (never hard-coded). Both passes are linear
-in the graph: one walk over the nodes, then only each site's own users.
+Argument and output positions come from the ops' schemas. Each is one walk over the graph.
 """
 from __future__ import annotations
 
@@ -33,7 +17,7 @@ import functools
 import logging
 import operator
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import fx
@@ -81,57 +65,88 @@ def _finish(gm: fx.GraphModule, done: int, what: str) -> int:
 
 
 def split_install_chains(gm: fx.GraphModule) -> int:
-    """Rewrite metadata chains of ``dsa_install_functional`` nodes (see module doc). Returns rewrites."""
-    install = torch.ops.custom.dsa_install_functional.default
-    copy_ = torch.ops.aten.copy_.default
+    """Rewrite metadata chains of ``dsa_install_functional`` nodes (see module doc). Returns rewrites.
+
+    Per ``metadata_update=0`` install whose metadata inputs are graph inputs, before / after::
+
+        i0 = dsa_install_functional(..., pool_ids, ..., metadata_update=0)
+        i1 = dsa_install_functional(..., i0[k], ..., metadata_update=1)     # reads i0's metadata output
+        copy_(pool_ids, i1[k])
+      ->
+        i0 = dsa_install_functional(..., pool_ids, ..., metadata_update=0); copy_(pool_ids, i0[k])
+        i1 = dsa_install_functional(..., pool_ids, ..., metadata_update=1); copy_(pool_ids, i1[k])
+    """
     spec = _install_schema()
-    arg_pos = [a for a, _ in spec.meta]
     graph = gm.graph
     # one walk: the positions of the nodes present now (new nodes are only ``copy_``s, never looked up)
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     done = 0
     for node in nodes:
-        if node.target is not install or _metadata_update(node, spec.metadata_update) != 0 \
-                or len(node.args) <= max(arg_pos):
+        meta = _md0_metadata_inputs(node, spec)
+        if meta is None:
             continue
-        meta = [node.args[i] for i in arg_pos]
-        if not all(isinstance(m, fx.Node) and m.op in ("placeholder", "get_attr") for m in meta):
-            continue
-        gets = _getitems(node)
-        plan: List[tuple] = []  # (next install user, getitem, graph input)
-        ok = True
-        for (a, k), m in zip(spec.meta, meta):
-            g = gets.get(k)
-            if g is None:
-                continue
-            for u in g.users:
-                if u.target is install and len(u.args) > a and u.args[a] is g \
-                        and _metadata_update(u, spec.metadata_update) in (0, 1):
-                    plan.append((u, g, m))
-                elif u.target is copy_ and u.args[0] is m:
-                    continue  # already its own epilogue
-                else:
-                    ok = False
-            # nobody but the chain and epilogues may read the graph input after this install
-            for r in m.users:
-                if r.target not in (install, copy_) and order[r] > order[node]:
-                    ok = False
-        if not ok or not plan:
-            continue
-        for u, g, m in plan:
-            u.replace_input_with(g, m)
-        anchor = max(gets.values(), key=lambda n: order[n])
-        for (_, k), m in zip(spec.meta, meta):
-            g = gets.get(k)
-            if g is None or any(u.target is copy_ and u.args[0] is m for u in g.users):
-                continue
-            with graph.inserting_after(anchor):
-                c = graph.call_function(copy_, (m, g))
-            c.meta["val"] = m.meta.get("val")
-            anchor = c
-        done += 1
+        chained = _chained_installs(node, meta, spec, order)
+        if chained:
+            _split(graph, node, meta, chained, spec, order)
+            done += 1
     return _finish(gm, done, "split %d dsa_install metadata chains")
+
+
+_INSTALL = torch.ops.custom.dsa_install_functional.default
+_COPY = torch.ops.aten.copy_.default
+
+
+def _md0_metadata_inputs(node: fx.Node, spec: _InstallSchema) -> Optional[List[fx.Node]]:
+    """The metadata arguments of a ``metadata_update=0`` install when all are graph inputs; else None."""
+    arg_pos = [a for a, _ in spec.meta]
+    if node.target is not _INSTALL or _metadata_update(node, spec.metadata_update) != 0 \
+            or len(node.args) <= max(arg_pos):
+        return None
+    meta = [node.args[i] for i in arg_pos]
+    if not all(isinstance(m, fx.Node) and m.op in ("placeholder", "get_attr") for m in meta):
+        return None
+    return meta
+
+
+def _chained_installs(node: fx.Node, meta: List[fx.Node], spec: _InstallSchema, order: Dict[fx.Node, int]
+                      ) -> List[tuple]:
+    """``(next install, the metadata output it reads, the graph input)`` for every later install that reads
+    ``node``'s metadata outputs; empty when anything else reads them, or reads a metadata input after
+    ``node`` (then splitting would change what it sees)."""
+    gets = _getitems(node)
+    chained: List[tuple] = []
+    for (a, k), m in zip(spec.meta, meta):
+        g = gets.get(k)
+        if g is None:
+            continue
+        for u in g.users:
+            if u.target is _INSTALL and len(u.args) > a and u.args[a] is g \
+                    and _metadata_update(u, spec.metadata_update) in (0, 1):
+                chained.append((u, g, m))
+            elif not (u.target is _COPY and u.args[0] is m):  # other than its own epilogue
+                return []
+        # nobody but the chain and epilogues may read the graph input after this install
+        if any(r.target not in (_INSTALL, _COPY) and order[r] > order[node] for r in m.users):
+            return []
+    return chained
+
+
+def _split(graph: fx.Graph, node: fx.Node, meta: List[fx.Node], chained: List[tuple], spec: _InstallSchema,
+           order: Dict[fx.Node, int]) -> None:
+    """The next installs read the graph inputs; ``node``'s metadata outputs get their own epilogues."""
+    for u, g, m in chained:
+        u.replace_input_with(g, m)
+    gets = _getitems(node)
+    anchor = max(gets.values(), key=lambda n: order[n])
+    for (_, k), m in zip(spec.meta, meta):
+        g = gets.get(k)
+        if g is None or any(u.target is _COPY and u.args[0] is m for u in g.users):
+            continue
+        with graph.inserting_after(anchor):
+            c = graph.call_function(_COPY, (m, g))
+        c.meta["val"] = m.meta.get("val")
+        anchor = c
 
 
 def inplace_masked_input_updates(gm: fx.GraphModule) -> int:

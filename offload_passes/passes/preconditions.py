@@ -1,4 +1,4 @@
-"""Pass 3 — the precondition checks every front-end shares: a group's limits, geometry and refusals.
+"""The precondition checks every front-end shares: a group's limits, geometry and refusals.
 
 Each front-end's ``check_preconditions`` (``passes/frontends/recipe.py`` for the recipe form,
 ``passes/frontends/hf/frontend.py::check_hf_preconditions`` for the Hugging Face form) checks its own
@@ -29,7 +29,7 @@ MAX_TOPK = _PLAN.limit("MAX_TOPK")
 MAX_RAW_SEQ = _PLAN.limit("MAX_RAW_SEQ")
 TOPK_ALIGN = _PLAN.limit("TOPK_ALIGN")
 MAX_DKV = _INSTALL.limit("MAX_DKV")
-MIN_DR = _INSTALL.limit("MIN_DR")  # 0: the no-rope mode (docs/ops.md §3.3)
+MIN_DR = _INSTALL.limit("MIN_DR")  # 0: the no-rope mode
 MAX_DR = _INSTALL.limit("MAX_DR")
 MIN_SBS = _INSTALL.limit("MIN_SELECTION_BLOCK_SIZE")
 MAX_SBS = _INSTALL.limit("MAX_SELECTION_BLOCK_SIZE")
@@ -40,8 +40,8 @@ class SiteGeometry:
     layer: int
     full_kv: fx.Node
     full_rope: fx.Node
-    # the model's selection buffers and gather ledger (None where the model has none: the Hugging Face
-    # form's selection buffers are the rewrite's scratch, ``FrontEnd.selection``)
+    # the model's selection buffers and gather ledger (None where the model has none: the rewrite then
+    # serves into scratch buffers of the graph, ``rewrite.selection_buffers``)
     sel_kv: Optional[fx.Node]
     sel_rope: Optional[fx.Node]
     sel_table: Optional[fx.Node]
@@ -52,7 +52,7 @@ class SiteGeometry:
     dtype: torch.dtype
     # the full block table and its block size; ``paged``: it was not the identity layout on the example
     # inputs (or the cache is not ``B*maxblk`` blocks), so serve reads only the pool and the model's own
-    # gather reads every other row through the table (docs/new-requests.md, "Paged KV")
+    # gather reads every other row through the table
     block_table: Optional[fx.Node] = None
     FBS: int = 0
     paged: bool = False
@@ -71,7 +71,7 @@ class GroupGeometry:
     pool_size: int
     num_sets: int
     id_range: int
-    lengths: fx.Node  # full_kv_actual_seq of the owner's gather
+    lengths: fx.Node  # each row's cache length [B] int32 (the recipe's full_kv_actual_seq), or see below
     topk: fx.Node
     topk_node: str
     geometry: dict[int, SiteGeometry] = field(repr=False)
@@ -82,6 +82,9 @@ class GroupGeometry:
     #: with its negative ids moved to the end and -1 up to ``K``, the next multiple of the ops' alignment
     #: (``rewrite.py::_plan_topk``; exact: the plan serves no row for -1, attention masks it)
     ids_width: Optional[int] = None
+    #: ``lengths`` holds this step's cache positions ``[S]``, the same for every row (HF's ``StaticCache``):
+    #: the rewrite plans with ``max(positions) + 1`` per row
+    lengths_are_positions: bool = False
 
     @property
     def paged(self) -> bool:
@@ -146,8 +149,8 @@ def check_topk_width(chk: Checker, K: int, bounded_by_producer: bool) -> None:
 
 
 def check_rope_width(chk: Checker, Dr: int, opts: OffloadOptions, layer: Optional[int] = None) -> None:
-    """The rope width serve / install take: ``MIN_DR <= Dr <= MAX_DR``; ``Dr = 0`` (the no-rope mode,
-    docs/ops.md §3.3) only off the NPU, whose CANN tilings reject a zero rope width."""
+    """The rope width serve / install take: ``MIN_DR <= Dr <= MAX_DR``; ``Dr = 0`` (the no-rope mode)
+    only off the NPU, whose CANN tilings reject a zero rope width."""
     chk(MIN_DR <= Dr <= MAX_DR, "dims", f"Dr={Dr} must be in [{MIN_DR}, {MAX_DR}]", layer)
     if Dr == 0:
         chk(MODES[opts.exe_mode].platform != "npu", "no_rope_npu",
@@ -184,7 +187,7 @@ def group_geometry(g: Group, B: int, S: int, K: int, SBS: int, F: int, lengths: 
 
 def pool_sources(layers: list[int], geometry: dict[int, SiteGeometry]) -> dict[int, int]:
     """Layer -> the first layer of the group that reads the same full caches (kv and rope, views
-    stripped), for every layer that is not that first one: it shares its pool (docs/hf.md, cross-layer
+    stripped), for every layer that is not that first one: it shares its pool (cross-layer
     KV sharing). Unpaged groups only: a paged site's own gather reads its ledger and selection buffers."""
     first: dict[tuple, int] = {}
     out: dict[int, int] = {}

@@ -1,37 +1,20 @@
-"""Pass 4 — the one rewrite core: each group's top-k becomes plan / serve / install, pre-AOT.
+"""The rewrite core: each group's top-k becomes plan / serve / install, pre-AOT, for every front-end.
 
-Every front-end (``passes/frontends/``: the recipe form, ``frontends/recipe.py``; the Hugging Face form,
-``frontends/hf/``) goes through :func:`rewrite`; a front-end only says where a site's attention is and how
-it is emitted (the emit hooks of ``frontends/protocol.py::FrontEnd``, built with ``passes/emit.py``) and
-returns what it emitted. Everything else exists once, here: the run-time guards, the new-request
-invalidation, ``dsa_plan`` and its statistics, the top-k the plan reads, the site bookkeeping (report
-rows, per-layer nodes), the installs (``replacement_policy``) and the ``install_hook`` of the NPU / CUDA
-lowerings.
+A front-end emits each site's serve and attention (``FrontEnd.emit_site``); everything else is here: the
+guards, the new-request invalidation, ``dsa_plan`` and its statistics, the selection buffers, the installs
+and the site bookkeeping. Per group g (owner O, last layer Z), before / after::
 
-Per group g (owner O, last layer Z), on the Dynamo graph (op semantics: docs/ops.md):
+    topk = indexer(...)                     topk = indexer(...)
+    act_O = gather(sel_O, topk, full_O)     <invalidate new rows of g>; plan = dsa_plan(topk, L, meta_g)
+    out_O = sfa(q, sel_O, act_O)            serve_O = dsa_serve(plan, full_O, pool_O, sel_O)   # front-end
+    act_l = gather(sel_l, topk, full_l)     out_O = sfa(q, sel_O, plan.act)
+    out_l = sfa(q, sel_l, act_l)            serve_l = ...; out_l = sfa(q, sel_l, plan.act)
+                                            dsa_install(plan.rec, sel_l, pool_l, meta_g, metadata_update=0)
+                                            dsa_install(plan.rec, sel_O, pool_O, meta_g, metadata_update=1)  # after Z
 
-* before O's attention: the new-request invalidation (below), then ``plan, rec, act =
-  custom.dsa_plan(topk[B,S,1,K], L, pool_ids[g], id_to_slot[g], lru[g], raw_seq=S, group_id=g,
-  owner_layer=O)`` and the in-graph statistics;
-* at every layer l: the front-end's ``dsa_serve`` (pool hits and host misses into l's selection buffers)
-  and the attention reading them;
-* right after layer l's attention: ``dsa_install(..., metadata_update=0)`` for l != O; on Z after its
-  own install, the owner's ``metadata_update=1`` install. A layer that reads an earlier layer's full
-  caches (``GroupGeometry.pool_source``, cross-layer KV sharing) shares that layer's pool and has no
-  install of its own.
-
-Ordering (docs/ops.md, "ordering"): installs sit in program order after their layer's attention, Z's own
-install precedes the owner's, and the next step's plan / serves run in the next graph call. On CPU
-program order plus data dependencies *is* the join; lowerings that move installs to a side stream get
-each layer's install nodes through ``install_hook`` and add the events.
-
-New requests (docs/new-requests.md): before the plan, a batch row's pool metadata is invalidated when
-its cache length left the continuation window ``[seen, seen + S]``, when the model reset its gather
-ledger (recipe form, every mode), when (paged groups) the blocks of the prefix it already served
-changed, or when the host saw the full caches written outside this graph (``external_write``, set by
-``state.StateRegistry.activate`` from the caches' version counters; then every row, a counter cannot say
-which rows were written, unless the engine announced them: ``OffloadState.begin_request`` /
-``move_rows``).
+A layer sharing an earlier layer's full caches shares its pool and installs nothing. Installs stay in
+program order after their layer's attention; a lowering that moves them gets each layer's installs through
+``RewriteSettings.install_hook``. Op semantics and ordering: docs/ops.md §2-§5.
 """
 from __future__ import annotations
 
@@ -45,13 +28,15 @@ from ..custom_ops.plan_kind import NUM_PLAN_KINDS, PlanKind
 from ..modes import check_replacement_policy
 from ..state import GroupState, OffloadState
 from . import _fx
-from ._fx import hoist_attrs, strip_views
-from .emit import Builder, GroupNodes, InstallHook, RewriteCtx, SiteEmission, SiteRewrite, guard, input_name
+from ._fx import hoist_attrs
+from .emit import (Builder, GroupNodes, RewriteCtx, RewriteSettings, SelectionBuffers, SiteEmission, SiteRewrite)
 from .frontends.protocol import FrontEnd
 from .group import Group, GroupedSite, GroupReport
+from .guards import lengths_guard, table_guards
 from .preconditions import GroupGeometry
 
-__all__ = ["rewrite", "RewriteReport", "invalidate_new_rows", "emit_plan_stats"]
+__all__ = ["rewrite", "RewriteReport", "RewriteSettings", "invalidate_new_rows", "emit_plan_stats",
+           "selection_buffers", "step_lengths"]
 
 aten = torch.ops.aten
 custom = torch.ops.custom
@@ -106,27 +91,19 @@ def emit_plan_stats(b: Callable[..., fx.Node], plan_n: fx.Node, stats: fx.Node, 
 
 
 def rewrite(gm: fx.GraphModule, fe: FrontEnd, groups: GroupReport, plans: Sequence[GroupGeometry],
-            state: Optional[OffloadState], update_ledger: bool = True, install_hook: Optional[InstallHook] = None,
-            in_graph_guards: bool = True, detect_new_requests: bool = True,
-            replacement_policy: str = "fifo") -> RewriteReport:
-    """Rewrite every group of ``groups`` through the front-end ``fe``.
-
-    ``plans`` / ``state`` empty / None: the front-end's rewrite without offload (HF: sparse attention
-    only). ``in_graph_guards``: check every compile-time assumption at run time; ``detect_new_requests``:
-    the in-graph new-request invalidation (module doc); ``replacement_policy``: ``fifo`` installs with
-    ``custom::dsa_install`` (CANN's), ``second_chance`` with ``offload_ref::dsa_install_sc`` (same inputs
-    plus the step's plan, whose hits set reference bits)."""
-    check_replacement_policy(replacement_policy)
+            state: Optional[OffloadState], settings: RewriteSettings = RewriteSettings()) -> RewriteReport:
+    """Rewrite every group of ``groups`` through the front-end ``fe``; ``plans`` / ``state`` empty / None:
+    the front-end's rewrite without the offload (HF: sparse attention only)."""
+    check_replacement_policy(settings.replacement_policy)
     g = gm.graph
     hoist_attrs(g)  # module buffers as get_attr (no nn-module inlining) become usable anywhere
     first = next(n for n in g.nodes if n.op not in ("placeholder", "get_attr"))
     pl = {p.group_id: p for p in plans}
     hints = [p.topk for p in plans] or [s.topk for gr in groups.groups for s in gr.sites][:1]
-    ctx = RewriteCtx(gm, Builder(g, hints), first, state, update_ledger, install_hook, detect_new_requests,
-                     replacement_policy, in_graph_guards)
+    ctx = RewriteCtx(gm, Builder(g, hints), first, state, settings)
     offload = bool(pl) and state is not None
-    if in_graph_guards and offload:
-        fe.add_guards(ctx, groups, pl)
+    if settings.in_graph_guards and offload:
+        table_guards(ctx, groups, pl)
     gstates = {gs.group_id: gs for gs in state.groups} if offload else {}
     filed = _Filed()
     for grp in groups.groups:
@@ -135,8 +112,8 @@ def rewrite(gm: fx.GraphModule, fe: FrontEnd, groups: GroupReport, plans: Sequen
             for s in grp.sites:
                 filed.site(grp, None, s, fe.emit_site(ctx, grp, None, s))
             continue
-        gn = _group_nodes(ctx, fe, grp, p, gstates[grp.group_id])
-        _emit_plan(ctx, fe, grp, gn)
+        gn = _group_nodes(ctx, grp, p, gstates[grp.group_id])
+        _emit_plan(ctx, grp, gn)
         cursors = {s.layer: filed.site(grp, gn, s, fe.emit_site(ctx, grp, gn, s)) for s in grp.sites}
         for s in grp.sites:
             _emit_installs(ctx, grp, gn, s, cursors[s.layer], filed)
@@ -150,8 +127,8 @@ def rewrite(gm: fx.GraphModule, fe: FrontEnd, groups: GroupReport, plans: Sequen
 _META = ("pool_ids", "id_to_slot", "lru_counter", "stats", "seen_len", "external_write")
 
 
-def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Group, p: GroupGeometry, gs: GroupState) -> GroupNodes:
-    """The group's metadata and its layers' pools as graph attributes; the front-end's selection buffers."""
+def _group_nodes(ctx: RewriteCtx, grp: Group, p: GroupGeometry, gs: GroupState) -> GroupNodes:
+    """The group's metadata and its layers' pools as graph attributes; its selection buffers."""
     meta = {n: ctx.attr(f"{n}_g{grp.group_id}", getattr(gs, n)) for n in _META}
     if gs.seen_table is not None:  # paged groups
         meta["seen_table"] = ctx.attr(f"seen_table_g{grp.group_id}", gs.seen_table)
@@ -164,8 +141,64 @@ def _group_nodes(ctx: RewriteCtx, fe: FrontEnd, grp: Group, p: GroupGeometry, gs
         kv, rope = ctx.state.pools[s.layer]
         pools[s.layer] = (ctx.attr(f"pool_kv_l{s.layer}", kv), ctx.attr(f"pool_rope_l{s.layer}", rope))
     gn = GroupNodes(p, meta, pools, gs.stats.device)
-    gn.sel = fe.selection(ctx, grp, p)
+    gn.sel = selection_buffers(ctx, grp, p)
     return gn
+
+
+def selection_buffers(ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> dict[int, SelectionBuffers]:
+    """Per layer the buffers serve fills and install reads: the model's own where its geometry names them
+    (the recipe form), else scratch of the graph (the HF form)."""
+    if all(geo.sel_kv is not None for geo in p.geometry.values()):
+        return _model_selection(ctx, p)
+    return _scratch_selection(ctx, grp, p)
+
+
+def _model_selection(ctx: RewriteCtx, p: GroupGeometry) -> dict[int, SelectionBuffers]:
+    """The model's buffers; a no-rope layer's 1-D empty rope viewed ``[nb, SBS, 0]``, the zero-width rope
+    serve and install take."""
+    out = {}
+    for layer, geo in p.geometry.items():
+        rope = geo.sel_rope
+        if geo.Dr == 0:
+            with ctx.g.inserting_before(ctx.first):
+                rope = ctx.b(aten.view.default, rope, [p.B * p.S * p.K // p.BS, p.BS, 0])
+        out[layer] = SelectionBuffers(geo.sel_kv, rope, geo.sel_table)
+    return out
+
+
+def _scratch_selection(ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> dict[int, SelectionBuffers]:
+    """Scratch buffers and one identity block table per group; a layer sharing an earlier layer's pool
+    reads the rows that layer's serve placed, in its buffers."""
+    B, S, K, SBS = p.B, p.S, p.K, p.BS
+    dev = ctx.state.pools[grp.owner.layer][0].device
+    nb = B * S * K // SBS
+    # a tensor of its own, not a view of the arange (a graph buffer; fake-tensor conversion keeps a view's base)
+    table = ctx.attr(f"sel_table_g{grp.group_id}",
+                     torch.arange(nb, dtype=torch.int32, device=dev).view(B * S, K // SBS).clone())
+    out = {}
+    for s in grp.sites:
+        if s.layer in p.pool_source:
+            out[s.layer] = out[p.pool_source[s.layer]]
+            continue
+        geo = p.geometry[s.layer]
+        out[s.layer] = SelectionBuffers(
+            ctx.attr(f"sel_kv_l{s.layer}", torch.zeros(nb, SBS, geo.Dkv, dtype=geo.dtype, device=dev)),
+            ctx.attr(f"sel_rope_l{s.layer}", torch.zeros(nb, SBS, geo.Dr, dtype=geo.dtype, device=dev)),
+            table)
+    return out
+
+
+def step_lengths(ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> fx.Node:
+    """This step's cache length per row, ``[B]`` int32, as the plan reads it: the geometry's lengths, or
+    from this step's cache positions ``[S]`` (``lengths_are_positions``) ``max + 1`` repeated per row,
+    emitted before the owner's anchor."""
+    if not p.lengths_are_positions:
+        return p.lengths
+    b = ctx.b
+    with ctx.g.inserting_before(grp.owner.anchor):
+        L = b(aten.add.Tensor, b(aten.amax.default, p.lengths, [0]), 1)
+        return b(aten.repeat.default, b(aten.view.default, b(aten._to_copy.default, L, dtype=torch.int32), [1]),
+                 [p.B])
 
 
 def _plan_topk(b: Builder, p: GroupGeometry) -> fx.Node:
@@ -186,17 +219,16 @@ def _plan_topk(b: Builder, p: GroupGeometry) -> fx.Node:
     return b(aten.view.default, tk, [p.B, p.S, 1, p.K])
 
 
-def _emit_plan(ctx: RewriteCtx, fe: FrontEnd, grp: Group, gn: GroupNodes) -> None:
-    """Before the owner's attention: this step's lengths (guarded), the new-request invalidation,
+def _emit_plan(ctx: RewriteCtx, grp: Group, gn: GroupNodes) -> None:
+    """Before the owner's anchor: this step's lengths (guarded), the new-request invalidation,
     ``dsa_plan`` and its statistics."""
     b, p = ctx.b, gn.p
     B, S, K = p.B, p.S, p.K
-    anchor, L = fe.plan_inputs(ctx, grp, p)
-    gn.lengths = L
-    if ctx.in_graph_guards:
-        _lengths_guard(ctx, grp, p, L)
-    with ctx.g.inserting_before(anchor):
-        if ctx.detect_new_requests:
+    L = gn.lengths = step_lengths(ctx, grp, p)
+    if ctx.settings.in_graph_guards:
+        lengths_guard(ctx, grp, p, L)
+    with ctx.g.inserting_before(grp.owner.anchor):
+        if ctx.settings.detect_new_requests:
             # the model's gather ledger (the recipe form keeps one per layer, the HF form none): the owner's
             geo = p.geometry[grp.owner.layer]
             table = ((geo.block_table, geo.FBS) if "seen_table" in gn.meta and geo.block_table is not None
@@ -218,19 +250,6 @@ def _emit_plan(ctx: RewriteCtx, fe: FrontEnd, grp: Group, gn: GroupNodes) -> Non
                                                   b(aten.select.int, gn.plan_n, 1, 1)], 1)
 
 
-def _lengths_guard(ctx: RewriteCtx, grp: Group, p: GroupGeometry, L: fx.Node) -> None:
-    root = strip_views(p.lengths, casts=True)  # the lengths input the front-end computed L from
-    if root in ctx.guarded:
-        return
-    ctx.guarded.add(root)
-    lim = min(max(p.geometry[l].F for l in p.layers), p.id_range)
-    b = ctx.b
-    guard(ctx, L, lambda: b(aten.logical_and.default, b(aten.all.default, b(aten.ge.Scalar, L, 0)),
-                            b(aten.all.default, b(aten.le.Scalar, L, lim))),
-          f"offload guard: cache lengths {input_name(L)!r} of group {grp.group_id} must be in [0, {lim}] "
-          f"(cache capacity / id_range the pools were sized for)")
-
-
 def _emit_installs(ctx: RewriteCtx, grp: Group, gn: GroupNodes, s: GroupedSite, cursor: fx.Node,
                    filed: _Filed) -> None:
     """After layer ``s``'s attention (``cursor``): its ``metadata_update=0`` install (not the owner), and
@@ -243,8 +262,8 @@ def _emit_installs(ctx: RewriteCtx, grp: Group, gn: GroupNodes, s: GroupedSite, 
         cursor = _emit_install(ctx, gn, layer, md, cursor)
         placed.append(cursor)
     filed.installs(s.layer, placed, [layer for layer, _ in todo])
-    if ctx.install_hook is not None and placed:
-        ctx.install_hook(ctx.g, placed, s.layer)
+    if ctx.settings.install_hook is not None and placed:
+        ctx.settings.install_hook(ctx.g, placed, s.layer)
 
 
 def _emit_install(ctx: RewriteCtx, gn: GroupNodes, layer: int, md: int, cursor: fx.Node) -> fx.Node:
@@ -254,7 +273,7 @@ def _emit_install(ctx: RewriteCtx, gn: GroupNodes, layer: int, md: int, cursor: 
     args = (gn.rec, sel.kv, sel.rope, sel.table, kv, rp, meta["pool_ids"], meta["id_to_slot"], meta["lru_counter"])
     kw = dict(raw_seq=p.S, topk=p.K, selection_block_size=p.BS, metadata_update=md)
     with ctx.g.inserting_after(cursor):
-        if ctx.replacement_policy == "second_chance":
+        if ctx.settings.replacement_policy == "second_chance":
             return ctx.b(torch.ops.offload_ref.dsa_install_sc.default, gn.plan_n, *args, **kw)
         return ctx.b(custom.dsa_install.default, *args, **kw)
 
@@ -263,30 +282,15 @@ def invalidate_new_rows(b: Builder, p: GroupGeometry, meta: dict, L: fx.Node, le
                         table: Optional[tuple[fx.Node, int]] = None) -> None:
     """Batch rows that started a new request lose their pool rows, in the graph, before the plan.
 
-    A row is new when (docs/new-requests.md):
+    A row is new when its cache length left the continuation window ``[seen, seen + S]``; when its gather
+    ledger (``ledger``, the owner layer's, recipe form) has the count -1 of a reset at any of its S
+    positions; for paged groups (``table = (block_table, block_size)``) when a block of the prefix it
+    already served changed; and every row when the host saw the full caches written outside this graph
+    (``external_write``). The rules and their reasons: docs/new-requests.md. The updates are ``copy_``
+    writes (reinplacing keeps them in place); one masked pass over the group's metadata, no host sync::
 
-    * its cache length left the continuation window: ``L < seen`` or ``L > seen + S`` (a decode step
-      advances a row by 1..S tokens; ``seen`` is the previous step's ``L``);
-    * its gather ledger was reset (``ledger``: the owner layer's, recipe form; count column
-      ``status[..., K] == -1`` at any of the row's S positions): the unmodified model's own mark of a row
-      that holds nothing (a new model, its ``reset_rows``, the reference's ``reinit_status``, an engine
-      resetting the rows it re-filled). Every writer of the ledger leaves another count: the rewrite a
-      count >= 0 (``update_ledger``) or :data:`.emit.LEDGER_SERVED`, the model's own gather a count >= 0, so
-      the signal holds in every mode, whether or not the rewrite keeps the ledger. One masked read of
-      ``[B, S]`` per group and step;
-    * paged groups (``table = (block_table, block_size)``): a block of the prefix the row already served
-      (``[0, seen)``) is not the one it had at the previous step (``seen_table``): the row holds another
-      request (a re-allocation, a row that shifted). This signal sees writes no version counter shows (a
-      C++ op, a KV transfer) whenever the engine gives a new request other blocks;
-    * the host saw the full caches written outside this graph since the state's last step
-      (``external_write[0] != 0``: their version counters moved, ``state.StateRegistry.activate``):
-      every row. A counter is per tensor, not per row, so neither the ledger nor ``reset(rows=...)``
-      can prove the other rows untouched: correctness wins over warmth. Only the engine's complete
-      account (``begin_request`` / ``move_rows``) keeps the host from setting the flag.
-
-    Cost: one masked pass over the group's metadata per step, no host sync. The updates are ``copy_``
-    writes so that reinplacing keeps them in place (passes/reinplace.py,
-    passes/npu_install_chains.py::inplace_masked_input_updates).
+        new = (L < seen) | (L > seen + S) | ledger_reset | moved_blocks | external_write
+        pool_ids.copy_(where(new, -1, pool_ids)); id_to_slot...; lru_counter...; seen.copy_(L)
     """
     B, S, K = p.B, p.S, p.K
     seen = meta["seen_len"]

@@ -50,3 +50,39 @@ def test_npu_modes_run_in_the_one_core(mode):
     assert be.lowering.side_stream is False and MODES[mode].lowering == "offload_passes.lowering.npu:NpuLowering"
     with pytest.raises(ValueError, match=r"\['npu_options'\] only apply to the NPU exe_modes"):
         make_offload_backend(exe_mode="eager", npu_options={"x": 1})
+
+
+def test_a_compile_is_the_core_passes_then_the_lowerings():
+    """``OffloadBackend.compile``: the lowering configures the context (its options reach the passes and the
+    report; its install hook gets each layer's installs), then its passes run after the core's on the
+    rewritten pre-AOT graph; a graph the core leaves unmodified still reaches them."""
+    import torch
+
+    from offload_passes import models
+    from offload_passes.passes._fx import count_ops
+    from offload_passes.passes.manager import StepPass
+
+    be = make_offload_backend(exe_mode="eager", pool_size=PS)
+    seen: list = []
+    placed: list[int] = []
+
+    def configure(ctx):
+        ctx.use_options(ctx.options.replace(update_ledger=False))
+        ctx.install_hook = lambda graph, installs, layer: placed.append(layer)
+
+    def after_core(ctx):
+        seen.append((ctx.stopped, list(ctx.reports), count_ops(ctx.gm.graph)["dsa_plan"]))
+
+    be.lowering.configure = configure
+    be.lowering.passes = lambda ctx: [StepPass("after_core", after_core)]
+    torch._dynamo.reset()
+    built = models.build("tiny", enable_offload=True)
+    built.driver.run(steps=1, step_fn=torch.compile(built.model, backend=be))
+    rep = be.reports[-1]
+    assert rep["rewritten"] and rep["options"]["update_ledger"] is False
+    assert seen[-1] == (None, ["detect", "group", "screen", "specialise", "preconditions", "decide", "build_state",
+                               "rewrite"], 2)
+    # every layer but a group's owner installs after its attention (groups [0..3], [4..7]); the owners' own
+    # install follows the last layer's
+    assert placed == [1, 2, 3, 5, 6, 7]
+    torch._dynamo.reset()

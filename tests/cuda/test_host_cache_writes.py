@@ -326,21 +326,21 @@ def tiny():
     from offload_passes import models
     from offload_passes.backend import OffloadBackend
     from offload_passes.lowering.cuda import CUDA_MODE, CudaLowering
+    from offload_passes.passes.manager import StepPass
 
     torch._dynamo.reset()
     built = models.build("tiny", enable_offload=True)
     be = OffloadBackend(exe_mode="eager", pool_size=64)  # test arrangement of test_cuda_lowering.py
     be.lowering = lo = CudaLowering(CUDA_MODE)
     seen = {}
-    orig = lo.after_rewrite
+    orig = lo.passes
 
-    def keep(gm, state, report, options, hook):
-        orig(gm, state, report, options, hook)
+    def keep(ctx):  # after the lowering's passes
         g = fx.Graph()
-        g.output(g.graph_copy(gm.graph, {}))  # nodes and (shallow-copied) meta; the compile keeps gm
-        seen[report.graph_id] = fx.GraphModule(gm, g)
+        g.output(g.graph_copy(ctx.gm.graph, {}))  # nodes and (shallow-copied) meta; the compile keeps gm
+        seen[ctx.graph_id] = fx.GraphModule(ctx.gm, g)
 
-    lo.after_rewrite = keep
+    lo.passes = lambda ctx: [*orig(ctx), StepPass("keep", keep)]
     built.driver.run(steps=1, step_fn=torch.compile(built.model, backend=be))
     rep = be.reports[-1]
     assert rep["rewritten"], rep["refusals"]

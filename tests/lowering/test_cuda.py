@@ -18,11 +18,14 @@ import logging
 
 import pytest
 import torch
+from torch import fx
 
 from offload_passes import models
 from offload_passes.backend import OffloadBackend, backend_for_options, make_offload_backend
 from offload_passes.lowering.cuda import (CUDA_MODE, RUNTIME, STREAM_OPS, UNSUPPORTED_COMPILE_MODES, CudaInstallHook,
                                           CudaLowering)
+from offload_passes.options import OffloadOptions
+from offload_passes.passes.manager import CompileContext, StepPass
 
 STEPS = 3
 
@@ -46,13 +49,10 @@ def compiled():
     be = OffloadBackend(exe_mode="eager", pool_size=64)
     be.lowering = CudaLowering(CUDA_MODE)
     graphs = {}
-    orig_after = be.lowering.after_rewrite
-
-    def keep_rewritten(gm, state, report, options, hook):
-        orig_after(gm, state, report, options, hook)
-        graphs["rewrite"] = gm.graph  # the pre-AOT graph with the hook's nodes and the joins
-
-    be.lowering.after_rewrite = keep_rewritten
+    orig_passes = be.lowering.passes
+    # after the lowering's passes: the pre-AOT graph with the hook's nodes and the joins
+    keep = StepPass("keep", lambda ctx: graphs.__setitem__("rewrite", ctx.gm.graph))
+    be.lowering.passes = lambda ctx: [*orig_passes(ctx), keep]
     RUNTIME.calls.clear()
     res0 = base.driver.run(steps=STEPS)
     res1 = comp.driver.run(steps=STEPS, step_fn=torch.compile(comp.model, backend=be))
@@ -245,12 +245,18 @@ def test_the_default_policy_is_second_chance_on_cuda_fifo_elsewhere():
 
 
 def test_side_stream_off_keeps_the_cpu_schedule():
-    lo = CudaLowering(CUDA_MODE, side_stream=False)
-    opts = object()
-    assert lo.prepare(opts, "g1", None) == (opts, None)
+    def configured(lo: CudaLowering, graph_id: str) -> CompileContext:
+        opts = OffloadOptions(exe_mode="cuda")
+        ctx = CompileContext.start(fx.GraphModule(torch.nn.Module(), fx.Graph()), [], graph_id, opts)
+        lo.configure(ctx)
+        assert ctx.options is opts  # the options as given
+        return ctx
+
+    assert configured(CudaLowering(CUDA_MODE, side_stream=False), "g1").install_hook is None
     lo2 = CudaLowering(CUDA_MODE)
-    _, hook = lo2.prepare(opts, "g2", None)
+    hook = configured(lo2, "g2").install_hook
     assert isinstance(hook, CudaInstallHook) and hook.graph_id == "g2"
+    assert [p.name for p in lo2.passes(None)] == ["side_stream_joins", "host_cache_writes", "device_safe_guards"]
     assert lo2.state_from_caches is True
 
 

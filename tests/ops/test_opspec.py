@@ -139,10 +139,10 @@ def test_reinplace_pairs_are_what_the_registry_installs(monkeypatch):
 
 
 def test_passes_reinplace_finds_our_twins_through_the_specs():
-    from offload_passes.passes.reinplace import _inplace_of
+    from offload_passes.passes.reinplace_candidates import inplace_of
 
     for functional, (inplace, _) in PAIRS.items():
-        assert _inplace_of(_overload(functional)) is _overload(inplace)
+        assert inplace_of(_overload(functional)) is _overload(inplace)
 
 
 # ------------------------------------------------------------------------------------------ GE

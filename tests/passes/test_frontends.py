@@ -2,8 +2,9 @@
 
 The front-ends are reached through the registry only (``FRONT_ENDS``), checked member by member against
 ``FrontEnd``'s declaration, and the two modules that drive a front-end (``pipeline.py``,
-``passes/rewrite.py``) are read with ``ast``: every ``fe.<name>`` they use is declared, and they probe no
-hook with ``hasattr`` / ``getattr``. A second check walks every module of ``offload_passes/``: no module
+``passes/rewrite.py``) are read with ``ast``: every ``fe.<name>`` / ``ctx.frontend.<name>`` they use is
+declared (and every ``det.<name>`` / ``ctx.detection.<name>`` of a detection), and they probe no hook with
+``hasattr`` / ``getattr``. A second check walks every module of ``offload_passes/``: no module
 imports another module's private name (a ``_name`` that is not itself a module, such as ``_fx``).
 """
 from __future__ import annotations
@@ -18,24 +19,34 @@ from torch import fx
 
 from offload_passes.passes.frontends import FRONT_ENDS
 from offload_passes.passes.frontends.protocol import (Detection, FrontEnd, PartialRefusal, PassFiles, Screening,
-                                                      Summary)
+                                                      Summary, pass_files)
 
 PKG = Path(__file__).resolve().parents[2] / "offload_passes"
 
 
-def protocol_members() -> set[str]:
-    """The names ``FrontEnd`` declares: its annotated attributes and its methods."""
-    names = set(FrontEnd.__annotations__)
-    names |= {n for n, v in vars(FrontEnd).items() if inspect.isfunction(v) and not n.startswith("_")}
+def protocol_members(proto: type = FrontEnd) -> set[str]:
+    """The names a protocol declares: its annotated attributes, its methods and properties."""
+    names = set(proto.__annotations__)
+    names |= {n for n, v in vars(proto).items()
+              if (inspect.isfunction(v) or isinstance(v, property)) and not n.startswith("_")}
     return names
 
 
-def test_the_protocol_declares_every_stage():
-    assert protocol_members() == {
-        "name", "files", "on_offload_refusal",
-        "detect", "summarise", "screen",
-        "check_preconditions",
-        "plan_inputs", "selection", "add_guards", "emit_site", "finish"}
+def test_the_protocol_declares_what_a_front_end_decides():
+    """Six members: its name, what an offload refusal leaves, detection, preconditions, emission, clean-up.
+    The rest is the core's (plan inputs, selection buffers, guards: from the geometry) or the detection's
+    (its report rows, its screening)."""
+    assert protocol_members() == {"name", "on_offload_refusal", "detect", "check_preconditions", "emit_site",
+                                  "finish"}
+    assert protocol_members(Detection) == {"sites", "refusals", "has_dsa", "summary", "screening"}
+
+
+def test_the_report_names_each_front_end_pass_file():
+    """``GraphReport.passes`` files, from the modules the front-end's members live in."""
+    assert {fe.name: pass_files(fe) for fe in FRONT_ENDS} == {
+        "recipe": PassFiles("passes/frontends/recipe.py", "passes/frontends/recipe.py", "passes/frontends/recipe.py"),
+        "hf": PassFiles("passes/frontends/hf/detect.py", "passes/frontends/hf/frontend.py",
+                        "passes/frontends/hf/frontend.py")}
 
 
 def test_the_protocol_names_concrete_types():
@@ -61,8 +72,7 @@ def test_each_front_end_is_a_complete_front_end(fe):
             assert len(inspect.signature(getattr(fe, m)).parameters) == \
                 len(inspect.signature(declared).parameters) - 1, (fe.name, m)
     assert isinstance(fe.on_offload_refusal, PartialRefusal)
-    assert isinstance(fe.files, PassFiles)
-    for f in fe.files:  # the report's pass files exist
+    for f in pass_files(fe):  # the report's pass files exist
         assert (PKG / f).is_file(), f
 
 
@@ -81,18 +91,20 @@ def test_a_graph_without_dsa_belongs_to_no_front_end():
         det = fe.detect(gm)
         assert isinstance(det, Detection)
         assert not det.has_dsa and list(det.sites) == [] and det.refusals == []
-        summary = fe.summarise(det)
+        summary = det.summary()
         assert isinstance(summary, Summary)
         assert set(summary.detect) == {"gathers", "sites", "indexers", "other_topk"}
         assert (summary.detect["gathers"], summary.detect["sites"]) == (0, 0)
-        assert fe.screen(gm, det) == Screening()
+        assert det.screening() == Screening()
 
 
-def _uses_of(path: Path, var: str) -> tuple[set[str], list[str]]:
-    """Attributes read from the name ``var`` in ``path``, and ``hasattr`` / ``getattr`` probes of it."""
+def _uses_of(path: Path, var: str, field: str = "") -> tuple[set[str], list[str]]:
+    """Attributes read from the name ``var`` (or from ``<x>.<field>``) in ``path``, and ``hasattr`` /
+    ``getattr`` probes of it."""
     attrs, probes = set(), []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == var:
+        v = node.value if isinstance(node, ast.Attribute) else None
+        if (isinstance(v, ast.Name) and v.id == var) or (field and isinstance(v, ast.Attribute) and v.attr == field):
             attrs.add(node.attr)
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
                 and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in (var, "det")):
@@ -102,10 +114,15 @@ def _uses_of(path: Path, var: str) -> tuple[set[str], list[str]]:
 
 @pytest.mark.parametrize("module", ["pipeline.py", "passes/rewrite.py"])
 def test_drivers_use_only_declared_hooks(module):
-    attrs, probes = _uses_of(PKG / module, "fe")
+    attrs, probes = _uses_of(PKG / module, "fe", "frontend")
     assert attrs, f"{module} reads no front-end hook: the check reads the wrong name"
     assert attrs <= protocol_members(), f"{module} uses undeclared hooks {sorted(attrs - protocol_members())}"
     assert probes == [], f"hasattr / getattr probes of a front-end or its detection: {probes}"
+
+
+def test_the_pipeline_reads_only_declared_detection_members():
+    attrs, _ = _uses_of(PKG / "pipeline.py", "det", "detection")
+    assert attrs and attrs <= protocol_members(Detection), sorted(attrs - protocol_members(Detection))
 
 
 def _resolve(path: Path, root: Path, node: ast.ImportFrom) -> Path | None:

@@ -12,6 +12,7 @@ from torch import fx
 from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
 
 from offload_passes import _compat
+from offload_passes.passes._fx import count_ops
 from offload_passes.passes.inductor_targets import (NAMESPACE, define_aliases, inductor_alias, needs_alias,
                                                     retarget_for_inductor)
 
@@ -77,8 +78,12 @@ def test_retarget_keeps_arguments_and_meta():
     n.meta["val"] = None
     c = g.call_function(torch.ops.aten.copy_.default, (a[5], a[6]))
     g.output((c,))
+    counted = (custom.dsa_serve.default, inductor_alias(custom.dsa_serve.default), torch.ops.aten.copy_.default)
+    before = count_ops(g, counted)
     rep = retarget_for_inductor(g)
-    assert rep.to_dict() == {"retargeted": {"custom.dsa_serve.default": 1}}
+    assert (before, count_ops(g, counted)) == ({counted[0]: 1, counted[1]: 0, counted[2]: 1},
+                                               {counted[0]: 0, counted[1]: 1, counted[2]: 1})
+    assert rep.retargeted == {"custom.dsa_serve.default": 1}  # the report names what moved
     assert n.target is inductor_alias(custom.dsa_serve.default) and n.args == tuple(a) and n.kwargs == {"raw_seq": 1}
     assert "val" in n.meta and c.target is torch.ops.aten.copy_.default
     assert retarget_for_inductor(g).retargeted == {}  # idempotent

@@ -19,7 +19,7 @@ from offload_passes.passes._fx import count_ops
 from offload_passes.passes.frontends.hf import HF, dense_masks_left, hf_sparse_attention, hf_sparse_attention_rows
 from offload_passes.passes.frontends.recipe import RECIPE
 from offload_passes.passes.group import group
-from offload_passes.passes.rewrite import rewrite
+from offload_passes.passes.rewrite import RewriteSettings, rewrite
 from offload_passes.passes.state_build import build_state
 
 custom, ref = torch.ops.custom, torch.ops.offload_ref
@@ -109,7 +109,7 @@ def _rewrite(fe, gm: fx.GraphModule, inputs: list, opts: OffloadOptions = OPTS, 
         assert pr.refusals == [], pr.refusals
         plans = pr.groups
         state = build_state(gm, plans, inputs, "graph_test", state_from_caches=False)
-    return rewrite(gm, fe, grp, plans, state, replacement_policy=policy)
+    return rewrite(gm, fe, grp, plans, state, RewriteSettings(replacement_policy=policy))
 
 
 def _targets(gm: fx.GraphModule, target) -> list[fx.Node]:

@@ -1,10 +1,8 @@
 """The front-end protocol (:class:`FrontEnd`) and the types its members take and return.
 
-A front-end says how DSA sites look in one form of graph and how a site's attention is emitted; the
-pipeline (``pipeline.py``) and the shared rewrite core (``passes/rewrite.py``) do everything else, and
-decide from the facts a front-end states what a graph becomes (``outcome.py``). The registry of
-front-ends is ``frontends/__init__.py`` (``FRONT_ENDS``); this module imports no front-end, and the
-emission helpers a front-end builds with are ``passes/emit.py``.
+A front-end says what one form of graph looks like (detection, preconditions) and how a site's attention
+is emitted; everything every form does alike is the core's (``pipeline.py``, ``passes/rewrite.py``).
+The registry is ``frontends/__init__.py``; this module imports no front-end.
 """
 from __future__ import annotations
 
@@ -15,12 +13,12 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence, runtime_checka
 from torch import fx
 
 from ...options import OffloadOptions
-from ..emit import GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission
+from ..emit import GroupNodes, RewriteCtx, SiteEmission
 from ..group import Group, GroupedSite, GroupReport
-from ..preconditions import GroupGeometry, PreconditionReport
+from ..preconditions import PreconditionReport
 from ..refusal import Refusal
 
-__all__ = ["FrontEnd", "Detection", "Screening", "Summary", "PlanInputs", "PartialRefusal", "PassFiles"]
+__all__ = ["FrontEnd", "Detection", "Screening", "Summary", "PartialRefusal", "PassFiles", "pass_files"]
 
 
 class PartialRefusal(enum.Enum):
@@ -38,18 +36,6 @@ class PassFiles(NamedTuple):
     detect: str
     preconditions: str  # the report names this pass "plan" (``timings["plan_s"]``)
     emit: str
-
-
-@runtime_checkable
-class Detection(Protocol):
-    """What the pipeline reads of a front-end's detection report."""
-
-    sites: Sequence[GroupedSite]  # verified sites in graph order (``layer``, ``producer``: the group key)
-    refusals: list[Refusal]  # candidates that look like a site but failed a check
-
-    @property
-    def has_dsa(self) -> bool:
-        """The graph has DSA candidates (sites or refused ones): this front-end owns it."""
 
 
 class Summary(NamedTuple):
@@ -74,50 +60,53 @@ class Screening:
     dense_by_design: Optional[str] = None
 
 
-class PlanInputs(NamedTuple):
-    """Where a group's plan goes and what it reads that the front-end computes."""
+@runtime_checkable
+class Detection(Protocol):
+    """A front-end's detection report, as the core reads it."""
 
-    anchor: fx.Node  # the node the plan (and the new-request invalidation) is inserted before
-    lengths: fx.Node  # this step's cache length per row, ``[B]`` int32, emitted before ``anchor``
+    sites: Sequence[GroupedSite]  # verified sites in graph order (``layer``, ``producer``: the group key)
+    refusals: list[Refusal]  # candidates that look like a site but failed a check
+
+    @property
+    def has_dsa(self) -> bool:
+        """The graph has DSA candidates (sites or refused ones): this front-end owns it."""
+
+    def summary(self) -> Summary:
+        """The detection's rows of the report."""
+
+    def screening(self) -> Screening:
+        """Which refusals block the rewrite, which notes leave the graph dense by design."""
 
 
 @runtime_checkable
 class FrontEnd(Protocol):
-    """One graph form: detection, screening, preconditions, emission, and what a refusal leaves."""
+    """One graph form: what it is called, what an offload refusal leaves, detection, preconditions, emission."""
 
     name: str  # ``GraphReport.frontend``
-    files: PassFiles
     #: what an offload precondition that fails leaves of the rewrite
     on_offload_refusal: PartialRefusal
 
-    # -- detection --------------------------------------------------------------------------------
     def detect(self, gm: fx.GraphModule) -> Detection:
         """Every DSA site of the graph (data flow only), and every candidate refused with its reason."""
 
-    def summarise(self, det: Detection) -> Summary:
-        """The detection's rows of the report."""
-
-    def screen(self, gm: fx.GraphModule, det: Detection) -> Screening:
-        """The detection's refusals: which block the rewrite, which leave the graph dense by design."""
-
-    # -- preconditions ------------------------------------------------------------------------------
     def check_preconditions(self, gm: fx.GraphModule, grp: GroupReport, example_inputs: Sequence[Any],
                             opts: OffloadOptions) -> PreconditionReport:
-        """Each group's geometry (pool size, sets, id range) and every unmet limit as a refusal naming a
-        layer of its group, through the shared checks of ``passes/preconditions.py``."""
-
-    # -- emission (called by ``passes/rewrite.py::rewrite``) -------------------------------------------
-    def plan_inputs(self, ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> PlanInputs:
-        """The node the group's plan goes before, and this step's lengths, emitted before it."""
-
-    def selection(self, ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> dict[int, SelectionBuffers]:
-        """Per layer the selection buffers serve fills and install reads."""
-
-    def add_guards(self, ctx: RewriteCtx, grp: GroupReport, plans: dict[int, GroupGeometry]) -> None:
-        """Front-end specific run-time guards (the shared lengths guard is emitted by the core)."""
+        """Each group's geometry and every unmet limit as a refusal naming a layer of its group, through the
+        shared checks of ``passes/preconditions.py``. The geometry also says what the core reads: the
+        lengths (or positions) the plan takes, the model's selection buffers (None: scratch), its tables."""
 
     def emit_site(self, ctx: RewriteCtx, grp: Group, gn: Optional[GroupNodes], site: GroupedSite) -> SiteEmission:
         """Layer ``site``: its serve (``gn`` given: the group is offloaded) and the attention."""
 
     def finish(self, ctx: RewriteCtx) -> dict[str, Any]:
         """After every group: clean-up (e.g. dead dense nodes); extra report facts."""
+
+
+def _source(fn: Any) -> str:
+    """The file of ``fn``'s module, relative to ``offload_passes/`` (``passes/frontends/recipe.py``)."""
+    return fn.__module__.split(".", 1)[1].replace(".", "/") + ".py"
+
+
+def pass_files(fe: FrontEnd) -> PassFiles:
+    """Where ``fe``'s detection, preconditions and emission are written (the modules of its members)."""
+    return PassFiles(_source(fe.detect), _source(fe.check_preconditions), _source(fe.emit_site))

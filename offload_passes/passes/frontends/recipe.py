@@ -1,30 +1,20 @@
 """The recipe-form front-end: the graph of cann-recipes' GLM-5.2 modeling (and of models/glm).
 
-**Detection** (pass 1), from data flow: top-k producer → (views) → gather → SFA. A site is one
-``custom.npu_gather_selection_kv_cache`` call whose ``selection_topk_indices`` comes (through views only)
-from the ids of a top-k producer of ``producers.TOPK_PRODUCERS`` (output 0 of ``npu_lightning_indexer``,
-the single output of ``npu_quant_lightning_indexer``; any namespace), and whose result and selection
-buffers feed one sparse-flash-attention call (``actual_seq_lengths_kv`` = the gather's result, ``key`` /
-``key_rope`` / ``block_table`` = the gather's selection buffers). Anything else touching the gather is a
-refusal. Layers are numbered by the order of sites in the graph; module names are never read.
+**Detection**, from data flow: a top-k producer (``producers.TOPK_PRODUCERS``) → views →
+``custom.npu_gather_selection_kv_cache`` → the sparse flash attention that reads the gather's result and
+selection buffers; anything else touching the gather is a refusal. **Preconditions**: every site's shapes
+and layouts, the selection table's identity layout on the example inputs, and the full block table's
+(identity: serve reads ``[B, F, D]``; any other: through the table, the paged site). **Emission**::
 
-**Preconditions** (:func:`check_preconditions`): every site's arguments (shapes and layouts from the
-nodes' example values; the selection block table's identity layout on the real example inputs, since
-serve writes the selection positionally; the full block table's layout on them picks how misses are
-read: identity, serve's ``[B, F, D]`` view; any other, through the table), then each group's consistency
-and pool geometry, with the shared checks of ``passes/preconditions.py``.
+    act = gather(sel, topk, full, table)       serve = dsa_serve(plan, full, pool, sel); status.copy_(ledger)
+    out = sfa(q, sel, act)               ->    out = sfa(q, sel, plan.act)
 
-**Emission** at a site, identity block table: the gather becomes ``dsa_serve`` into the model's own
-selection buffers (the SFA already reads them), the model's gather ledger is written for what serve placed
-(so switching back to the unmodified path is never wrong), and every use of the gather's result is replaced
-by the plan's active count. Any other block table (paged KV): serve places only the pool hits and the
-gather stays, reading the rest through the table. Everything else is the shared core
-(``passes/rewrite.py``).
+A paged site keeps the gather after a pool-only serve. Everything else is the core's (``passes/rewrite.py``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import fx
@@ -35,14 +25,13 @@ from ...options import OffloadOptions
 from .. import _fx
 from .._fx import (ancestors, bind, example, input_values, is_graph_input_or_attr, is_op, op_name, strip_views,
                    view_users)
-from ..emit import (LEDGER_SERVED, Builder, GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission, emit_serve,
-                    emit_serve_pool, guard, input_name)
+from ..emit import LEDGER_SERVED, Builder, GroupNodes, RewriteCtx, SiteEmission, emit_serve, emit_serve_pool
 from ..group import Group, GroupReport
 from ..preconditions import (MAX_DKV, MAX_SBS, MIN_SBS, Checker, GroupGeometry, PreconditionReport,
                              SiteGeometry, check_pool_size, check_raw_seq, check_rope_width, check_topk_width, group_geometry)
 from ..producers import PRODUCER_NAMES, producer_of_call, topk_source
 from ..refusal import Refusal
-from .protocol import PartialRefusal, PassFiles, PlanInputs, Screening, Summary
+from .protocol import PartialRefusal, Screening, Summary
 
 __all__ = ["RecipeFrontEnd", "RECIPE", "Site", "DetectReport", "detect", "check_preconditions", "is_identity_table",
            "GATHER", "SFA"]
@@ -61,6 +50,11 @@ class Site:
     args: dict[str, Any] = field(repr=False)  # bound gather arguments
     sfa_args: dict[str, Any] = field(repr=False)
 
+    @property
+    def anchor(self) -> fx.Node:
+        """The gather: the serve replaces it, the group's plan goes before the owner's."""
+        return self.gather
+
 
 @dataclass
 class DetectReport:
@@ -73,6 +67,13 @@ class DetectReport:
     @property
     def has_dsa(self) -> bool:
         return self.gathers > 0
+
+    def summary(self) -> Summary:
+        return Summary({"gathers": self.gathers, "sites": len(self.sites), "indexers": self.indexers,
+                        "other_topk": self.other_topk}, None)
+
+    def screening(self) -> Screening:
+        return Screening(tuple(self.refusals))  # every detection refusal blocks; nothing is dense by design
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -181,49 +182,104 @@ def _real(node: Any, real_inputs: dict[fx.Node, torch.Tensor]) -> Optional[torch
     return t
 
 
+class _Examples(NamedTuple):
+    """The example values of a site's tensors."""
+
+    tk: torch.Tensor  # the top-k the gather reads
+    fkv: torch.Tensor
+    frp: torch.Tensor
+    skv: torch.Tensor
+    srp: torch.Tensor
+    stb: torch.Tensor  # the selection block table
+    sts: torch.Tensor  # the gather ledger (selection status)
+    fbt: torch.Tensor  # the full block table
+    L: torch.Tensor
+
+
 def _site(site: Site, opts: OffloadOptions, real: dict, chk: Checker) -> Optional[tuple]:
+    """One site's geometry and its group key ``(B, S, K, SBS)``, or None; every unmet limit goes to ``chk``."""
     a = site.args
     chk(a["selection_topk_block_size"] == 1, "gather_block_size",
         f"selection_topk_block_size={a['selection_topk_block_size']} (only 1, the K > 32 ledger path, is supported)")
-    tk, fkv, frp = example(site.topk), example(a["full_kv_cache"]), example(a["full_k_rope"])
-    skv, srp, stb = example(a["selection_kv_cache"]), example(a["selection_k_rope"]), example(a["selection_kv_block_table"])
-    sts, fbt, L = example(a["selection_kv_block_status"]), example(a["full_kv_block_table"]), example(a["full_kv_actual_seq"])
-    if any(t is None for t in (tk, fkv, frp, skv, srp, stb, sts, fbt, L)):
+    ex = _examples(site, chk)
+    no_rope = _layout(ex, chk) if ex is not None else None
+    if no_rope is None:
+        return None
+    B, S, K, maxblk = _batch(ex, opts, chk)
+    FBS, Dkv, Dr, identity = _full_cache(site, ex, no_rope, (B, maxblk), real, opts, chk)
+    SBS = _selection(site, ex, no_rope, (B, S, K, Dkv, Dr), real, chk)
+    geo = SiteGeometry(site.layer, a["full_kv_cache"], a["full_k_rope"], a["selection_kv_cache"],
+                       a["selection_k_rope"], a["selection_kv_block_table"], a["selection_kv_block_status"],
+                       maxblk * FBS, Dkv, Dr, ex.fkv.dtype, a["full_kv_block_table"], FBS, not identity)
+    return geo, (B, S, K, SBS)
+
+
+def _examples(site: Site, chk: Checker) -> Optional[_Examples]:
+    a = site.args
+    ex = [example(site.topk)] + [example(a[n]) for n in (
+        "full_kv_cache", "full_k_rope", "selection_kv_cache", "selection_k_rope", "selection_kv_block_table",
+        "selection_kv_block_status", "full_kv_block_table", "full_kv_actual_seq")]
+    if any(t is None for t in ex):
         chk(False, "no_example_values", f"{site.gather.name}: tensor shapes unknown")
         return None
-    # (a quantised cache was refused by detect already)
-    # the gather's no-rope mode (1-D empty rope tensors) is the ops' no-rope mode, Dr = 0 (docs/ops.md §3.3)
+    return _Examples(*ex)
+
+
+def _layout(ex: _Examples, chk: Checker) -> Optional[bool]:
+    """Whether the site is in the no-rope mode (1-D empty rope tensors, the ops' Dr = 0, docs/ops.md §3.3);
+    None when the caches are not paged ``[blocks, block_size, D]`` (a quantised cache was refused by detect)."""
+    srp, frp = ex.srp, ex.frp
     no_rope = srp.dim() == 1 and frp.dim() == 1 and srp.numel() == 0 and frp.numel() == 0
     if not chk(no_rope or (srp.dim() == 3 and frp.dim() == 3), "selection_layout",
                f"selection_k_rope {tuple(srp.shape)}, full_k_rope {tuple(frp.shape)}: the rope tensors must be "
                f"3-D, or both 1-D empty (the no-rope mode)"):
         return None
-    if not chk(fkv.dim() == 3 and skv.dim() == 3 and fbt.dim() == 2, "paged_layout",
-               f"full_kv_cache {tuple(fkv.shape)} must be [blocks, block_size, Dkv] with a 2-D block table"):
+    if not chk(ex.fkv.dim() == 3 and ex.skv.dim() == 3 and ex.fbt.dim() == 2, "paged_layout",
+               f"full_kv_cache {tuple(ex.fkv.shape)} must be [blocks, block_size, Dkv] with a 2-D block table"):
         return None
+    return no_rope
+
+
+def _batch(ex: _Examples, opts: OffloadOptions, chk: Checker) -> tuple[int, int, int, int]:
+    """``(B, S, K, maxblk)``: the batch from the block table, the query tokens and width from the top-k."""
+    tk = ex.tk
     K = tk.size(-1)
     check_topk_width(chk, K, bounded_by_producer=True)
-    B, maxblk = fbt.shape
+    B, maxblk = ex.fbt.shape
     T = tk.numel() // max(K, 1)
     S = T // max(B, 1)
     chk(tk.dim() in (3, 4) and T == B * S and (tk.dim() == 3 or (tk.size(0) == B and tk.size(2) == 1)),
         "topk_layout", f"selection_topk_indices {tuple(tk.shape)} is not [B, S, 1, K] / [B*S, 1, K] with B={B}")
     check_raw_seq(chk, S, opts)
-    F_blocks, FBS, Dkv = fkv.shape
-    Dr = 0 if no_rope else frp.size(-1)
-    chk(no_rope or tuple(frp.shape[:2]) == (F_blocks, FBS), "paged_layout",
-        f"full_k_rope {tuple(frp.shape)} must match full_kv_cache blocks {(F_blocks, FBS)}")
-    # Any block table is served: the identity layout (the static batch) through serve's [B, F, D] view of
-    # the full cache, any other one (an engine's cache manager) through the model's gather, which takes
-    # the table (docs/new-requests.md, "Paged KV"). The choice is made on the example inputs.
-    t = _real(a["full_kv_block_table"], real)
+    return B, S, K, maxblk
+
+
+def _full_cache(site: Site, ex: _Examples, no_rope: bool, batch: tuple[int, int], real: dict,
+                opts: OffloadOptions, chk: Checker) -> tuple[int, int, int, bool]:
+    """``(FBS, Dkv, Dr, identity)`` of the full caches. Any block table is served: the identity layout (the
+    static batch) through serve's ``[B, F, D]`` view, any other (an engine's cache manager) through the
+    model's gather, which takes the table (docs/new-requests.md, "Paged KV"); chosen on the example inputs."""
+    B, maxblk = batch
+    F_blocks, FBS, Dkv = ex.fkv.shape
+    Dr = 0 if no_rope else ex.frp.size(-1)
+    chk(no_rope or tuple(ex.frp.shape[:2]) == (F_blocks, FBS), "paged_layout",
+        f"full_k_rope {tuple(ex.frp.shape)} must match full_kv_cache blocks {(F_blocks, FBS)}")
+    t = _real(site.args["full_kv_block_table"], real)
     identity = (F_blocks == B * maxblk and t is not None and t.dtype == torch.int32
                 and is_identity_table(t, B, maxblk))
-    chk(fbt.dtype == torch.int32, "paged_layout", f"full_kv_block_table dtype {fbt.dtype} must be int32")
+    chk(ex.fbt.dtype == torch.int32, "paged_layout", f"full_kv_block_table dtype {ex.fbt.dtype} must be int32")
     if opts.pa_block_size is not None:
         chk(FBS == opts.pa_block_size, "pa_block_size", f"graph block size {FBS} != config pa_block_size {opts.pa_block_size}")
     chk(0 < Dkv <= MAX_DKV, "dims", f"Dkv={Dkv} must be in (0, {MAX_DKV}]")
     check_rope_width(chk, Dr, opts)
+    return FBS, Dkv, Dr, identity
+
+
+def _selection(site: Site, ex: _Examples, no_rope: bool, dims: tuple[int, ...], real: dict, chk: Checker) -> int:
+    """The selection block size; the selection buffers, table (the identity layout: serve writes the
+    selection positionally), ledger and lengths checked against the site's sizes."""
+    B, S, K, Dkv, Dr = dims
+    skv, srp, stb, fkv, frp = ex.skv, ex.srp, ex.stb, ex.fkv, ex.frp
     nb, SBS = skv.size(0), skv.size(1)
     chk(is_pow2(SBS) and MIN_SBS <= SBS <= MAX_SBS, "selection_layout",
         f"selection block size {SBS} must be a power of two in [{MIN_SBS}, {MAX_SBS}]")
@@ -235,21 +291,20 @@ def _site(site: Site, opts: OffloadOptions, real: dict, chk: Checker) -> Optiona
     chk(skv.dtype == fkv.dtype == frp.dtype == srp.dtype, "kv_dtype", "selection and full caches differ in dtype")
     chk(stb.dim() == 2 and stb.size(0) == B * S, "selection_layout",
         f"selection_kv_block_table {tuple(stb.shape)} must have B*S = {B * S} rows")
+    a = site.args
     st = _real(a["selection_kv_block_table"], real)
     if chk(st is not None, "selection_layout", "selection_kv_block_table is not a graph input"):
         smax = K // SBS if SBS else 0
-        ok = is_identity_table(st, B * S, smax)
-        chk(ok, "selection_layout", "selection_kv_block_table is not the identity layout")
-    chk(sts.numel() == B * S * (K + 1), "selection_layout", f"selection_kv_block_status {tuple(sts.shape)} != [B, S, 1, K+1]")
+        chk(is_identity_table(st, B * S, smax), "selection_layout", "selection_kv_block_table is not the identity layout")
+    chk(ex.sts.numel() == B * S * (K + 1), "selection_layout",
+        f"selection_kv_block_status {tuple(ex.sts.shape)} != [B, S, 1, K+1]")
+    L = ex.L
     chk(L.dim() == 1 and L.size(0) == B and L.dtype == torch.int32, "lengths",
         f"full_kv_actual_seq {tuple(L.shape)} {L.dtype} must be int32 [B={B}]")
     for name in ("selection_kv_cache", "selection_k_rope", "selection_kv_block_status", "selection_kv_block_table"):
         chk(is_graph_input_or_attr(a[name]), "selection_not_input",
             f"{name} of {site.gather.name} is not a graph input (in-place serve needs the buffer itself)")
-    geo = SiteGeometry(site.layer, a["full_kv_cache"], a["full_k_rope"], a["selection_kv_cache"],
-                       a["selection_k_rope"], a["selection_kv_block_table"], a["selection_kv_block_status"],
-                       maxblk * FBS, Dkv, Dr, fkv.dtype, a["full_kv_block_table"], FBS, not identity)
-    return geo, (B, S, K, SBS)
+    return SBS
 
 
 def check_preconditions(gm: fx.GraphModule, groups: GroupReport, example_inputs: Sequence[Any],
@@ -299,40 +354,15 @@ class RecipeFrontEnd:
     """The recipe form (see the module doc); implements ``frontends/protocol.py::FrontEnd``."""
 
     name = "recipe"
-    files = PassFiles(detect="passes/frontends/recipe.py", preconditions="passes/frontends/recipe.py",
-                      emit="passes/frontends/recipe.py")
     #: the rewrite *is* the offload: a failed precondition leaves the graph unmodified
     on_offload_refusal = PartialRefusal.NOTHING
 
     def detect(self, gm: fx.GraphModule) -> DetectReport:
         return detect(gm)
 
-    def summarise(self, det: DetectReport) -> Summary:
-        return Summary({"gathers": det.gathers, "sites": len(det.sites), "indexers": det.indexers,
-                        "other_topk": det.other_topk}, None)
-
-    def screen(self, gm: fx.GraphModule, det: DetectReport) -> Screening:
-        return Screening(tuple(det.refusals))  # every detection refusal blocks; nothing is dense by design
-
     def check_preconditions(self, gm: fx.GraphModule, grp: GroupReport, example_inputs: Sequence[Any],
                             opts: OffloadOptions) -> PreconditionReport:
         return check_preconditions(gm, grp, example_inputs, opts)
-
-    def plan_inputs(self, ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> PlanInputs:
-        # full_kv_actual_seq: int32 [B] (checked by check_preconditions)
-        return PlanInputs(grp.owner.gather, p.lengths)
-
-    def selection(self, ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> dict[int, SelectionBuffers]:
-        """The model's selection buffers; a no-rope layer's 1-D empty rope viewed ``[nb, SBS, 0]``, the
-        zero-width rope serve and install take (docs/ops.md §3.3)."""
-        out = {}
-        for layer, geo in p.geometry.items():
-            rope = geo.sel_rope
-            if geo.Dr == 0:
-                with ctx.g.inserting_before(ctx.first):
-                    rope = ctx.b(aten.view.default, rope, [p.B * p.S * p.K // p.BS, p.BS, 0])
-            out[layer] = SelectionBuffers(geo.sel_kv, rope, geo.sel_table)
-        return out
 
     def emit_site(self, ctx: RewriteCtx, grp: Group, gn: Optional[GroupNodes], s: Site) -> SiteEmission:
         """``dsa_serve`` (and the ledger write) replaces the gather; installs go after the SFA."""
@@ -344,7 +374,7 @@ class RecipeFrontEnd:
             return self._emit_paged_site(ctx, gn, s, geo, before)
         with ctx.g.inserting_before(s.gather):
             serve = emit_serve(ctx, gn, s.layer, geo.full_kv, geo.full_rope)
-            ledger = [_emit_ledger(b, geo, gn, gn.p.K) if ctx.update_ledger else _emit_ledger_reset(b, geo)]
+            ledger = [_emit_ledger(b, geo, gn, gn.p.K) if ctx.settings.update_ledger else _emit_ledger_reset(b, geo)]
         gather_name = s.gather.name
         s.gather.replace_all_uses_with(gn.act)
         ctx.g.erase_node(s.gather)
@@ -362,43 +392,6 @@ class RecipeFrontEnd:
             serve = emit_serve_pool(ctx, gn, s.layer)
             ledger = _emit_ledger_hits(b, geo, gn, gn.p.K)
         return SiteEmission(s.gather.name, s.sfa, serve, [serve, ledger, s.gather, s.sfa], before, s.sfa)
-
-    def add_guards(self, ctx: RewriteCtx, groups: GroupReport, plans: dict[int, GroupGeometry]) -> None:
-        """The identity selection block table, and the identity full block table of a group compiled on it
-        (a paged group reads through any table), as check_preconditions verified them on the example inputs.
-        Shapes and dtypes are static in the graph, so Dynamo's own guards recompile on any change."""
-        b = ctx.b
-        for grp in groups.groups:
-            p = plans.get(grp.group_id)
-            if p is None:
-                continue
-            smax = p.K // p.BS
-            for s in grp.sites:
-                bt = s.args["full_kv_block_table"]
-                ex = _fx.example(bt)
-                # a paged group reads through whatever table it gets: nothing to guard
-                if not p.paged and ex is not None and ex.dim() == 2 and strip_views(bt) not in ctx.guarded:
-                    ctx.guarded.add(strip_views(bt))
-                    rows, cols = int(ex.size(0)), int(ex.size(1))
-                    guard(ctx, bt, lambda bt=bt, rows=rows, cols=cols, ex=ex: b(
-                        aten.all.default, b(aten.eq.Tensor, bt, b(aten.view.default, b(
-                            aten.arange.default, rows * cols, dtype=ex.dtype, device=ex.device), [rows, cols]))),
-                        f"offload guard: block table {input_name(bt)!r} is no longer the identity layout "
-                        f"arange({rows}*{cols}).view({rows}, {cols}) this graph was rewritten for (it reads the "
-                        f"full cache as [B, F, D]); a graph compiled on any other table reads through the table "
-                        f"and serves every layout (recompile after torch._dynamo.reset() with the engine's "
-                        f"table, docs/new-requests.md)")
-                st = s.args["selection_kv_block_table"]
-                ex = _fx.example(st)
-                if ex is not None and ex.dim() == 2 and strip_views(st) not in ctx.guarded:
-                    ctx.guarded.add(strip_views(st))
-                    rows = int(ex.size(0))
-                    guard(ctx, st, lambda st=st, rows=rows, ex=ex: b(
-                        aten.all.default, b(aten.eq.Tensor, b(aten.slice.Tensor, st, 1, 0, smax), b(
-                            aten.view.default, b(aten.arange.default, rows * smax, dtype=ex.dtype, device=ex.device),
-                            [rows, smax]))),
-                        f"offload guard: selection block table {input_name(st)!r} is no longer the identity layout "
-                        f"arange({rows}*{smax}).view({rows}, {smax}) this graph was rewritten for")
 
     def finish(self, ctx: RewriteCtx) -> dict[str, Any]:
         return {}

@@ -13,15 +13,15 @@ from torch import fx
 from .... import _compat
 from ....options import OffloadOptions
 from ... import _fx
-from ...emit import GroupNodes, RewriteCtx, SelectionBuffers, SiteEmission, emit_serve
+from ...emit import GroupNodes, RewriteCtx, SiteEmission, emit_serve
 from ...group import Group, GroupReport
 from ...preconditions import (MAX_DKV, Checker, GroupGeometry, PreconditionReport, SiteGeometry,
                               check_pool_size, check_raw_seq, check_rope_width, check_topk_width, group_geometry,
                               padded_topk_width)
 from ...refusal import Refusal
-from ..protocol import PartialRefusal, PassFiles, PlanInputs, Screening, Summary
+from ..protocol import PartialRefusal
 from .attention import hf_sparse_attention, hf_sparse_attention_rows
-from .detect import HfDetectReport, HfSite, detect_hf
+from .detect import HfSite, allocated_caches, detect_hf
 
 __all__ = ["HfFrontEnd", "HF", "check_hf_preconditions", "dense_masks_left", "allocated_caches"]
 
@@ -161,33 +161,13 @@ def check_hf_preconditions(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOp
                                       s.dims["R"], s.dtype) for s in g.sites}
         p = group_geometry(g, B, S, Kp, SBS, T, _cache_length(g.owner), geos, opts)
         p.ids_width = K if Kp != K else None
+        p.lengths_are_positions = True  # the cache positions the model writes this step's rows at
         plans.append(p)
     by_design = None
     if refusals and {r.reason for r in refusals} == {"raw_seq"}:
         by_design = (f"a prefill of S = {grp.groups[0].owner.dims['S']} query tokens: sparse attention without the "
                      "offload (it serves decode graphs)")
     return PreconditionReport(plans, refusals, by_design)
-
-
-_ALLOC = {"zeros", "empty", "full", "ones", "new_zeros", "new_empty", "new_full", "zeros_like", "empty_like"}
-
-
-def allocated_caches(gm: fx.GraphModule) -> list[str]:
-    """Tensors allocated inside the graph and written by ``index_copy_`` (a KV cache the graph creates:
-    HF's ``StaticCache`` initialises its layers lazily on their first update)."""
-    out = []
-    for n in gm.graph.nodes:
-        if n.op not in ("call_function", "call_method") or not n.args:
-            continue
-        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        if name not in ("index_copy_", "index_copy"):
-            continue
-        dst = _fx.strip_views(n.args[0]) if isinstance(n.args[0], fx.Node) else None
-        if dst is not None and dst.op in ("call_function", "call_method"):
-            dname = dst.target if dst.op == "call_method" else getattr(dst.target, "__name__", "")
-            if str(dname).split(".")[0] in _ALLOC:
-                out.append(dst.name)
-    return out
 
 
 # -- the front-end (the shared core, passes/rewrite.py, does plan / serve / install) -------------------
@@ -197,81 +177,13 @@ class HfFrontEnd:
     selection buffers ``dsa_serve`` filled (state of the graph), else it gathers from the caches."""
 
     name = "hf"
-    files = PassFiles(detect="passes/frontends/hf/detect.py", preconditions="passes/frontends/hf/frontend.py",
-                      emit="passes/frontends/hf/frontend.py")
     #: an offload refusal keeps the sparse rewrite (it is exact); the recipe form is left unmodified instead
     on_offload_refusal = PartialRefusal.SPARSE_WITHOUT_OFFLOAD
-
-    def detect(self, gm: fx.GraphModule) -> HfDetectReport:
-        return detect_hf(gm)
-
-    def summarise(self, det: HfDetectReport) -> Summary:
-        return Summary({"gathers": det.candidates, "sites": len(det.sites), "indexers": det.topk_nodes,
-                        "other_topk": []},
-                       {"form": "transformers", "sites": [s.to_dict() for s in det.sites], "offload": False,
-                        "offload_refusals": []})
-
-    def screen(self, gm: fx.GraphModule, det: HfDetectReport) -> Screening:
-        """Detection refusals block (hf_site_not_verified, or a named form the offload cannot apply to),
-        unless the graph allocates the caches it writes (a prefill: dense by design); a graph where the
-        dense attention reads fewer rows than the sparse one is left as it is, quietly."""
-        blocking = tuple(det.refusals)
-        if blocking:
-            return Screening(blocking, dense_by_design=self._allocates_caches(gm))
-        dense = [s for s in det.sites if s.dims["S"] * s.dims["K"] >= s.dims["T"]]
-        if not dense:
-            return Screening()
-        # e.g. a prefill graph (S = prompt length): S*K selected rows cost more than the T dense ones
-        d = dense[0].dims
-        return Screening(quiet=(Refusal("dense_cheaper", f"S*K = {d['S']}*{d['K']} >= T = {d['T']} cached positions: "
-                                        "the dense attention reads fewer rows; graph left as it is", dense[0].layer),))
-
-    @staticmethod
-    def _allocates_caches(gm: fx.GraphModule) -> Optional[str]:
-        # the first call on a new StaticCache allocates the cache inside the graph (HF's lazy
-        # initialisation, i.e. generate()'s prefill): there is no cache to keep a pool of yet, and the
-        # whole prompt attends densely anyway. Dense by design, not a refusal; strict does not apply.
-        alloc = allocated_caches(gm)
-        if not alloc:
-            return None
-        return (f"the graph allocates the KV caches it writes ({', '.join(alloc[:2])}"
-                f"{', ...' if len(alloc) > 2 else ''}): a prefill on a new cache runs dense by design; the decode "
-                "graphs that read the cache are rewritten")
+    detect = staticmethod(detect_hf)
 
     def check_preconditions(self, gm: fx.GraphModule, grp: GroupReport, example_inputs: Sequence[Any],
                             opts: OffloadOptions) -> PreconditionReport:
         return check_hf_preconditions(gm, grp, opts)
-
-    def plan_inputs(self, ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> PlanInputs:
-        # this step's cache positions [S] (StaticCache: the same for every row); L = last position + 1
-        b, anchor = ctx.b, grp.owner.attn
-        with ctx.g.inserting_before(anchor):
-            L = b(aten.add.Tensor, b(aten.amax.default, p.lengths, [0]), 1)
-            L = b(aten.repeat.default, b(aten.view.default, b(aten._to_copy.default, L, dtype=torch.int32), [1]), [p.B])
-        return PlanInputs(anchor, L)
-
-    def selection(self, ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> dict[int, SelectionBuffers]:
-        """Selection buffers and their identity block table: scratch of the graph (HF has none)."""
-        B, S, K, SBS = p.B, p.S, p.K, p.BS
-        dev = ctx.state.pools[grp.owner.layer][0].device
-        nb = B * S * K // SBS
-        # a tensor of its own, not a view of the arange (a graph buffer; fake-tensor conversion keeps a view's base)
-        table = ctx.attr(f"sel_table_g{grp.group_id}",
-                         torch.arange(nb, dtype=torch.int32, device=dev).view(B * S, K // SBS).clone())
-        out = {}
-        for s in grp.sites:
-            if s.layer in p.pool_source:  # the same cache as an earlier layer: the same rows, served once
-                out[s.layer] = out[p.pool_source[s.layer]]
-                continue
-            geo = p.geometry[s.layer]
-            out[s.layer] = SelectionBuffers(
-                ctx.attr(f"sel_kv_l{s.layer}", torch.zeros(nb, SBS, geo.Dkv, dtype=geo.dtype, device=dev)),
-                ctx.attr(f"sel_rope_l{s.layer}", torch.zeros(nb, SBS, geo.Dr, dtype=geo.dtype, device=dev)),
-                table)
-        return out
-
-    def add_guards(self, ctx: RewriteCtx, groups: GroupReport, plans: dict[int, GroupGeometry]) -> None:
-        return None  # no block tables: the shared lengths guard is all the assumptions there are
 
     def emit_site(self, ctx: RewriteCtx, grp: Group, gn: Optional[GroupNodes], s: HfSite) -> SiteEmission:
         """The sparse attention (reading what ``dsa_serve`` placed when offloaded) replaces the dense one."""

@@ -1,0 +1,99 @@
+"""What the Hugging Face detection verifies a site with: the site record and the small checks every mask
+form's walk uses (an argument by position or name, casts and views stripped, a failed check).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+from ..._fx import calls, example, is_cast, is_view
+from ...refusal import Refusal
+
+__all__ = ["HfSite", "NotVerified", "Refused", "need", "arg", "strip_casts", "shape", "device_move", "input_root"]
+
+
+@dataclass
+class HfSite:
+    layer: int
+    producer: fx.Node  # getitem(topk, 1): the shared top-k node (group key)
+    topk: fx.Node  # the index tensor the scatter received, before ``.long()`` (int32 [B, S, K])
+    scatter: fx.Node
+    combine: fx.Node  # masked_fill (eager) / and_ (sdpa): the dense combined mask
+    attn: fx.Node  # dense attention output [B, H, S, v]
+    kind: str  # "eager" | "sdpa"
+    query: fx.Node  # [B, H, S, n + r]
+    latent: fx.Node  # latent cache graph input [B, 1, T, C]
+    rope: fx.Node  # rope key cache graph input [B, 1, T, r]
+    weight: fx.Node  # kv_b_proj weight [H * (n + v), C]
+    base_mask: Optional[fx.Node]  # causal / padding mask before the top-k mask, [B|1, 1, S, T]; None: the
+    # selection is the whole mask (count-mask form: the indexer already applied causality and padding)
+    scaling: float
+    dims: dict[str, int] = field(default_factory=dict)  # B S T K H C R n v
+    dtype: Optional[torch.dtype] = None
+    sinks: Optional[fx.Node] = None  # eager attention with one sink logit per head ([H] parameter)
+    softmax_dtype: Optional[torch.dtype] = None  # the dtype the model's eager softmax runs in (None: its input's)
+    dedup: bool = False  # count-mask form: ids are not proven distinct, a repeated id counts once (set semantics)
+
+    @property
+    def anchor(self) -> fx.Node:
+        """The dense attention: the sparse one replaces it, the group's plan goes before the owner's."""
+        return self.attn
+
+    def to_dict(self) -> dict:
+        return {"layer": self.layer, "kind": self.kind, "topk_node": self.producer.name, "attn_node": self.attn.name,
+                "latent": self.latent.name, "rope": self.rope.name, "sinks": self.sinks is not None,
+                "mask": "selection" if self.base_mask is None else "base", **self.dims}
+
+
+def arg(n: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    if name in n.kwargs:
+        return n.kwargs[name]
+    return n.args[i] if len(n.args) > i else default
+
+
+def strip_casts(n: Any) -> Any:
+    while isinstance(n, fx.Node) and is_cast(n):
+        n = n.args[0]
+    return n
+
+
+def shape(n: Any) -> Optional[tuple]:
+    ex = example(n)
+    return tuple(ex.shape) if ex is not None else None
+
+
+def device_move(n: Any) -> bool:
+    """``x.to(device)``: same shape, dtype and values on another device (a host-KV cache's update hands the
+    dense attention device copies of its host caches, ``offload_passes/hf_cache.py``)."""
+    if not (isinstance(n, fx.Node) and (calls(n, "to") or calls(n, "_to_copy")) and n.args):
+        return False
+    a, b = example(n.args[0]), example(n)
+    return (a is not None and b is not None and a.device != b.device and a.dtype == b.dtype
+            and tuple(a.shape) == tuple(b.shape))
+
+
+def input_root(n: Any) -> Any:
+    """The graph input behind views / expands / device copies (the cache tensors are Dynamo placeholders)."""
+    while isinstance(n, fx.Node) and (is_view(n) or calls(n, "expand") or device_move(n)):
+        n = n.args[0]
+    return n
+
+
+class NotVerified(Exception):
+    pass
+
+
+class Refused(NotVerified):
+    """A verified DSA form the offload cannot apply to: refused with a named reason, not ``hf_site_not_verified``."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.detail)
+        self.refusal = refusal
+
+
+def need(cond: bool, why: str) -> None:
+    if not cond:
+        raise NotVerified(why)
