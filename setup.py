@@ -184,7 +184,7 @@ setup(
     entry_points={
         "torch_dynamo_backends": ["dsa_offload = offload_passes.backend:dsa_offload_backend"],
         "console_scripts": [
-            "offload-demo = offload_passes.demo:main",
+            "offload-demo = offload_passes.apps.demo:main",
             "offload-inspect = offload_passes.tools.inspect_dump:main",
             "offload-capacity = offload_passes.tools.capacity_plan:main",
             "offload-plan = offload_passes.tools.capacity_plan:main_alias",  # deprecated alias of offload-capacity

@@ -205,10 +205,11 @@ def summary(o: dict) -> str:
 
 
 def serve_main(a: argparse.Namespace) -> int:
-    """``--serve``: ``offload_passes.demo.run_serve`` with a lane told nothing beside the announcing one,
+    """``--serve``: ``offload_passes.apps.serve.run_serve`` with a lane told nothing beside the announcing one,
     memory sampled as the static soak does."""
     from offload_passes._cli import UsageError
-    from offload_passes.demo import check_arrival, parse_buckets, run_serve
+    from offload_passes.apps.demo import check_arrival, parse_buckets
+    from offload_passes.apps.serve import run_serve
 
     try:
         buckets = parse_buckets(a.buckets, 4)

@@ -192,3 +192,49 @@ def test_the_top_level_holds_entry_points_and_the_core():
             if leaf.startswith(("lowering", "frontend", "detect", "rewrite_")) or leaf == "npu_modes":
                 stray.append(name)
     assert stray == [], f"front-end / lowering modules outside offload_passes.passes.frontends / .lowering: {stray}"
+
+
+#: The applications (``offload-demo`` and its forms); the core package is the backend and never imports them.
+APPS = "offload_passes.apps"
+#: Packages that may import the applications: the applications themselves, the trace tools and the console tools.
+MAY_IMPORT_APPS = (APPS, "offload_passes.trace", "offload_passes.tools")
+
+
+def core_imports_of_apps() -> list[str]:
+    """``module -> target`` for every import of ``offload_passes.apps`` by a module outside
+    ``MAY_IMPORT_APPS``, and every string naming it there (``importlib.import_module`` / a lazy table)."""
+    def outside(m: str) -> bool:
+        return not any(m == p or m.startswith(p + ".") for p in MAY_IMPORT_APPS)
+
+    found = []
+    for name, targets in import_graph().items():
+        if outside(name):
+            found += [f"{name} -> {t}" for t in sorted(targets) if not outside(t) and t.startswith(APPS)]
+    for name, (path, _) in modules().items():
+        if outside(name):
+            found += [f"{name} -> {n.value!r}" for n in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                      and (n.value == APPS or n.value.startswith(APPS + "."))]
+    return found
+
+
+def test_the_core_never_imports_the_apps():
+    """The demos use the package as a user does; nothing of the core (``offload_passes/`` but ``apps/`` and
+    ``trace/``), the models, the ops or the converters imports them, at module level, in a function or by name."""
+    mods = modules()
+    assert APPS in mods and mods[APPS][1] and f"{APPS}.demo" in mods  # the demos are a package
+    assert f"{APPS}.common" in import_graph()[f"{APPS}.demo"]
+    assert core_imports_of_apps() == []
+
+
+def test_a_core_import_of_the_apps_is_found(tmp_path, monkeypatch):
+    pkg = tmp_path / "offload_passes"
+    (pkg / "apps").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("_LAZY = {'run': 'offload_passes.apps.demo'}\n")
+    (pkg / "apps" / "__init__.py").write_text("")
+    (pkg / "apps" / "demo.py").write_text("from .. import backend\n")
+    (pkg / "backend.py").write_text("def f():\n    from .apps import demo\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    monkeypatch.setattr(__import__(__name__), "PACKAGE_FOLDERS", {"offload_passes": "offload_passes"})
+    assert core_imports_of_apps() == ["offload_passes.backend -> offload_passes.apps.demo",
+                                      "offload_passes -> 'offload_passes.apps.demo'"]

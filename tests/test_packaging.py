@@ -92,3 +92,17 @@ def test_setup_py_wheel_command_pins_its_metadata(monkeypatch, tmp_path, ran_as_
                    if line.startswith("Requires-Dist: torch") and "extra" not in line]
     want = "==" + torch.__version__ if ran_as_bdist_wheel else "<2.16,>=2.8"
     assert torch_lines == ["Requires-Dist: torch" + want]
+
+
+def test_every_console_script_names_a_function_that_exists(monkeypatch):
+    """Each ``console_scripts`` entry imports and names a callable; ``offload-demo`` lives in the applications
+    package (``offload_passes.apps``, which the wheel ships)."""
+    import importlib
+
+    kw = _setup_kwargs(monkeypatch)
+    scripts = dict(entry.replace(" ", "").split("=") for entry in kw["entry_points"]["console_scripts"])
+    assert scripts["offload-demo"] == "offload_passes.apps.demo:main"
+    assert "offload_passes.apps" in kw["packages"]
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func)), name

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from offload_passes import demo, demo_hf, demo_world, models
+from offload_passes import models
+from offload_passes.apps import demo, hf as demo_hf, world as demo_world
 from offload_passes.models import hf
 from offload_passes.models.glm.config import CONFIG_DIR
 from offload_passes.tools import capacity_plan, capacity_plan_model
@@ -61,7 +62,7 @@ def test_demo_takes_every_recipe_preset_by_name(preset, form, same_named_folder,
     monkeypatch.setattr(demo, "run_serve", fake)
     monkeypatch.setattr(demo_world, "main_world", fake_world)
     monkeypatch.setattr(demo, "_summary", lambda o: "summary")
-    monkeypatch.setattr(demo, "_summary_serve", lambda o: "summary")
+    monkeypatch.setattr(demo, "summary_serve", lambda o: "summary")
     extra = {"decode": [], "serve": ["--serve"], "world": ["--world", "2"]}[form]
     assert demo.main(["--config", preset, "--steps", "1"] + extra) == 0, capsys.readouterr().err
     layers = models.load_config(str(_yaml(preset))).model.num_hidden_layers

@@ -234,7 +234,7 @@ def test_serving_loop_under_inductor_is_within_the_demo_tolerance_every_step():
     ``FSFS``: two groups, both paged), 6 steps, each compared with the unmodified model under Inductor
     (as the demo and the new-request matrix compare) within the demo's tolerance; rows shift, requests
     come and go, and the pool is warm."""
-    from offload_passes.demo_common import LOGITS_TOL
+    from offload_passes.apps.common import LOGITS_TOL
 
     be = make_offload_backend(pool_size=256, exe_mode="inductor")
     srv, diffs, hits = _serve(6, be, reference=lambda m: torch.compile(m, backend="inductor"),
@@ -273,7 +273,7 @@ def test_with_the_block_table_signal_patched_out_shifted_rows_are_served_stale(m
 
 
 def test_demo_serve_bad_input_is_one_line_and_exit_2(capsys):
-    from offload_passes import demo
+    from offload_passes.apps import demo
 
     assert demo.main(["--serve", "--model", "hf"]) == 2
     assert demo.main(["--serve", "--record-trace", "x.npz"]) == 2
@@ -398,7 +398,7 @@ def test_demo_serve_with_buckets_in_any_order_exits_0_exact(capsys):
     interleaved too."""
     import json
 
-    from offload_passes import demo
+    from offload_passes.apps import demo
 
     assert demo.parse_buckets("4,2", 4) == demo.parse_buckets("2,4", 4) == [2, 4]
     torch._dynamo.reset()

@@ -108,7 +108,7 @@ def test_dump_dir(tmp_path, monkeypatch):
 
 def test_demo_json_on_tiny_model(capsys):
     """The real GLM-5.2 tiny preset (FSSS FSSS), small pool so that evictions happen."""
-    from offload_passes import demo
+    from offload_passes.apps import demo
 
     rc = demo.main(["--config", "tiny", "--steps", "16", "--pool-size", "64", "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -120,13 +120,13 @@ def test_demo_json_on_tiny_model(capsys):
     assert out["hits"] + out["misses"] + out["window"] == 16 * 2 * B * S * K  # two groups, all rows valid
     assert out["host_rows_read"] == 4 * (out["misses"] + out["window"])
     assert out["unmodified_host_rows_read"] > 0 and out["pass_s"] < out["compile_s"]
-    assert out["baseline_host_rows_read"] == out["unmodified_host_rows_read"]  # the alias (demo_common.KEY_ALIASES)
+    assert out["baseline_host_rows_read"] == out["unmodified_host_rows_read"]  # the alias (apps.common.KEY_ALIASES)
 
 
 def test_demo_json_has_one_schema_for_the_recipe_and_the_hf_model(capsys):
     """``offload-demo --json`` of the recipe model and of ``--model hf``: the same keys, nested ones
     included, both difference measures named the same way (HF printed ``max_rel_diff_logits`` alone)."""
-    from offload_passes import demo
+    from offload_passes.apps import demo
 
     outs = {}
     for model, argv in (("glm", ["--config", "tiny"]), ("hf", ["--model", "hf", "--config", "hf-tiny"])):
@@ -148,7 +148,7 @@ def test_demo_json_has_one_schema_for_the_recipe_and_the_hf_model(capsys):
     assert hf["ops"].keys() == glm["ops"].keys() == {"dsa_plan", "dsa_serve", "dsa_install"}
     assert hf["offload"] is True and hf["ops"]["dsa_plan"] == 2 and glm["ops"]["dsa_plan"] == 2
     assert hf["hits"] + hf["misses"] + hf["window"] > 0 and hf["host_rows_read"] > 0
-    from offload_passes.demo_hf import summary_hf  # the summaries read the new keys
+    from offload_passes.apps.hf import summary_hf  # the summaries read the new keys
 
     assert "max |diff| vs unmodified model, eager: logits 0, attention 0  (within tolerance)" in demo._summary(glm)
     assert f"logits vs unmodified model, eager: {hf['max_rel_diff']['logits']:.3g}  (within tolerance 0.02)" \
@@ -157,7 +157,8 @@ def test_demo_json_has_one_schema_for_the_recipe_and_the_hf_model(capsys):
 
 def test_demo_hf_passes_the_replacement_policy_to_the_backend(monkeypatch):
     """``--model hf --replacement-policy second_chance`` reached no backend (the demo dropped it)."""
-    from offload_passes import backend as backend_mod, demo, demo_hf
+    from offload_passes import backend as backend_mod
+    from offload_passes.apps import demo, hf as demo_hf
 
     seen = {}
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from offload_passes import models
-from offload_passes.demo import main as demo_main
-from offload_passes.demo_world import summary
+from offload_passes.apps.demo import main as demo_main
+from offload_passes.apps.world import summary
 from offload_passes.dump import Dumper
 
 

@@ -16,7 +16,7 @@ import torch
 
 from offload_passes import _compat, models
 from offload_passes.backend import NpuOffloadBackend
-from offload_passes.demo_world import collective_kinds, collective_sequence
+from offload_passes.apps.world import collective_kinds, collective_sequence
 from offload_passes.lowering.side_stream import SIDE_STREAM_LABEL, is_collective
 
 PS = 64

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from offload_passes import models
-from offload_passes.demo import ATTN_TOL, LOGITS_TOL
-from offload_passes.demo_world import comparable_report, spawn, spawn_world
+from offload_passes.apps.demo import ATTN_TOL, LOGITS_TOL
+from offload_passes.apps.world import comparable_report, spawn, spawn_world
 from world_helpers import mc2_rank
 
 STEPS = 3

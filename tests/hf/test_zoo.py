@@ -24,7 +24,7 @@ import yaml
 
 from offload_passes import _compat, pipeline
 from offload_passes.backend import OffloadWarning, make_offload_backend
-from offload_passes.demo_hf import FP32_REL_TOL
+from offload_passes.apps.hf import FP32_REL_TOL
 from offload_passes.models import hf
 from offload_passes.models.hf import families, survey
 from offload_passes.passes.frontends.hf import hf_sparse_attention
@@ -428,7 +428,7 @@ def test_offload_demo_runs_the_family_preset(family, capsys, caplog):
     import json
     import logging
 
-    from offload_passes import demo
+    from offload_passes.apps import demo
 
     torch._dynamo.reset()
     with caplog.at_level(logging.INFO, logger="offload_passes"):

@@ -89,7 +89,7 @@ def cpu_plan_call():
     assert act.tolist() == [64] and plan[:, 0].eq(2).sum() == 64, (act, plan[:4])
 
 def run_demo():
-    from offload_passes import demo
+    from offload_passes.apps import demo
     import contextlib, io
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from offload_passes import demo
+from offload_passes.apps import demo
 from offload_passes.tools import capacity_plan, inspect_dump
 
 
@@ -216,7 +216,7 @@ def test_inspect_picture_path_onto_a_directory_exits_2(tmp_path, capsys):
 def test_console_script_prints_no_traceback():
     """The installed entry point, in a fresh process: one line, exit 2."""
     exe = Path(sys.executable).with_name("offload-demo")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "offload_passes.demo"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "offload_passes.apps.demo"]
     r = subprocess.run(cmd + ["--config", "nope", "--steps", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().startswith("offload-demo: error: --config 'nope': no such preset")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from offload_passes import demo
+from offload_passes.apps import demo
 from offload_passes.options import OffloadOptions
 from offload_passes.trace import sim
 from offload_passes.trace.format import load_trace

@@ -102,7 +102,7 @@ def test_model_recorder_top_p_extends_the_models_top_k():
 def test_demo_record_trace_replays_to_the_compiled_runs_counters(tmp_path):
     """offload-demo --record-trace: the trace of a compiled run, replayed through the simulator's SA-FIFO,
     gives exactly the hits / misses / window / host rows the compiled graph counted in OffloadState."""
-    from offload_passes import demo
+    from offload_passes.apps import demo
 
     out = demo.run("tiny", steps=3, pool_size=32, record_trace=str(tmp_path / "c.npz"))
     tr = load_trace(out["trace"])
@@ -114,7 +114,7 @@ def test_demo_record_trace_replays_to_the_compiled_runs_counters(tmp_path):
 
 
 def test_demo_rejects_an_unwritable_trace_path_before_running(capsys):
-    from offload_passes import demo
+    from offload_passes.apps import demo
 
     assert demo.main(["--record-trace", "/nonexistent-dir/sub/t.npz"]) == 2
     assert "--record-trace" in capsys.readouterr().err

@@ -8,7 +8,7 @@ fp32 presets get the sparse rewrite only (the offload ops take f16/bf16 KV; repo
 ``--dtype bfloat16`` adds the shared-indexer offload. Tolerances: fp32 1e-4 relative to the largest
 logit (the rewrite only reorders the softmax sum); bf16 2e-2 (one bf16 ulp of the attention output is
 0.4 %, and the sparse reduction runs over K rows instead of T). The JSON object has the recipe demo's
-schema (``demo.RESULT_KEYS``): the check is ``max_rel_diff["logits"]``; ``max_abs_diff["logits"]`` is
+schema (``common.RESULT_KEYS``): the check is ``max_rel_diff["logits"]``; ``max_abs_diff["logits"]`` is
 reported beside it; ``attn`` is null in both (the HF model does not expose its attention outputs).
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, Optional
 
 import torch
 
-from .demo_common import max_diffs, op_counts, per_output, result, set_threads
+from .common import max_diffs, op_counts, per_output, result, set_threads
 
-log = logging.getLogger("offload_passes.demo_hf")
+log = logging.getLogger("offload_passes.apps.hf")
 
 FP32_REL_TOL = 1e-4
 BF16_REL_TOL = 2e-2
@@ -30,8 +30,8 @@ BF16_REL_TOL = 2e-2
 def run_hf(config: str = "hf-tiny", steps: int = 64, mode: str = "eager", pool_size: Optional[int] = None,
            dump_dir: Optional[str] = None, threads: int = 1, attn: Optional[str] = None,
            dtype: Optional[str] = None, replacement_policy: str = "fifo") -> dict:
-    from .backend import make_offload_backend
-    from .models import hf
+    from ..backend import make_offload_backend
+    from ..models import hf
 
     set_threads(threads)
     over: dict[str, Any] = {"decode_steps": steps}

@@ -28,9 +28,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
-from .lowering.side_stream import MC2_OPS, is_collective, namespace_and_op
+from ..lowering.side_stream import MC2_OPS, is_collective, namespace_and_op
 
-log = logging.getLogger("offload_passes.demo_world")
+log = logging.getLogger("offload_passes.apps.world")
 
 #: Most ranks ``--world`` spawns here (each is a full process on the loopback).
 MAX_WORLD = 8
@@ -70,7 +70,7 @@ def collective_sequence(graph: fx.Graph | fx.GraphModule) -> list[tuple]:
 def collective_kinds(graph: fx.Graph | fx.GraphModule) -> list[tuple]:
     """``(op, input shape)`` per collective, npugraph_ex's lowered all-to-all named as the functional op
     it replaces: comparable between a Dynamo graph and an NPU lowering whose op arguments differ."""
-    from .lowering.side_stream import NPUGRAPH_EX_COLLECTIVES
+    from ..lowering.side_stream import NPUGRAPH_EX_COLLECTIVES
 
     g = graph.graph if isinstance(graph, fx.GraphModule) else graph
     out = []
@@ -135,9 +135,9 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_path: str) -> Non
 
 
 def _run_rank(rank: int, world: int, spec: dict) -> dict:
-    from . import models
-    from .backend import make_offload_backend
-    from .demo_common import ATTN_TOL, LOGITS_TOL, max_diffs
+    from .. import models
+    from ..backend import make_offload_backend
+    from .common import ATTN_TOL, LOGITS_TOL, max_diffs
 
     mode, steps = spec.get("mode", "eager"), int(spec.get("steps", 8))
     layout = models.ParallelLayout.current()
@@ -266,11 +266,11 @@ def summary(results: list[dict]) -> tuple[str, bool]:
 def main_world(world: int, mode: str, steps: int, config: str, pool_size: Optional[int], dump_dir: Optional[str],
                as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """The ``--world N`` path of ``offload-demo`` (its arguments already checked there)."""
-    from ._cli import EXIT_CHECK_FAILED, EXIT_OK, UsageError
+    from .._cli import EXIT_CHECK_FAILED, EXIT_OK, UsageError
 
     if not 2 <= world <= MAX_WORLD:
         raise UsageError(f"--world must be in [2, {MAX_WORLD}] (1 is the single-process demo), got {world}")
-    from . import models
+    from .. import models
 
     cfg = models.load_config(config, enable_offload=True, decode_steps=steps)  # bad keys: exit 2, before spawning
     models.ParallelLayout(world, 0).check(cfg.runner.batch_size, cfg.model.vocab_size, cfg.model.n_routed_experts)

@@ -1,5 +1,5 @@
-"""What the demos share (``demo.py``, ``demo_hf.py``, ``demo_world.py``): the ``--json`` schema, the
-difference measures and their tolerances, the op counts and ``--threads``. Below all three demos, so
+"""What the demos share (``demo.py``, ``hf.py``, ``world.py``, ``serve.py``): the ``--json`` schema, the
+difference measures and their tolerances, the op counts and ``--threads``. Below every demo module, so
 that none imports another for these."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ._cli import UsageError
+from .._cli import UsageError
 
 ATTN_TOL = 2e-2
 LOGITS_TOL = 5e-2
@@ -16,7 +16,7 @@ LOGITS_TOL = 5e-2
 #: counts (100000 did): the limit is ``os.cpu_count()``.
 MAX_THREADS = os.cpu_count() or 1
 
-#: The one ``--json`` schema of both front-ends (``run`` and ``demo_hf.run_hf`` build it with ``result``).
+#: The one ``--json`` schema of both front-ends (``demo.run`` and ``hf.run_hf`` build it with ``result``).
 RESULT_KEYS = (
     "model", "config", "mode", "steps", "B", "S", "K", "T", "prefill", "attn_implementation", "dtype",
     "pool_size", "rewritten", "sparse_layers", "groups", "offload", "ops", "replacement_policy",
