@@ -5,9 +5,10 @@ shared Mooncake Store against recomputed, and the multi-turn shared-prefix workl
     python benchmarks/bench_reuse.py --n 1024,4096,16384 --json out.json
 
 A returning request's prompt is N stored tokens + 1 new one. Recompute: the prefill of all N+1 tokens.
-Reload: the whole restore (lookup, load, checksum, decode, copy into the prefill model's paged caches) and the
-prefill of the one new token on top (``prefill_from``). Times are best-of-``--repeats``. The shared store is a
-``mooncake_master`` + a holder process on 127.0.0.1, started here and stopped by PID (skipped with a note when
+Reload: the whole reload (key hashing, lookup, load, the checksums and decoding of a byte tier's chunks, the
+copy into the prefill model's paged caches) and the prefill of the one new token on top (``prefill_from``). Times are best-of-``--repeats``. The shared store is a
+``mooncake_master`` + a holder process on 127.0.0.1 (``offload_passes.store.mooncake_local.LocalMooncake``),
+started here and stopped by PID (skipped with a note when
 ``mooncake_master`` is not installed). Break-even: the prefix length below which a tier's reload loses to
 recomputing, measured on a grid and as ``ReuseRule.break_even`` predicts from each tier's fitted cost.
 """
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from offload_passes import models  # noqa: E402
 from offload_passes.models.glm.reuse import prefill_from  # noqa: E402
 from offload_passes.store import DiskTier, KVStore, MooncakeTier, RamTier, ReuseRule, TierCost  # noqa: E402
+from offload_passes.store.mooncake_local import LocalMooncake, master_binary  # noqa: E402
 from offload_passes.store.paged import PagedStore, extract_paged, paged_fingerprint  # noqa: E402
 
 C = 64  # chunk tokens
@@ -44,18 +46,11 @@ def _best(fn, repeats: int) -> float:
 
 
 def _mooncake(workdir: Path):
-    """(tier, cluster) or (None, reason): the tests' launcher (tests/store/conftest.py MooncakeCluster)."""
-    sys.path.insert(0, str(ROOT / "tests" / "store"))
-    try:
-        import conftest as mc  # noqa: F401  (the launcher lives with the store's tests)
-    except Exception as e:  # pytest missing, or the launcher moved
-        return None, f"launcher not importable ({e})"
-    if mc.MASTER is None:
+    """(tier, local store) or (None, reason): a master + holder on 127.0.0.1 (``LocalMooncake``)."""
+    if master_binary() is None:
         return None, "mooncake_master not installed"
-    cl = mc.MooncakeCluster(workdir, segment=512 << 20, lease_ms=60000)
-    cl.start_master()
-    cl.start_holder()
-    return (MooncakeTier(cl.master_addr, cl.metadata_url, local_buffer_size=256 << 20), cl), None
+    mc = LocalMooncake(workdir, segment=512 << 20, lease_ms=60000).start()
+    return (MooncakeTier(mc.master_addr, mc.metadata_url, local_buffer_size=256 << 20), mc), None
 
 
 def ttft(config: str, sizes: list, repeats: int, tiers: dict) -> dict:
@@ -75,7 +70,7 @@ def ttft(config: str, sizes: list, repeats: int, tiers: dict) -> dict:
             ps.store.put(ids[:N], chunks)
 
             def reload():
-                n = ps.restore(pm, ids, N)
+                n = ps.reload(pm, ids, N)
                 assert n == N, (name, n)
                 prefill_from(pm, ids, n)
 
@@ -87,9 +82,9 @@ def ttft(config: str, sizes: list, repeats: int, tiers: dict) -> dict:
 
 
 def break_even(config: str, tiers: dict, repeats: int, grid=(16, 64, 256, 1024)) -> dict:
-    """Measured: the smallest grid length where reload (restore + one token) beats prefill of n+1; predicted:
+    """Measured: the smallest grid length where reload (the reload + one token) beats prefill of n+1; predicted:
     ``ReuseRule.break_even`` with the prefill cost interpolated from the grid and each tier's cost fitted from
-    its restore times at the two ends of the grid."""
+    its reload times at the two ends of the grid."""
     cap = max(grid) + 2 * C
     pm = models.build(config, batch_size=1, enable_offload=False, pa_max_length=cap, prefill_len=16).model
     fp = paged_fingerprint(pm, C, weights_id=f"{config}-seed0")
@@ -101,7 +96,7 @@ def break_even(config: str, tiers: dict, repeats: int, grid=(16, 64, 256, 1024))
         ps = PagedStore(KVStore(fp, C, [tier], block_size=pm.block_size))
         pm.prefill(ids.view(1, -1), torch.tensor([ids.numel()]))
         ps.store.put(ids[: max(grid)], extract_paged(pm, pm.block_table[0].tolist(), max(grid), C))
-        rl = {n: _best(lambda: (ps.restore(pm, ids[: n + 1], n), prefill_from(pm, ids[: n + 1], n)), repeats)
+        rl = {n: _best(lambda: (ps.reload(pm, ids[: n + 1], n), prefill_from(pm, ids[: n + 1], n)), repeats)
               for n in grid}
         measured = next((n for n in grid if rl[n] < rec[n]), None)
         a, b = grid[0], grid[-1]
@@ -113,7 +108,7 @@ def break_even(config: str, tiers: dict, repeats: int, grid=(16, 64, 256, 1024))
 
         rule = ReuseRule(prefill_cost=lambda n: max(0.0, prefill_cost(n) - one), tiers={name: cost})
         out[name] = {"measured_below": measured, "predicted": rule.break_even(name, fp.bytes_per_token()),
-                     "restore_s": rl, "recompute_s": rec}
+                     "reload_s": rl, "recompute_s": rec}
         print(json.dumps({"break_even": name, **{k: v for k, v in out[name].items() if "_s" not in k}}), flush=True)
     return out
 

@@ -1,28 +1,59 @@
 """Prefix reuse in the serving loop (``serve.py``): prefill a prompt's suffix on top of a prefix already in a
-batch-1 model's caches (restored from a KV store, or prefilled before), and the multi-turn / shared-prefix
+batch-1 model's caches (reloaded from a KV store, or prefilled before), and the multi-turn / shared-prefix
 workload whose prompts share long prefixes.
 
 The suffix prefill (:func:`prefill_from`) attends to every earlier position through the caches themselves:
 MLA in absorbed form (the query mapped into the latent space by ``kv_b_proj``'s K half, scores against the
-cached latent + rope, the latent output mapped back by the V half), so a restored prefix costs no
+cached latent + rope, the latent output mapped back by the V half), so a reloaded prefix costs no
 ``kv_b_proj`` over its tokens. Every key is read back from the caches (in the cache dtype), the suffix's own
-too: the result depends on the prefix only through the cached bytes, which is what makes a restored prefix
+too: the result depends on the prefix only through the cached bytes, which is what makes a reloaded prefix
 and a recomputed one with the same boundaries give the same bits.
 
 Models never import the store: the serving loop receives a duck-typed object (``Server(store=...)``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 
-from .modeling import GlmMoeDsaForCausalLM, GlmMoeDsaMoE, _params_as, rope_cos_sin
+from .modeling import GlmMoeDsaForCausalLM, GlmMoeDsaMoE, rope_cos_sin
 
 log = logging.getLogger("offload_passes.models.reuse")
+
+
+#: Query rows x keys per block of scores: bounds what a long suffix materialises.
+_SCORES_PER_BLOCK = 1 << 24
+
+
+def _latent_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, rope: torch.Tensor, start: int,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of queries ``q_abs [H, L, C]`` / ``q_pe [H, L, R]`` at positions ``start..start+L-1``
+    over the cached latent ``lat [N, C]`` and rope keys ``rope [N, R]``, which every head shares (MLA's absorbed
+    form is multi-query): the heads are folded into the query rows, so the cache is read once, not expanded per
+    head, and the scores are the two products summed (no concatenated key). Long suffixes go in query blocks
+    that see only the keys before their last position; a block's mask exists only where it cuts. Scores and
+    softmax in fp32. Returns ``[1, H, L, C]``."""
+    H, L, C = q_abs.shape
+    step = max(1, _SCORES_PER_BLOCK // (H * lat.size(0)))
+    outs = []
+    for l0 in range(0, L, step):
+        l1 = min(L, l0 + step)
+        n = start + l1  # keys this block sees
+        s = (q_abs[:, l0:l1].reshape(-1, C) @ lat[:n].t()).float()
+        s += (q_pe[:, l0:l1].reshape(H * (l1 - l0), -1) @ rope[:n].t()).float()
+        s = s.view(H, l1 - l0, n)
+        if l1 - l0 > 1:  # row l sees keys <= start + l0 + l
+            cut = torch.arange(n, device=s.device) > torch.arange(start + l0, n, device=s.device).unsqueeze(1)
+            s.masked_fill_(cut, float("-inf"))
+        p = (s * scale).softmax(dim=-1).to(lat.dtype)
+        outs.append(p.view(-1, n) @ lat[:n])
+    o = outs[0] if len(outs) == 1 else torch.cat([t.view(H, -1, C) for t in outs], dim=1)
+    return o.view(1, H, L, C)
 
 
 def _attend_from(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -38,21 +69,46 @@ def _attend_from(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
     rope = attn.k_rope_cache.view(-1, R)[all_slots].to(x.dtype)
     w_uk, w_uv = attn._absorb_weights()
     q_abs = torch.einsum("blhn,hnc->bhlc", q_nope, w_uk)
-    q = torch.cat((q_abs, q_pe.transpose(1, 2)), dim=-1)  # [1, H, L, C+R]
-    N = lat.size(0)
-    k = torch.cat((lat, rope), dim=-1).expand(1, H, N, C + R)
-    v = lat.expand(1, H, N, C)
-    qpos = torch.arange(start, start + L, device=x.device)
-    mask = torch.arange(N, device=x.device).unsqueeze(0) <= qpos.unsqueeze(1)  # causal, offset by the prefix
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale)  # [1, H, L, C]
+    o = _latent_attention(q_abs[0], q_pe[0].transpose(0, 1), lat, rope, start, attn.scale)  # [1, H, L, C]
     o = torch.einsum("bhlc,hvc->blhv", o, w_uv)
     return attn.o_proj(o.reshape(1, L, H * attn.v_head_dim))
+
+
+#: model -> {parameter name: ((storage, version), the parameter in the compute dtype)}
+_WIDE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def _weights_as(model: GlmMoeDsaForCausalLM, dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """Run ``model`` with its floating parameters in ``dtype`` (None: unchanged). The cast copies are made once
+    per model and reused while a parameter keeps its storage and version: casting every weight at every call
+    cost more than a short suffix's compute. Same values as ``_params_as`` (the cast is the same); the price is
+    one wide copy of the weights kept beside a CPU prefill model."""
+    if dtype is None:
+        yield
+        return
+    wide = _WIDE.setdefault(model, {})
+    saved = []
+    try:
+        for name, p in model.named_parameters():
+            if not p.is_floating_point() or p.dtype == dtype:
+                continue
+            stamp = (p.data_ptr(), p._version)
+            hit = wide.get(name)
+            if hit is None or hit[0] != stamp or hit[1].dtype != dtype:
+                hit = wide[name] = (stamp, p.data.to(dtype))
+            saved.append((p, p.data))
+            p.data = hit[1]
+        yield
+    finally:
+        for p, d in saved:
+            p.data = d
 
 
 @torch.no_grad()
 def prefill_from(model: GlmMoeDsaForCausalLM, input_ids: torch.Tensor, start: int) -> torch.Tensor:
     """Prefill tokens ``start..P-1`` of ``input_ids [P]`` into row 0 of a batch-1 ``model`` whose caches hold
-    positions ``0..start-1`` already (restored or prefilled); returns the last token's logits ``[1, V]``.
+    positions ``0..start-1`` already (reloaded or prefilled); returns the last token's logits ``[1, V]``.
     Computes as ``prefill``'s ``compute_dtype="auto"`` does (fp32 on the CPU for a bf16 model)."""
     if model.batch_size != 1 or model.parallel is not None:
         raise ValueError("prefill_from: model must be a single-process batch-1 model (the serving loop's prefill "
@@ -77,12 +133,11 @@ def prefill_from(model: GlmMoeDsaForCausalLM, input_ids: torch.Tensor, start: in
     x = model._embed(input_ids[start:].to(dev)).view(1, L, -1)
     if cd is not None:
         x = x.to(cd)
-    for layer in model.model.layers:
-        with _params_as([layer], cd):
+    with _weights_as(model, cd):
+        for layer in model.model.layers:
             x = x + _attend_from(layer.self_attn, layer.input_layernorm(x), cos, sin, slots, valid, all_slots, start)
             h = layer.post_attention_layernorm(x)
             x = x + (layer.mlp.forward_sparse(h) if isinstance(layer.mlp, GlmMoeDsaMoE) else layer.mlp(h))
-    with _params_as([model.model.norm, model.lm_head], cd):
         return model._logits(model.model.norm(x[0, -1:])).to(model.config.dtype)
 
 
@@ -151,12 +206,12 @@ class MultiTurn:
 
 
 class PrefixReuse:
-    """What the serving loop does with a store (duck-typed: ``restore(model, tokens, limit) -> n``,
-    ``save(model, blocks, tokens) -> written keys``, ``stats``) and a reference (``restore(model, tokens, n)``,
-    ``save(model, blocks, tokens, written)``): restore at admission, prefill the rest, store at leaving."""
+    """What the serving loop does with a store (duck-typed: ``reload(model, tokens, limit) -> n``,
+    ``save(model, blocks, tokens) -> written keys``, ``stats``) and a reference (``reload(model, tokens, n)``,
+    ``save(model, blocks, tokens, written)``): reload at admission, prefill the rest, store at leaving."""
 
     def __init__(self, store, reference=None) -> None:
-        for name in ("restore", "save"):
+        for name in ("reload", "save"):
             if not callable(getattr(store, name, None)):
                 raise TypeError(f"Server: store must have a {name}() method (offload_passes.store.paged.PagedStore), "
                                 f"got {type(store).__name__}")
@@ -174,11 +229,11 @@ class PrefixReuse:
             model.prefill(prompt.view(1, P), torch.tensor([P]))
 
     def admit(self, model: GlmMoeDsaForCausalLM, prompt: torch.Tensor, transfer) -> int:
-        """Restore the longest stored prefix (at least one prompt token is left to compute: the logits),
+        """Reload the longest stored prefix (at least one prompt token is left to compute: the logits),
         prefill the rest and ``transfer(False)`` (``None`` when the two kinds of lane get the same); then, with
         a reference, recompute that prefix with the same boundary and ``transfer(True)``."""
         P = prompt.numel()
-        n = int(self.store.restore(model, prompt, P - 1))
+        n = int(self.store.reload(model, prompt, P - 1))
         self._compute(model, prompt, n)
         self.tokens_total += P
         self.tokens_computed += P - n
@@ -187,7 +242,7 @@ class PrefixReuse:
             transfer(None)
             return n
         transfer(False)
-        self.reference.restore(model, prompt, n)
+        self.reference.reload(model, prompt, n)
         prefill_from(model, prompt, n)
         transfer(True)
         return n

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load as _st_load
@@ -14,7 +15,7 @@ from safetensors.torch import save as _st_save
 
 from .keys import Fingerprint
 
-__all__ = ["ChunkError", "encode_chunk", "decode_chunk", "FORMAT"]
+__all__ = ["ChunkError", "HeldChunk", "encode_chunk", "decode_chunk", "FORMAT"]
 
 #: The metadata's format tag: a chunk of another layout is refused, not guessed at.
 FORMAT = "offload_passes.kv_chunk/1"
@@ -24,9 +25,28 @@ class ChunkError(ValueError):
     """A blob that is not a verified chunk of this fingerprint and key (why in the message)."""
 
 
+@dataclass(frozen=True)
+class HeldChunk:
+    """A chunk kept as tensors by a tier in this process (``RamTier``): verified when it entered the process
+    (checked tensors from ``KVStore.put``, or a blob from disk or the shared store that passed
+    :func:`decode_chunk`), so a hit pays neither deserialisation nor a checksum. The tensors are the tier's
+    own and read-only by contract: ``KVStore.load`` clones them unless its caller copies them into a cache."""
+
+    n_tokens: int
+    tensors: dict
+    nbytes: int
+
+    @classmethod
+    def own(cls, n_tokens: int, tensors: Mapping[str, torch.Tensor], copy: bool) -> "HeldChunk":
+        """A held chunk of ``tensors`` (cloned when ``copy``: the caller keeps and may change its own)."""
+        kept = {k: (t.detach().clone(memory_format=torch.contiguous_format) if copy else t.detach().contiguous())
+                for k, t in tensors.items()}
+        return cls(n_tokens, kept, sum(t.numel() * t.element_size() for t in kept.values()))
+
+
 def _tensor_sha(t: torch.Tensor) -> str:
-    # Hash the raw bytes (bf16 and fp8 included: viewed as uint8, no numeric conversion).
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+    # Hash the raw bytes in place (bf16 and fp8 included: viewed as uint8, no numeric conversion, no copy).
+    return hashlib.sha256(t.contiguous().view(torch.uint8).reshape(-1).numpy() if t.numel() else b"").hexdigest()
 
 
 def check_chunk_tensors(call: str, fp: Fingerprint, tensors: Mapping[str, torch.Tensor], n_tokens: int) -> None:

@@ -10,7 +10,7 @@ layout names them).
 
 Caches: ``transformers``' ``StaticCache`` / ``DynamicCache`` and the project's ``HostStaticCache``. Placement:
 each tensor is written where the cache layer keeps it; ``HostStaticCache`` keeps the attention KV in host
-memory (pinned beside a CUDA model), so a restore writes it from host memory and only the indexer keys, which
+memory (pinned beside a CUDA model), so a reload writes it from host memory and only the indexer keys, which
 the device reads directly, cross to the device.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .paged import weights_digest
 
 log = logging.getLogger("offload_passes.store.hf")
 
-__all__ = ["hf_cache_layout", "hf_fingerprint", "restore_hf", "save_hf", "generate_with_store"]
+__all__ = ["hf_cache_layout", "hf_fingerprint", "reload_hf", "save_hf", "generate_with_store"]
 
 _CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
@@ -43,16 +43,31 @@ def _device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its layout (one probe each)
+#: model -> (its layout signature, its cache layout): one probe per model while its config and dtype stay
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _text_config(model: Any) -> Any:
+    return model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+
+
+def _layout_signature(model: Any) -> tuple:
+    """What the cache layout depends on: the config's cache-shaping fields and the parameters' dtype/device."""
+    cfg = _text_config(model)
+    p = next(model.parameters())
+    return (type(model), p.dtype, p.device) + tuple(repr(getattr(cfg, n, None)) for n in _CONFIG_FIELDS)
 
 
 @torch.no_grad()
 def hf_cache_layout(model: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{chunk name: (per-token shape, dtype)} of every cache ``model`` keeps, read from a one-token forward."""
+    """{chunk name: (per-token shape, dtype)} of every cache ``model`` keeps, read from a one-token forward
+    once per model (again when its config's cache fields, dtype or device change)."""
     from transformers import DynamicCache
 
-    if model in _LAYOUTS:
-        return dict(_LAYOUTS[model])
+    sig = _layout_signature(model)
+    known = _LAYOUTS.get(model)
+    if known is not None and known[0] == sig:
+        return dict(known[1])
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=_device(model)), use_cache=True,
           **{_cache_kwarg(): cache})
@@ -63,7 +78,7 @@ def hf_cache_layout(model: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]
         ix = getattr(layer, "indexer_keys", None)
         if ix is not None and ix.numel():
             out[f"{i}.index_k"] = (tuple(ix.shape[2:]), ix.dtype)
-    _LAYOUTS[model] = dict(out)
+    _LAYOUTS[model] = (sig, dict(out))
     return out
 
 
@@ -74,7 +89,7 @@ def hf_fingerprint(model: Any, chunk_tokens: int, weights_id: Optional[str] = No
         raise ValueError(f"hf_fingerprint: chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
     if weights_id is not None and not isinstance(weights_id, str):
         raise TypeError(f"hf_fingerprint: weights_id must be a str or None, got {type(weights_id).__name__}")
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    cfg = _text_config(model)
     fields = {n: getattr(cfg, n) for n in _CONFIG_FIELDS if isinstance(getattr(cfg, n, None), (int, float, str, list))}
     fields.update(architecture=f"hf/{type(model).__name__}", dtype=str(next(model.parameters()).dtype),
                   weights=weights_id if weights_id is not None else weights_digest(model), world=[0, 1],
@@ -92,37 +107,60 @@ def _ids(call: str, input_ids: Any) -> torch.Tensor:
     return input_ids.to("cpu", torch.int64)
 
 
-def _fill_layer(layer: Any, n: int, k: torch.Tensor, v: torch.Tensor, ix: Optional[torch.Tensor],
-                device: torch.device) -> None:
-    """Rows ``0..n-1`` of one cache layer := the chunk tensors (token-major ``[n, H, D]``; ``ix [n, Di]``)."""
-    k4, v4 = k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)  # [1, H, n, D]
-    if hasattr(layer, "max_cache_len"):  # static: preallocated buffers, in place
-        if not layer.is_initialized:
-            layer.lazy_initialization(k4[:, :, :1].to(device), v4[:, :, :1].to(device))
-        # each where the layer keeps it: HostStaticCache's KV is host memory (no device copy on the way)
-        layer.keys[:, :, :n].copy_(k4)
-        layer.values[:, :, :n].copy_(v4)
-        layer.cumulative_length.fill_(n)
-        if ix is not None:
-            if not layer.is_indexer_initialized:
-                layer.lazy_initialization_indexer(ix[:1].unsqueeze(0).to(device))
-            layer.indexer_keys[:, :n].copy_(ix.unsqueeze(0))
-            layer.indexer_cumulative_length.fill_(n)
-        return
-    # dynamic: the layer holds exactly the cached rows
+def _rows(t: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """The first ``n`` rows of a token-major chunk tensor ``[T, H, D]`` as a cache layer holds them ``[1, H, n, D]``."""
+    return t[:n].permute(1, 0, 2).unsqueeze(0).to(device)
+
+
+def _empty(t: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """An uninitialised ``[1, H, n, D]`` buffer of the chunk tensor ``t``'s per-token shape and dtype."""
+    return t.new_empty((1, t.size(1), n, *t.shape[2:]), device=device)
+
+
+def _fill_layer(layer: Any, chunks: list, i: int, n: int, indexed: bool, device: torch.device) -> None:
+    """Rows ``0..n-1`` of cache layer ``i`` := the chunks' tensors (token-major ``[n_c, H, D]``; ``index_k``
+    ``[n_c, Di]``), each chunk copied once, straight into the layer's rows: a static layer's preallocated
+    buffers in place, where the layer keeps them (``HostStaticCache``'s KV is host memory: no device copy on
+    the way); a dynamic layer gets new tensors of exactly ``n`` rows."""
+    from .paged import copy_rows
+
+    first = chunks[0]
+    static = hasattr(layer, "max_cache_len")
     if not layer.is_initialized:
-        layer.lazy_initialization(k4.to(device), v4.to(device))
-    layer.keys, layer.values = k4.to(device), v4.to(device)
-    if ix is not None:
+        layer.lazy_initialization(*(_rows(first[f"{i}.{t}"], 1, device) for t in ("k", "v")))
+    if not static:
+        layer.keys, layer.values = (_empty(first[f"{i}.{t}"], n, device) for t in ("k", "v"))
+    dst, src = [], []
+    for tag, buf in (("k", layer.keys), ("v", layer.values)):
+        s = 0
+        for c in chunks:
+            t = c[f"{i}.{tag}"]
+            dst.append(buf[0, :, s:s + t.size(0)])
+            src.append(t.transpose(0, 1))
+            s += t.size(0)
+    if indexed:
+        ix = first[f"{i}.index_k"]
         if not layer.is_indexer_initialized:
-            layer.lazy_initialization_indexer(ix.unsqueeze(0).to(device))
-        layer.indexer_keys = ix.unsqueeze(0).to(device)
+            layer.lazy_initialization_indexer(ix[:1].unsqueeze(0).to(device))
+        if not static:
+            layer.indexer_keys = ix.new_empty((1, n, *ix.shape[1:]), device=device)
+        s = 0
+        for c in chunks:
+            t = c[f"{i}.index_k"]
+            dst.append(layer.indexer_keys[0, s:s + t.size(0)])
+            src.append(t)
+            s += t.size(0)
+    copy_rows(dst, src)
+    if static:
+        layer.cumulative_length.fill_(n)
+        if indexed:
+            layer.indexer_cumulative_length.fill_(n)
 
 
 def _cache_layers(cache: Any) -> list:
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list) or not layers:
-        raise TypeError(f"restore_hf: cache must be a transformers Cache with layers (StaticCache, DynamicCache, "
+        raise TypeError(f"reload_hf: cache must be a transformers Cache with layers (StaticCache, DynamicCache, "
                         f"HostStaticCache), got {type(cache).__name__}")
     return layers
 
@@ -136,30 +174,28 @@ def _held(cache: Any) -> int:
 
 
 @torch.no_grad()
-def restore_hf(store: Any, model: Any, input_ids: torch.Tensor, cache: Any, limit: Optional[int] = None) -> int:
+def reload_hf(store: Any, model: Any, input_ids: torch.Tensor, cache: Any, limit: Optional[int] = None) -> int:
     """Load the longest stored prefix of ``input_ids`` (one sequence; at most ``limit`` tokens, default all but
     the last: the logits need one computed token) into the empty ``cache`` at positions ``0..n-1``; returns n
     (0: the cache is untouched). Then ``generate(input_ids, cache=...)`` computes only tokens ``n..``."""
-    ids = _ids("restore_hf", input_ids)
+    ids = _ids("reload_hf", input_ids)
     layers = _cache_layers(cache)
     held = _held(cache)
     if held:
-        raise ValueError(f"restore_hf: cache must be empty (it holds {held} tokens)")
+        raise ValueError(f"reload_hf: cache must be empty (it holds {held} tokens)")
     names = set(store.fp.caches)
     missing = sorted(set(hf_cache_layout(model)) - names)
     if missing or len(layers) != len({n.split(".")[0] for n in names}):
-        raise ValueError(f"restore_hf: the store's chunks lack {missing[:4]} of the caches the model keeps (or its "
+        raise ValueError(f"reload_hf: the store's chunks lack {missing[:4]} of the caches the model keeps (or its "
                          f"layers differ from the cache's {len(layers)}): a chunk without them is no hit; build the "
                          "store with hf_fingerprint(model)")
-    n, chunks = store.load(ids, limit=ids.numel() - 1 if limit is None else limit)
+    n, chunks = store.load(ids, limit=ids.numel() - 1 if limit is None else limit, copy=False)
     if not n:
         return 0
     dev = _device(model)
     for i, layer in enumerate(layers):
-        parts = [torch.cat([c[f"{i}.{t}"] for c in chunks]) for t in ("k", "v")]
-        ix = torch.cat([c[f"{i}.index_k"] for c in chunks]) if f"{i}.index_k" in names else None
-        _fill_layer(layer, n, parts[0], parts[1], ix, dev)
-    log.debug("restored %d tokens into %s", n, type(cache).__name__)
+        _fill_layer(layer, chunks, i, n, f"{i}.index_k" in names, dev)
+    log.debug("reloaded %d tokens into %s", n, type(cache).__name__)
     return n
 
 
@@ -189,10 +225,10 @@ def save_hf(store: Any, input_ids: torch.Tensor, cache: Any) -> int:
 def generate_with_store(model: Any, store: Any, input_ids: torch.Tensor, cache: Optional[Any] = None,
                         max_cache_len: Optional[int] = None, generate: Optional[Callable] = None,
                         **generate_kwargs: Any) -> Any:
-    """``model.generate`` (or ``generate``) of one sequence that restores its longest stored prefix first and
+    """``model.generate`` (or ``generate``) of one sequence that reloads its longest stored prefix first and
     stores the whole sequence after: ``cache`` (default a ``StaticCache`` of ``max_cache_len``, else a fresh
-    cache of the caller's choice, e.g. ``HostStaticCache``). Returns generate's output; ``store.last_restored``
-    is not kept: read ``store.stats``."""
+    cache of the caller's choice, e.g. ``HostStaticCache``). Returns generate's output; what was reloaded is
+    counted in ``store.stats``."""
     from transformers import StaticCache
 
     ids = _ids("generate_with_store", input_ids).view(1, -1)
@@ -201,7 +237,7 @@ def generate_with_store(model: Any, store: Any, input_ids: torch.Tensor, cache: 
             raise ValueError(f"generate_with_store: max_cache_len must be an int > len(input_ids)={ids.size(1)} "
                              f"when no cache is given, got {max_cache_len!r}")
         cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    restore_hf(store, model, ids, cache)
+    reload_hf(store, model, ids, cache)
     dev = _device(model)
     gen = generate if generate is not None else model.generate
     kw = dict(generate_kwargs)

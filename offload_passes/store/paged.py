@@ -4,10 +4,10 @@ A chunk holds, per layer, every cache the model keeps per token: the latent KV (
 (``L.rope``), and in a layer with an indexer its keys (``L.index_k``) and, in the W8A8 model, their dequant
 scales (``L.index_scale``). :class:`PagedStore` is the object the serving loop (``models/glm/serve.py``,
 ``Server(store=...)``) calls; :class:`RecomputeReference` gives its reference lanes the same prefix
-recomputed with the same boundaries (what a restore is compared with, bit for bit).
+recomputed with the same boundaries (what a reload is compared with, bit for bit).
 
 Placement: every tensor is written where its cache lives. The offload keeps the latent / rope caches in host
-memory (pinned beside a CUDA model) and only the indexer keys on the device: a restore writes the host caches
+memory (pinned beside a CUDA model) and only the indexer keys on the device: a reload writes the host caches
 from host memory and moves only the indexer keys to the device (docs/store.md, "Serving loop").
 """
 from __future__ import annotations
@@ -88,18 +88,37 @@ def extract_paged(model: Any, blocks: Sequence[int], n_tokens: int, chunk_tokens
     return [{n: r[s:s + chunk_tokens] for n, r in rows.items()} for s in range(0, n_tokens, chunk_tokens)]
 
 
+def copy_rows(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i: one fused call when everything is on the CPU (a 4K-token reload
+    is thousands of chunk-sized copies; their per-call overhead was most of the copy's time)."""
+    if dst and all(t.device.type == "cpu" for t in dst) and all(t.device.type == "cpu" for t in src):
+        torch._foreach_copy_(dst, src)
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s, non_blocking=True)
+
+
+def _run_start(slots: torch.Tensor) -> Optional[int]:
+    """The first slot when ``slots`` is one contiguous run (a batch-1 model's identity block table), else None."""
+    n = slots.numel()
+    first = int(slots[0])
+    return first if int(slots[-1]) - first == n - 1 and bool((slots.diff() == 1).all()) else None
+
+
 @torch.no_grad()
 def insert_paged(model: Any, blocks: Sequence[int], chunks: Sequence[dict[str, torch.Tensor]]) -> int:
     """Write ``chunks`` (tokens ``0..n-1`` in order) into the request's ``blocks``: each cache on its own device
     (host caches from host memory; only the device-resident ones, the indexer keys, cross to the device).
-    Returns n."""
+    Every chunk tensor is copied once, straight into its cache rows (one slice per chunk when the slots are
+    one run, else one ``index_copy_`` per cache). Returns n."""
     if not chunks:
         return 0
     caches = paged_caches(model)
     if set(chunks[0]) != set(caches):
         raise ValueError(f"insert_paged: chunk names {sorted(chunks[0])[:4]}… differ from the model's caches "
                          f"{sorted(caches)[:4]}…")
-    n = sum(int(next(iter(c.values())).shape[0]) for c in chunks)
+    sizes = [int(next(iter(c.values())).shape[0]) for c in chunks]
+    n = sum(sizes)
     slots = _slots(model, blocks, 0, n)
     dev = model.block_table.device
     host = [t for t in caches.values() if t.device != dev]
@@ -107,9 +126,17 @@ def insert_paged(model: Any, blocks: Sequence[int], chunks: Sequence[dict[str, t
         from .. import cuda as _cuda
 
         _cuda.before_host_write(dev)
+    first = _run_start(slots)
+    dst, src = [], []
     for name, t in caches.items():
-        rows = torch.cat([c[name] for c in chunks]) if len(chunks) > 1 else chunks[0][name]
-        t.view(-1, *t.shape[2:]).index_copy_(0, slots.to(t.device), rows.to(t.device, non_blocking=True))
+        flat = t.view(-1, *t.shape[2:])
+        if t.device.type != "cpu" or first is None:  # one transfer / one scatter per cache
+            rows = torch.cat([c[name] for c in chunks]) if len(chunks) > 1 else chunks[0][name]
+            flat.index_copy_(0, slots.to(t.device), rows.to(t.device, non_blocking=True))
+            continue
+        dst.extend(flat.narrow(0, first, n).split(sizes))
+        src.extend(c[name] for c in chunks)
+    copy_rows(dst, src)
     return n
 
 
@@ -125,11 +152,11 @@ def _present(store: Any, key: str) -> bool:
 
 class PagedStore:
     """The serving loop's view of a :class:`~offload_passes.store.KVStore` (``Server(store=PagedStore(kv))``):
-    ``restore`` a prompt's longest stored prefix into a batch-1 prefill model, ``save`` a request's KV from the
+    ``reload`` a prompt's longest stored prefix into a batch-1 prefill model, ``save`` a request's KV from the
     decode caches by its block table."""
 
     def __init__(self, store: Any) -> None:
-        for name in ("load", "put", "chunk_keys", "tiers", "chunk_tokens"):
+        for name in ("load_keyed", "put", "chunk_keys", "tiers", "chunk_tokens"):
             if not hasattr(store, name):
                 raise TypeError(f"PagedStore: store must be a KVStore (lacks {name}), got {type(store).__name__}")
         self.store = store
@@ -140,13 +167,12 @@ class PagedStore:
     def stats(self) -> Any:
         return self.store.stats
 
-    def restore(self, model: Any, tokens: torch.Tensor, limit: int) -> int:
+    def reload(self, model: Any, tokens: torch.Tensor, limit: int) -> int:
         """Load the longest stored prefix of ``tokens`` (at most ``limit`` tokens) into row 0 of ``model``
-        (batch 1, identity block table); returns its length (0: nothing restored, the caches untouched)."""
-        look = self.store.lookup(tokens)
-        n, chunks = self.store.load(tokens, limit=limit)
-        # the keys of what was loaded, in order (a partial last chunk has its own key): the reference's index
-        self.last_keys = [k for k, _, _ in look.chunks][: len(chunks)]
+        (batch 1, identity block table); returns its length (0: nothing reloaded, the caches untouched). The
+        chunks come uncopied from the store and are copied once, into the caches."""
+        n, chunks, keys = self.store.load_keyed(tokens, limit=limit, copy=False)
+        self.last_keys = keys  # what was loaded, in order (a partial last chunk has its own key): the reference's
         if n:
             insert_paged(model, model.block_table[0].tolist(), chunks)
         return n
@@ -163,22 +189,22 @@ class PagedStore:
 
 
 class RecomputeReference:
-    """The reference of a restore: per chunk key, the KV the reference lanes computed for it (their own prefill
-    with the same boundaries, never read from the store). ``restore(model, tokens, n)`` writes the first ``n``
-    tokens of those into the prefill model, as :meth:`PagedStore.restore` wrote the stored ones; ``save`` keeps
-    the reference lanes' KV of exactly the chunks the store wrote (the version a later restore reads)."""
+    """The reference of a reload: per chunk key, the KV the reference lanes computed for it (their own prefill
+    with the same boundaries, never read from the store). ``reload(model, tokens, n)`` writes the first ``n``
+    tokens of those into the prefill model, as :meth:`PagedStore.reload` wrote the stored ones; ``save`` keeps
+    the reference lanes' KV of exactly the chunks the store wrote (the version a later reload reads)."""
 
     def __init__(self, paged: PagedStore) -> None:
         self.paged = paged
         self.chunks: dict[str, dict[str, torch.Tensor]] = {}
 
-    def restore(self, model: Any, tokens: torch.Tensor, n: int) -> None:
-        """Call right after ``PagedStore.restore`` of the same ``tokens`` returned ``n``."""
+    def reload(self, model: Any, tokens: torch.Tensor, n: int) -> None:
+        """Call right after ``PagedStore.reload`` of the same ``tokens`` returned ``n``."""
         C = self.paged.chunk_tokens
-        keys = self.paged.last_keys[: -(-n // C)]  # what PagedStore.restore loaded for these tokens
+        keys = self.paged.last_keys[: -(-n // C)]  # what PagedStore.reload loaded for these tokens
         missing = [k for k in keys if k not in self.chunks]
         if missing:
-            raise KeyError(f"RecomputeReference.restore: {len(missing)} chunk(s) of the restored prefix were stored "
+            raise KeyError(f"RecomputeReference.reload: {len(missing)} chunk(s) of the reloaded prefix were stored "
                            "by no request of this loop: the reference has no recomputed KV for them")
         parts = [self.chunks[k] for k in keys]
         cut = n - (len(keys) - 1) * C

@@ -1,6 +1,11 @@
 """KVStore: a request's KV chunks kept in tiers (RAM, disk, a shared store) under chained, fingerprinted keys,
 so that a later request with the same prefix reloads them instead of recomputing them.
 
+A tier that keeps chunks as tensors (``keeps_chunks``: the RAM tier) gets the verified tensors, not bytes, so
+a hit there costs no deserialisation and no checksum: a chunk is verified when it enters the process (checked
+tensors from ``put``, a blob from disk or the shared store that passes its checksums), not at every hit. Byte
+tiers get the encoded chunk, made once per chunk and reused for every byte tier it goes to.
+
 Faults of a tier never reach the caller: the store logs one warning per outage, counts it in
 ``stats.tier_faults`` and skips the tier for ``retry_after_s`` seconds. A chunk that fails to verify is
 counted in ``stats.chunks_rejected``, its copy is deleted from the tier, and the loaded prefix ends before it.
@@ -15,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .chunk import ChunkError, check_chunk_tensors, decode_chunk, encode_chunk
+from .chunk import ChunkError, HeldChunk, check_chunk_tensors, decode_chunk, encode_chunk
 from .keys import Fingerprint, chain_keys, check_token_ids, next_key
 from .stats import Lookup, StoreStats
 from .tiers.base import Tier, TierFault
@@ -47,6 +52,44 @@ def _check_tiers(tiers: Any) -> list:
             raise ValueError(f"KVStore: tiers[{i}] repeats the tier name {t.name!r}; names must be unique")
         names.add(t.name)
     return list(tiers)
+
+
+def _keeps_chunks(tier: Any) -> bool:
+    return bool(getattr(tier, "keeps_chunks", False))
+
+
+class _Entry:
+    """One chunk on its way into tiers, in the form each tier keeps: verified tensors (:class:`HeldChunk`) or
+    the encoded bytes, each made at most once. From ``put`` it holds the caller's tensors (cloned for a tier
+    that keeps them: the caller may change its own afterwards); from a tier, that tier's item."""
+
+    __slots__ = ("fp", "key", "_n", "_tensors", "_blob", "_held")
+
+    def __init__(self, fp: Fingerprint, key: str, item: Any = None, tensors: Optional[Mapping] = None,
+                 n_tokens: int = 0, held: Optional[HeldChunk] = None) -> None:
+        self.fp, self.key, self._n, self._tensors = fp, key, n_tokens, tensors
+        self._held = item if isinstance(item, HeldChunk) else held
+        self._blob = item if isinstance(item, (bytes, bytearray, memoryview)) else None
+
+    def blob(self) -> bytes:
+        if self._blob is None:
+            h = self._held
+            self._blob = (encode_chunk(self.fp, self.key, h.n_tokens, h.tensors) if h is not None
+                          else encode_chunk(self.fp, self.key, self._n, self._tensors))
+        return self._blob
+
+    def held(self) -> HeldChunk:
+        """The verified tensors (a blob is decoded and checked here: ChunkError when it fails)."""
+        if self._held is None:
+            if self._tensors is not None:
+                self._held = HeldChunk.own(self._n, self._tensors, copy=True)
+            else:
+                n, tensors = decode_chunk(self.fp, self.key, self._blob)
+                self._held = HeldChunk.own(n, tensors, copy=False)
+        return self._held
+
+    def for_tier(self, tier: Any) -> Any:
+        return self.held() if _keeps_chunks(tier) else self.blob()
 
 
 class KVStore:
@@ -114,24 +157,30 @@ class KVStore:
             log.info("KV store: tier %r answers again (%s)", tier.name, op)
         return out
 
-    def _store_in(self, index: int, key: str, blob: bytes, counter: str) -> bool:
-        """Put ``blob`` into tiers[index], spilling what it evicts down the tiers; True when stored."""
+    def _store_in(self, index: int, entry: _Entry, counter: str) -> bool:
+        """Put ``entry`` into tiers[index] in the form it keeps, spilling what it evicts down the tiers; True
+        when stored."""
         tier = self.tiers[index]
-        evicted = self._call(tier, "put", None, lambda: tier.put(key, blob))
+        try:
+            item = entry.for_tier(tier)
+        except ChunkError as exc:  # a blob spilled from a byte tier into a tensor tier that fails to verify
+            log.warning("KV store: chunk %s… not moved into tier %r (%s)", entry.key[:12], tier.name, exc)
+            return False
+        evicted = self._call(tier, "put", None, lambda: tier.put(entry.key, item))
         if evicted is None:
             return False
         self._stats.count(counter, tier.name)
         for k, b in evicted:
-            self._spill(index + 1, k, b)
+            self._spill(index + 1, _Entry(self.fp, k, item=b))
         return True
 
-    def _spill(self, index: int, key: str, blob: bytes) -> None:
+    def _spill(self, index: int, entry: _Entry) -> None:
         if index >= len(self.tiers):
             return  # evicted from the bottom tier: gone
         tier = self.tiers[index]
-        if self._call(tier, "exists", True, lambda: tier.exists(key)):
+        if self._call(tier, "exists", True, lambda: tier.exists(entry.key)):
             return
-        self._store_in(index, key, blob, "chunks_spilled")
+        self._store_in(index, entry, "chunks_spilled")
 
     # ---- lookup / load ------------------------------------------------------------------------------
     def _find(self, key: str) -> Optional[Tier]:
@@ -189,15 +238,17 @@ class KVStore:
         return limit
 
     def _load_one(self, key: str, n_expected: int) -> tuple[Optional[dict], bool]:
-        """(tensors, rejected): tensors of the top-most copy that verifies; None on a miss or a rejected copy."""
+        """(tensors, rejected): tensors of the top-most copy that verifies; None on a miss or a rejected copy.
+        A tensor tier's chunk was verified when it entered the process; a blob is decoded and verified here."""
         for index, tier in enumerate(self.tiers):
-            blob = self._call(tier, "get", None, lambda: tier.get(key))
-            if blob is None:
+            item = self._call(tier, "get", None, lambda: tier.get(key))
+            if item is None:
                 continue
+            entry = _Entry(self.fp, key, item=item)
             try:
-                n, tensors = decode_chunk(self.fp, key, blob)
-                if n != n_expected:
-                    raise ChunkError(f"holds {n} tokens where its key covers {n_expected}")
+                held = entry.held()
+                if held.n_tokens != n_expected:
+                    raise ChunkError(f"holds {held.n_tokens} tokens where its key covers {n_expected}")
             except ChunkError as exc:
                 self._stats.chunks_rejected += 1
                 log.warning("KV store: chunk %s… in tier %r rejected (%s); recomputing from there", key[:12],
@@ -205,43 +256,57 @@ class KVStore:
                 self._call(tier, "delete", None, lambda: tier.delete(key))
                 return None, True
             self._stats.count("chunks_loaded", tier.name)
-            self._stats.count("bytes_loaded", tier.name, len(blob))
+            self._stats.count("bytes_loaded", tier.name, held.nbytes if item is held else len(item))
             for upper in range(index):
-                self._store_in(upper, key, blob, "chunks_promoted")
-            return tensors, False
+                self._store_in(upper, entry, "chunks_promoted")
+            return held.tensors, False
         return None, False
 
-    def load(self, token_ids: Any, limit: Optional[int] = None) -> tuple[int, list[dict[str, torch.Tensor]]]:
+    def load(self, token_ids: Any, limit: Optional[int] = None,
+             copy: bool = True) -> tuple[int, list[dict[str, torch.Tensor]]]:
         """(n_tokens, chunks): the longest prefix of ``token_ids`` that loads and verifies, capped at ``limit``
-        tokens; chunk i holds CPU tensors [n_i, *shape] for tokens [i*C, i*C + n_i)."""
+        tokens; chunk i holds CPU tensors [n_i, *shape] for tokens [i*C, i*C + n_i). ``copy=False`` hands out
+        the tensor tier's own tensors, read-only by contract: for a caller that copies them into its cache at
+        once (``PagedStore.reload``, ``reload_hf``), so a RAM hit is copied exactly once."""
+        n, chunks, _ = self.load_keyed(token_ids, limit, copy)
+        return n, chunks
+
+    def load_keyed(self, token_ids: Any, limit: Optional[int] = None,
+                   copy: bool = True) -> tuple[int, list[dict[str, torch.Tensor]], list[str]]:
+        """:meth:`load` and the key of each chunk it returned (a partial last chunk has its own key)."""
+        if not isinstance(copy, bool):
+            raise TypeError(f"KVStore.load: copy must be a bool, got {copy!r}")
         with self._lock:
             ids = check_token_ids("KVStore.load", token_ids, self.vocab_size)
             limit = self._check_limit(limit)
             self._stats.loads += 1
             out: list[dict[str, torch.Tensor]] = []
+            keys: list[str] = []
             n = 0
-            prev = None
             for key, (s, e) in zip(chain_keys(self.fp.digest, ids, self.chunk_tokens), self._spans(len(ids))):
                 if limit is not None and s >= limit:
                     break
                 tensors, rejected = self._load_one(key, e - s)
                 last = tensors is None  # a miss: a shorter chunk stored here (an earlier request's end) may load
                 if last and not rejected:
-                    tail = self._tail(ids, s, prev)
+                    tail = self._tail(ids, s, keys[-1] if keys else None)
                     if tail is not None:
-                        e = s + tail[1]
-                        tensors, _ = self._load_one(tail[0], tail[1])
+                        key, e = tail[0], s + tail[1]
+                        tensors, _ = self._load_one(key, tail[1])
                 if tensors is None:
                     break
                 if limit is not None and e > limit:
                     tensors = {k: v[: limit - s] for k, v in tensors.items()}
                     e = limit
                 out.append(tensors)
-                n, prev = e, key
+                keys.append(key)
+                n = e
                 if last:
                     break
             self._stats.tokens_loaded += n
-            return n, out
+            if copy:
+                out = [{k: v.clone() for k, v in ch.items()} for ch in out]
+            return n, out, keys
 
     # ---- put --------------------------------------------------------------------------------------------
     def _check_put(self, ids: list[int], chunks: Any) -> list[tuple[str, int, Mapping[str, torch.Tensor]]]:
@@ -275,16 +340,15 @@ class KVStore:
             written = 0
             targets = range(len(self.tiers)) if self.write_through else range(1)
             for key, n, tensors in plan:
-                blob = None
-                stored = False
+                entry = _Entry(self.fp, key, tensors=tensors, n_tokens=n)
+                stored = tried = False
                 for index in targets:
                     tier = self.tiers[index]
                     if self._call(tier, "exists", False, lambda: tier.exists(key)):
                         continue
-                    if blob is None:
-                        blob = encode_chunk(self.fp, key, n, tensors)
-                    stored |= self._store_in(index, key, blob, "chunks_stored")
-                if blob is None:
+                    tried = True
+                    stored |= self._store_in(index, entry, "chunks_stored")
+                if not tried:
                     self._stats.chunks_skipped += 1
                 written += stored
             return written

@@ -1,4 +1,4 @@
-"""Where a restore writes (fake CUDA, ``tests/cuda/_fake_cuda.py``: no GPU): into ``HostStaticCache`` the
+"""Where a reload writes (fake CUDA, ``tests/cuda/_fake_cuda.py``: no GPU): into ``HostStaticCache`` the
 attention KV stays in host memory and only the indexer keys, which the device reads, cross to the device; into a
 device ``StaticCache`` everything crosses (the recorder sees both kinds)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "cuda"))
 import _fake_cuda as F  # noqa: E402
 
-from offload_passes.store.hf import hf_cache_layout, restore_hf  # noqa: E402
+from offload_passes.store.hf import hf_cache_layout, reload_hf  # noqa: E402
 
 aten = torch.ops.aten
 CPU, CUDA0 = torch.device("cpu"), torch.device("cuda", 0)
@@ -46,11 +46,11 @@ class _Store:
         self.fp = _Fp(layout)
         self.chunks = [{n: torch.zeros((16,) + s, dtype=d) for n, (s, d) in layout.items()} for _ in range(2)]
 
-    def load(self, ids, limit=None):
+    def load(self, ids, limit=None, copy=True):
         return 32, self.chunks
 
 
-def test_restore_into_host_kv_moves_only_indexer_keys_to_the_device():
+def test_reload_into_host_kv_moves_only_indexer_keys_to_the_device():
     from transformers import StaticCache
 
     from offload_passes.hf_cache import HostStaticCache
@@ -68,10 +68,10 @@ def test_restore_into_host_kv_moves_only_indexer_keys_to_the_device():
         ids = torch.randint(2, 256, (1, 40))
         cache = HostStaticCache(m.config, max_cache_len=64, batch_size=1, device="cuda", dtype=torch.bfloat16)
         with _HostToDevice(host):
-            assert restore_hf(store, m, ids, cache) == 32
+            assert reload_hf(store, m, ids, cache) == 32
         plain = StaticCache(config=m.config, max_cache_len=64)
         with _HostToDevice(dev):
-            restore_hf(store, m, ids, plain)
+            reload_hf(store, m, ids, plain)
     assert [(n, s) for n, (s, _) in layout.items()] == [("0.k", (1, 64)), ("0.v", (1, 16)), ("0.index_k", (32,)),
                                                         ("1.k", (1, 64)), ("1.v", (1, 16))]
     assert all(layer.keys.device == CPU and layer.values.device == CPU for layer in cache.layers)

@@ -1,5 +1,5 @@
 """Hugging Face reuse without keeping the cache object: a chat's next turn and a request sharing a long system
-prompt restore the stored prefix into a fresh cache and generate() computes only the rest; bit-identical to
+prompt reload the stored prefix into a fresh cache and generate() computes only the rest; bit-identical to
 the same model that kept its cache cut at the same boundary, token-equal to one full prefill, and the same
 from disk in a new process."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from offload_passes.models import hf
 from offload_passes.store import DiskTier, KVStore, RamTier
-from offload_passes.store.hf import generate_with_store, hf_cache_layout, hf_fingerprint, restore_hf, save_hf
+from offload_passes.store.hf import generate_with_store, hf_cache_layout, hf_fingerprint, reload_hf, save_hf
 
 C = 16
 GEN = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True, pad_token_id=0)
@@ -40,7 +40,7 @@ def _static(model, n=256):
 
 
 def _kept(model, cache, ids, n):
-    """The reference: the same model's own cache of the previous turn, cut at the restore's boundary ``n``."""
+    """The reference: the same model's own cache of the previous turn, cut at the reload's boundary ``n``."""
     for layer in cache.layers:
         layer.keys[:, :, n:].zero_()
         layer.values[:, :, n:].zero_()
@@ -64,7 +64,7 @@ def test_cache_layout_names_the_indexer_keys(model):
 
 def test_multi_turn_chat_reuses_exactly(model):
     """Three turns, each prompt = the conversation so far + new user tokens: every turn after the first
-    restores the stored conversation, bit-identical to the kept cache, token-equal to a full prefill."""
+    reloads the stored conversation, bit-identical to the kept cache, token-equal to a full prefill."""
     g = torch.Generator().manual_seed(0)
     store = _store(model)
     ids = torch.randint(2, 256, (1, 70), generator=g)
@@ -86,7 +86,7 @@ def test_multi_turn_chat_reuses_exactly(model):
 
 
 def test_shared_system_prompt_and_dynamic_cache(model):
-    """A new request sharing a long system prompt restores it into a DynamicCache as well as a StaticCache."""
+    """A new request sharing a long system prompt reloads it into a DynamicCache as well as a StaticCache."""
     from transformers import DynamicCache
 
     g = torch.Generator().manual_seed(1)
@@ -104,7 +104,7 @@ def test_shared_system_prompt_and_dynamic_cache(model):
 
 def test_chunk_without_indexer_keys_is_no_hit(model):
     """Chunks without the indexer keys (a layout that omits them) share no key with the model's store, and a
-    restore from such a store is refused, naming what is missing; bad input is refused by name."""
+    reload from such a store is refused, naming what is missing; bad input is refused by name."""
     from offload_passes.store import Fingerprint
 
     good = _store(model)
@@ -118,10 +118,10 @@ def test_chunk_without_indexer_keys_is_no_hit(model):
             for i in range(2) for t, a in (("k", "keys"), ("v", "values"))}
     assert bad.put(ids[0, :32], [{k: v[:16] for k, v in rows.items()}, {k: v[16:] for k, v in rows.items()}]) == 2
     assert bad.lookup(ids[0]).tokens == 32 and good.lookup(ids[0]).tokens == 0
-    with pytest.raises(ValueError, match=r"restore_hf: the store's chunks lack \['0.index_k'\]"):
-        restore_hf(bad, model, ids, _static(model))
-    with pytest.raises(ValueError, match=r"restore_hf: cache must be empty \(it holds 43 tokens\)"):
-        restore_hf(good, model, ids, cache)
+    with pytest.raises(ValueError, match=r"reload_hf: the store's chunks lack \['0.index_k'\]"):
+        reload_hf(bad, model, ids, _static(model))
+    with pytest.raises(ValueError, match=r"reload_hf: cache must be empty \(it holds 43 tokens\)"):
+        reload_hf(good, model, ids, cache)
     with pytest.raises(TypeError, match="save_hf: input_ids must be an integer tensor"):
         save_hf(good, ids.float(), cache)
 
@@ -143,8 +143,8 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_new_process_restores_from_disk(model, tmp_path):
-    """A first process stores its conversation on disk; this process restores it into a fresh cache and
+def test_new_process_reloads_from_disk(model, tmp_path):
+    """A first process stores its conversation on disk; this process reloads it into a fresh cache and
     generates the next turn bit-identical to recomputing the first turn and keeping its cache."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     run = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], capture_output=True, text=True, env=env,

@@ -1,4 +1,4 @@
-"""The Mooncake tier against a real mooncake_master and holder process (tests/store/conftest.py): sharing
+"""The Mooncake tier against a real mooncake_master and holder process (``LocalMooncake``, tests/store/conftest.py): sharing
 between processes, eviction as misses, the master killed and restarted mid-run, and addresses that do not
 answer."""
 from __future__ import annotations
@@ -13,10 +13,11 @@ import uuid
 
 import pytest
 import torch
-from conftest import free_port
 from store_helpers import chunks_for, make_fp, same
 
 from offload_passes.store import KVStore, MooncakeTier, RamTier
+from offload_passes.store.chunk import encode_chunk
+from offload_passes.store.mooncake_local import free_port
 
 C = 4
 
@@ -74,9 +75,8 @@ def test_load_from_the_shared_tier_promotes_and_verifies(mooncake):
     other = make_fp(weights="other")
     key = writer.chunk_keys(ids)[1]
     bad = KVStore(other, C, [RamTier(1 << 20)])
-    bad.put(ids, chunks_for(other, ids, C))
     tier.delete(key)
-    tier.put(key, bad.tiers[0].get(bad.chunk_keys(ids)[1]))
+    tier.put(key, encode_chunk(other, bad.chunk_keys(ids)[1], C, chunks_for(other, ids, C)[1]))
     fresh = KVStore(fp, C, [_tier(mooncake, key_prefix=tier.key_prefix)])
     n, got = fresh.load(ids)
     assert n == C and same(got, chunks[:1]) and fresh.stats.chunks_rejected == 1

@@ -1,4 +1,4 @@
-"""The serving loop (models/glm/serve.py) with a KV store: a returning conversation's prefix is restored into
+"""The serving loop (models/glm/serve.py) with a KV store: a returning conversation's prefix is reloaded into
 the request's KV and only the rest is prefilled; every step equals the unmodified model that recomputes the
 same prefix with the same boundary (reference lanes), and the compiled offload equals the unmodified model."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from offload_passes import make_offload_backend, models
 from offload_passes.models.glm.reuse import prefill_from
 from offload_passes.models.glm.serve import Lane, Server, ServeConfig
 from offload_passes.state import module_state
-from offload_passes.store import KVStore, RamTier
+from offload_passes.store import DiskTier, KVStore, RamTier
 from offload_passes.store.paged import (PagedStore, RecomputeReference, extract_paged, insert_paged, paged_caches,
                                         paged_fingerprint)
 
@@ -59,12 +59,12 @@ def test_multi_turn_reuse_is_exact_and_computes_less():
     assert module_state(cm).totals()["hits"] > 0
 
 
-def test_the_reference_lane_sees_a_wrong_restore():
-    """The comparison can fail: a store whose restore writes one token's latent off by one ulp-scale step
+def test_the_reference_lane_sees_a_wrong_reload():
+    """The comparison can fail: a store whose reload writes one token's latent off by one ulp-scale step
     shows up as a nonzero difference against the reference lane."""
     (rl, ref), pm = _models(2)
     ps = _store(pm)
-    real = ps.restore
+    real = ps.reload
 
     def skewed(model, tokens, limit):
         n = real(model, tokens, limit)
@@ -72,29 +72,31 @@ def test_the_reference_lane_sees_a_wrong_restore():
             model.model.layers[0].self_attn.kv_cache.view(-1, 64)[0] += 0.5
         return n
 
-    ps.restore = skewed
+    ps.reload = skewed
     srv = Server([Lane(rl), Lane(ref, reference=True)], pm, MT, store=ps, reference=RecomputeReference(ps))
     diffs, _ = _run(srv, 30)
     assert max(diffs) > 0.0
 
 
-def test_rejected_chunk_is_recomputed_and_the_answer_is_unchanged():
-    """A stored chunk corrupted in its tier is rejected (counted, deleted), the prefix ends before it and the
-    rest is recomputed: the restored lane still equals the recompute lane every step, and the loop computes
-    more prefill tokens than the same loop with an intact store."""
+def test_rejected_chunk_is_recomputed_and_the_answer_is_unchanged(tmp_path):
+    """A stored chunk corrupted on disk is rejected when it is read (counted, deleted), the prefix ends before
+    it and the rest is recomputed: the reloaded lane still equals the recompute lane every step, and the loop
+    computes more prefill tokens than the same loop with an intact store. (A byte tier's chunk is verified at
+    every read; the RAM tier keeps chunks verified when they entered the process, so this store has no RAM.)"""
     stats = []
     for corrupt in (False, True):
         (rl, ref), pm = _models(2)
-        ram = RamTier(1 << 26)
-        ps = _store(pm, [ram])
+        disk = DiskTier(tmp_path / f"kv{int(corrupt)}", 1 << 26, fsync=False)
+        ps = _store(pm, [disk])
         srv = Server([Lane(rl), Lane(ref, reference=True)], pm, MT, store=ps, reference=RecomputeReference(ps))
         diffs, done = [], False
         while not srv.done and len(diffs) < 60:
             if corrupt and not done and srv.finished >= 3:
                 key = ps.store.chunk_keys(srv.workload.prefix)[0]  # every later prompt starts with it
-                blob = bytearray(ram._blobs[key])
+                path = disk.path / key[:2] / f"{key}.safetensors"
+                blob = bytearray(path.read_bytes())
                 blob[-1] ^= 0xFF  # a flipped byte of tensor data: its checksum fails
-                ram._blobs[key] = bytes(blob)
+                path.write_bytes(bytes(blob))
                 done = True
             a, b = srv.step()
             diffs.append((a.float() - b.float()).abs().max().item() if a.numel() else 0.0)
@@ -107,7 +109,7 @@ def test_rejected_chunk_is_recomputed_and_the_answer_is_unchanged():
 
 
 def test_prefill_from_equals_a_split_prefill_and_refuses_bad_input():
-    """``prefill_from`` on a restored prefix equals it on the same prefix prefilled; extract / insert round-trip
+    """``prefill_from`` on a reloaded prefix equals it on the same prefix prefilled; extract / insert round-trip
     the paged caches by block table (every cache: latent, rope, indexer keys)."""
     _, pm = _models(0)
     ids = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(0))
@@ -133,7 +135,7 @@ def test_server_and_config_refuse_bad_reuse_input():
         ServeConfig(turns=0)
     with pytest.raises(ValueError, match="reference lanes need a store and a reference"):
         Server([Lane(rl), Lane(rl, reference=True)], pm, MT)
-    with pytest.raises(TypeError, match=r"Server: store must have a restore\(\) method"):
+    with pytest.raises(TypeError, match=r"Server: store must have a reload\(\) method"):
         Server([Lane(rl)], pm, MT, store=object())
 
 
@@ -157,7 +159,7 @@ def _property_case(seed: int, branches: int, turns: int, budget_chunks: int, ret
 
 def test_random_multi_turn_workloads_equal_the_recompute_lane_every_step():
     """Hypothesis: random conversations (branches, turns, retractions), a RAM tier small enough to evict and a
-    restart over the same store: every step of the restored lane equals the recompute lane."""
+    restart over the same store: every step of the reloaded lane equals the recompute lane."""
     @settings(max_examples=4, deadline=None, derandomize=True)
     @given(st.integers(0, 1000), st.integers(1, 3), st.integers(1, 3), st.integers(2, 40), st.sampled_from([0.0, 0.3]))
     def prop(seed, branches, turns, budget_chunks, retract):

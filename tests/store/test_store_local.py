@@ -42,7 +42,9 @@ def test_put_lookup_load_and_limit(tmp_path):
     assert store.put(ids, chunks) == 0 and store.stats.chunks_skipped == 3
     s = store.stats
     assert s.chunks_stored == {"ram": 3, "disk": 3} and s.chunks_loaded == {"ram": 9}
-    assert s.bytes["disk"] == s.bytes["ram"] > 0
+    # RAM keeps the tensors (their bytes), disk the safetensors files (the tensors + a header each)
+    assert s.bytes["ram"] == sum(t.numel() * t.element_size() for c in chunks for t in c.values()) > 0
+    assert s.bytes["disk"] == sum(f.stat().st_size for f in (tmp_path / "kv").rglob("*.safetensors")) > s.bytes["ram"]
 
 
 def test_disk_survives_restart_and_promotes(tmp_path):
@@ -58,11 +60,50 @@ def test_disk_survives_restart_and_promotes(tmp_path):
     assert again.lookup(ids).chunks[0][1] == "ram"
 
 
+def test_ram_hits_are_neither_decoded_nor_hashed_and_disk_hits_are_verified(tmp_path, monkeypatch):
+    """A chunk is verified when it enters the process: a RAM hit does no deserialisation and no sha256, a disk
+    hit decodes and checks every chunk (then the RAM copy it was promoted to is trusted). The RAM tier keeps its
+    own copy of what ``put`` got; ``load`` hands out clones unless told the caller copies (``copy=False``)."""
+    import offload_passes.store.chunk as chunk_mod
+
+    ids = list(range(10))
+    fp = make_fp()
+    chunks = chunks_for(fp, ids, C, seed=5)
+    _store(tmp_path, fp=fp).put(ids, [{k: v.clone() for k, v in c.items()} for c in chunks])
+    store = _store(tmp_path, fp=fp)  # a new process: the chunks are on disk only
+    hashed = []
+    real_sha = chunk_mod._tensor_sha
+    monkeypatch.setattr(chunk_mod, "_tensor_sha", lambda t: hashed.append(1) or real_sha(t))
+    n, got = store.load(ids)
+    assert n == 10 and same(got, chunks) and len(hashed) == 3 * len(fp.caches)  # every tensor of every chunk
+    assert store.stats.chunks_loaded == {"disk": 3} and store.stats.chunks_promoted == {"ram": 3}
+    monkeypatch.setattr(chunk_mod, "_tensor_sha", lambda t: pytest.fail("a RAM hit was hashed"))
+    monkeypatch.setattr("offload_passes.store.store.decode_chunk", lambda *a: pytest.fail("a RAM hit was decoded"))
+    n, mine = store.load(ids)  # copy=True: the caller's to change
+    assert n == 10 and same(mine, chunks) and store.stats.chunks_loaded == {"disk": 3, "ram": 3}
+    for c in mine:
+        c["kv"].fill_(7)
+    n, shared = store.load(ids, copy=False)
+    n2, again = store.load(ids, copy=False)
+    assert n == n2 == 10 and same(shared, chunks)
+    assert all(a[k].data_ptr() == b[k].data_ptr() for a, b in zip(shared, again) for k in a)  # the tier's own
+    monkeypatch.setattr(chunk_mod, "_tensor_sha", real_sha)  # put encodes for the disk tier (hashing is right)
+    fresh = _store(tmp_path / "other", fp=fp)
+    mutable = [{k: v.clone() for k, v in c.items()} for c in chunks]
+    fresh.put(ids, mutable)
+    for c in mutable:
+        c["kv"].fill_(3)  # the caller changes its tensors after put: the stored chunk does not change
+    assert same(fresh.load(ids)[1], chunks)
+    with pytest.raises(TypeError, match="KVStore.load: copy must be a bool, got 'yes'"):
+        store.load(ids, copy="yes")
+
+
 def test_budgets_hold_after_every_put_and_evictions_spill_down(tmp_path):
     fp = make_fp()
     blob_size = len(__import__("offload_passes.store.chunk", fromlist=["x"]).encode_chunk(
         fp, "ab" * 32, C, make_chunk(fp, C, 0)))
-    ram, disk = 3 * blob_size + 10, 7 * blob_size + 10
+    held_size = sum(t.numel() * t.element_size() for t in make_chunk(fp, C, 0).values())  # what RAM counts
+    ram, disk = 3 * held_size + 10, 7 * blob_size + 10
     store = KVStore(fp, C, [RamTier(ram), DiskTier(tmp_path / "kv", disk)], write_through=False)
     seqs = []
     for i in range(12):

@@ -15,7 +15,11 @@ class TierFault(RuntimeError):
 class Tier(Protocol):
     """``put`` returns the (key, blob) pairs it evicted to make room, so the store can spill them to the tier
     below, or None when it did not keep the blob (larger than the budget, a full shared store). ``get``
-    returns None on a miss. Faults raise :class:`TierFault` or OSError; a miss never raises."""
+    returns None on a miss. Faults raise :class:`TierFault` or OSError; a miss never raises.
+
+    A tier in this process's memory may set ``keeps_chunks = True``: the store then puts verified
+    :class:`~offload_passes.store.chunk.HeldChunk` objects (``nbytes``, ``n_tokens``, ``tensors``) instead of
+    bytes and trusts them on a hit (``RamTier``). Every other tier's blobs are verified on every ``get``."""
 
     name: str
 
