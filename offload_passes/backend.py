@@ -109,7 +109,9 @@ def _recompile_limit_message(graph_id: str, frame: dict, hf: bool) -> str:
                         if hf else "") + ": give each model its own with offload_passes.decorator.own_forward(model) "
                "(offload(model) does), or raise torch._dynamo.config.recompile_limit (docs/hf.md).")
     elif hf:
-        why = (" Reuse one StaticCache (fixed max_cache_len: one decode graph per batch size) or raise "
+        why = (" For a Hugging Face model use offload(model).generate(...): it supplies a StaticCache of bucketed "
+               "lengths and compiles each decode (batch, cache length) under a budget of its own. Otherwise reuse "
+               "one StaticCache (fixed max_cache_len: one decode graph per batch size) or raise "
                "torch._dynamo.config.recompile_limit (docs/hf.md).")
     else:
         why = (" An engine compiles one graph per batch bucket and cache geometry: keep their number under the limit "

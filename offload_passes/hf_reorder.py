@@ -1,19 +1,11 @@
 """Hugging Face caches: the offload pools follow the rows transformers moves between decode steps.
 
-Beam search reorders every cache row after every step (``Cache.reorder_cache(beam_idx)``: row ``b`` of
-each layer's tensors becomes row ``beam_idx[b]``, new tensors by ``index_select``). Without help the
-offload state, which belongs to the caches it served (``state.REGISTRY``), would find new tensors every
-step and start cold: no pool hit, the offload paid for nothing. :func:`follow_cache_reorders` wraps
-``Cache.reorder_cache`` (once per process, from the first offloaded Hugging Face graph,
-``backend.OffloadBackend.compile``) so that the state of the old tensors becomes the state of the new
-ones with its rows gathered by ``beam_idx``: a ``move_rows`` in which a row may be taken twice (two beams
-from one). Exact: a pool row mirrors its cache row, and both move together.
-
-Every generation mode on a ``StaticCache`` (greedy, sampling, beam search) therefore keeps the pools warm:
-the static cache has no other row operation. The ones that change the batch or cut the cache
-(``batch_select_indices``, ``batch_repeat_interleave``, ``crop``: contrastive search, assisted decoding)
-exist only on a ``DynamicCache``, whose decode graph concatenates the cache inside the graph: the offload
-refuses it by name (``hf_site_not_verified``, one warning) and the model runs as it is (docs/hf.md).
+Beam search reorders every cache row after every step (``Cache.reorder_cache(beam_idx)``: new tensors by
+``index_select``), so the offload state, which belongs to the tensors it served (``state.REGISTRY``), would
+start cold every step. :func:`follow_cache_reorders` wraps ``reorder_cache`` (once per process, from the first
+offloaded Hugging Face graph) so the old tensors' state becomes the new ones', its rows gathered by
+``beam_idx`` (a row may be taken twice). Exact: a pool row mirrors its cache row and both move together.
+The modes that change the batch or cut the cache exist only on a ``DynamicCache``, refused ``dynamic_cache``.
 """
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ import torch
 from torch import fx
 
 from ..._fx import calls, example, getitem_of, is_graph_input_or_attr, strip_views, view_users
-from .verify import HfSite, arg, device_move, input_root, need, shape
+from ...refusal import Refusal
+from .verify import HfSite, Refused, arg, concatenated_cache, device_move, input_root, need, shape
 
-__all__ = ["expansion", "dense_attention", "finish_site"]
+__all__ = ["expansion", "dense_attention", "finish_site", "dynamic_cache_refusal"]
 
 
 def _split_parts(split_node: fx.Node) -> tuple[fx.Node, list[int]]:
@@ -27,8 +28,19 @@ def _split_parts(split_node: fx.Node) -> tuple[fx.Node, list[int]]:
     return src, list(sizes)
 
 
-def expansion(key: fx.Node, value: fx.Node) -> dict:
-    """Verify key / value are ``expand_kv(latent, rope)``; return latent, rope, weight, n, v."""
+def dynamic_cache_refusal(lin: fx.Node, cat: fx.Node, layer: Optional[int]) -> Refusal:
+    """``dynamic_cache``: the attention reads a cache that grows by concatenation (generate()'s default)."""
+    return Refusal("dynamic_cache", f"{lin.name}: the latent cache is {cat.name} = torch.cat([cache, this step's "
+                   "rows], dim=-2): the graph reads a DynamicCache (generate()'s default cache) or another cache "
+                   "that grows by concatenation: its tensors are new at every step, which the offload cannot "
+                   "serve (it keeps a pool per fixed cache tensor). Use offload(model).generate(...), which "
+                   "supplies a bucketed StaticCache, or generate(..., cache_implementation=\"static\", "
+                   "max_cache_len=N) with a fixed N", layer)
+
+
+def expansion(key: fx.Node, value: fx.Node, layer: Optional[int] = None) -> dict:
+    """Verify key / value are ``expand_kv(latent, rope)``; return latent, rope, weight, n, v. A latent cache
+    grown by concatenation is refused ``dynamic_cache`` (for ``layer``)."""
     gi_v = getitem_of(value)
     need(gi_v is not None and gi_v[1] == 1 and calls(gi_v[0], "split"),
           f"value {value.name} is not split(kv_b_proj(latent))[1]")
@@ -42,6 +54,9 @@ def expansion(key: fx.Node, value: fx.Node) -> dict:
     latent, weight = lin.args[0], lin.args[1]
     if device_move(latent):  # host KV: the site reads (and the offload serves from) the host cache itself
         latent = latent.args[0]
+    grown = concatenated_cache(latent)
+    if grown is not None:
+        raise Refused(dynamic_cache_refusal(lin, grown, layer))
     need(isinstance(latent, fx.Node) and is_graph_input_or_attr(input_root(latent)),
           f"{lin.name}: kv_b_proj input {latent} is not the latent cache (a graph input)")
     need(isinstance(weight, fx.Node) and weight.op in ("placeholder", "get_attr"),
@@ -171,7 +186,7 @@ def finish_site(layer: int, producer: fx.Node, tk: fx.Node, sc: fx.Node, combine
     """The attention consuming the combined mask and its key / value expansion, checked shape by shape."""
     kind, out, q, k, v, scale, sinks, sm_dtype = dense_attention(combine)
     need((kind == "eager") == (kind_mask == "additive"), f"{out.name}: {kind} attention with a {kind_mask} mask")
-    e = expansion(k, v)
+    e = expansion(k, v, layer)
     shapes = {nm: shape(x) for nm, x in (("q", q), ("lat", e["latent"]), ("rope", e["rope"]), ("w", e["weight"]),
                                            ("tk", tk), ("out", out))}
     need(all(s is not None for s in shapes.values()), f"{out.name}: tensor shapes unknown")

@@ -12,7 +12,8 @@ from torch import fx
 from ..._fx import calls, example, is_cast, is_view
 from ...refusal import Refusal
 
-__all__ = ["HfSite", "NotVerified", "Refused", "need", "arg", "strip_casts", "shape", "device_move", "input_root"]
+__all__ = ["HfSite", "NotVerified", "Refused", "need", "arg", "strip_casts", "shape", "device_move", "input_root",
+           "concatenated_cache"]
 
 
 @dataclass
@@ -80,6 +81,22 @@ def input_root(n: Any) -> Any:
     while isinstance(n, fx.Node) and (is_view(n) or calls(n, "expand") or device_move(n)):
         n = n.args[0]
     return n
+
+
+def concatenated_cache(n: Any) -> Optional[fx.Node]:
+    """The ``cat`` that makes the cache ``n`` reads, when ``n`` is a cache grown by concatenation this step:
+    ``torch.cat([past, new rows], dim=-2)`` with ``past`` a graph input or an empty tensor (the first update);
+    what a ``DynamicCache`` layer's ``update`` traces to. None for anything else (a ``StaticCache`` input)."""
+    n = input_root(n)
+    if not (calls(n, "cat") and n.args and isinstance(n.args[0], (list, tuple)) and len(n.args[0]) == 2):
+        return None
+    dim = arg(n, 1, "dim", 0)
+    past = n.args[0][0]
+    rank = len(shape(n) or ())
+    if rank < 2 or dim not in (-2, rank - 2) or not isinstance(past, fx.Node):
+        return None
+    root, ex = input_root(past), example(past)
+    return n if root.op in ("placeholder", "get_attr") or (ex is not None and ex.numel() == 0) else None
 
 
 class NotVerified(Exception):
