@@ -30,6 +30,7 @@ from .common import (  # noqa: F401  (the schema and helpers are part of demo's 
     ATTN_TOL, DIFF_MEASURES, DIFF_OUTPUTS, LOGITS_TOL, MAX_THREADS, RESULT_KEYS, check_threads, max_diffs,
     op_counts, per_output, result, set_threads)
 from .serve import run_serve, summary_serve
+from .serve_store import STORE_HELP, build_tiers, parse_store
 
 
 #: the sections a model config yaml holds (models/glm/config.py; the HF runner's yaml has the same two)
@@ -209,6 +210,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "smallest that holds the running requests runs (sizes in [1, 4])")
     p.add_argument("--arrival", type=float, default=1.0,
                    help="--serve: probability that a request waits when a row frees (1: the batch stays full)")
+    p.add_argument("--workload", choices=("random", "multiturn"), default="random",
+                   help="--serve: random prompts, or multi-turn conversations sharing a system prompt (each turn's "
+                        "prompt = the conversation so far + new tokens)")
+    p.add_argument("--store", default=None, metavar="SPEC", help=STORE_HELP)
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, stream=sys.stderr)
@@ -249,8 +254,8 @@ def _check_input(a: argparse.Namespace) -> None:
     _check_config_fits_model(a.model, a.config)
     if a.serve and (a.world != 1 or a.model != "glm"):
         raise UsageError("--serve applies to --model glm on one process (no --world)")
-    if (a.buckets or a.arrival != 1.0) and not a.serve:
-        raise UsageError("--buckets / --arrival apply to --serve only")
+    if (a.buckets or a.arrival != 1.0 or a.workload != "random" or a.store is not None) and not a.serve:
+        raise UsageError("--buckets / --arrival / --workload / --store apply to --serve only")
 
 
 def _report(out: dict, as_json: bool, summary: Callable[[dict], str]) -> int:
@@ -287,8 +292,9 @@ def _run_serve(a: argparse.Namespace) -> int:
         raise UsageError("--serve does not take --record-trace / --replacement-policy / --dump-dir")
     buckets = parse_buckets(a.buckets, 4)
     check_arrival(a.arrival)
+    tiers = build_tiers(parse_store(a.store)) if a.store is not None else None  # checked before any model
     out = run_serve(a.config or "tiny", a.steps, a.mode, a.pool_size, 3 if a.next_n is None else a.next_n,
-                    threads=a.threads, buckets=buckets, arrival=a.arrival)
+                    threads=a.threads, buckets=buckets, arrival=a.arrival, workload=a.workload, store_tiers=tiers)
     return _report(out, a.json, summary_serve)
 
 

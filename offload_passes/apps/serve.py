@@ -1,6 +1,8 @@
 """``offload-demo --serve``: the serving loop (``models/glm/serve.py``: continuous batching on the cache
 manager's block tables, a C++ KV transfer that moves no version counter, varying MTP acceptance) with the
-unmodified model and the compiled one side by side, and the same requests replayed as a static batch.
+unmodified model and the compiled one side by side, and the same requests replayed as a static batch. With
+``--store`` the loop reloads stored prefixes from a KV store (``serve_store.py``), and a reference lane, the
+unmodified model recomputing every reloaded prefix with the same boundary, checks the reloaded lanes.
 
 The lanes are built by :func:`build_lanes`, the static-batch comparison is :class:`StaticReplay`, and
 :func:`run_serve` runs the loop and reports (``benchmarks/soak.py --serve`` calls it too).
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from .common import LOGITS_TOL, set_threads
+from .serve_store import make_store, multiturn_config, reuse_report, summary_reuse
 
 
 @dataclass
@@ -29,14 +32,17 @@ class ServeLanes:
     backend: Any
     backend2: Any
     small: list
+    reference: bool = False  # the last lane recomputes reloaded prefixes (a store is on)
 
 
 def build_lanes(config: str, over: dict, mode: str, opts: dict, buckets: Sequence[int], batch: int,
-                unannounced: bool) -> ServeLanes:
+                unannounced: bool, reference: bool = False) -> ServeLanes:
     """The unmodified lane, the compiled lane told every batch change (the engine adapter,
     ``engine.EngineAdapter``: ``OffloadState.move_rows`` on every change) and, with ``unannounced``, a
     third compiled the same way and told nothing (per-row in-graph signals only). ``buckets``: batch sizes
-    below ``batch`` compiled as batch buckets over the same caches (``serve.bucket_model``)."""
+    below ``batch`` compiled as batch buckets over the same caches (``serve.bucket_model``). ``reference``:
+    a last lane, the unmodified model built and compiled like the first, that receives reloaded prefixes
+    recomputed (``Lane(reference=True)``)."""
     from .. import models
     from ..backend import make_offload_backend
     from ..engine import EngineAdapter
@@ -66,7 +72,11 @@ def build_lanes(config: str, over: dict, mode: str, opts: dict, buckets: Sequenc
         backend2 = make_offload_backend(**opts)
         lanes.append(Lane(comp2.model, torch.compile(comp2.model, backend=backend2), None,
                           bucket_lanes(comp2.model, backend2)))
-    return ServeLanes(lanes, pm, ref, comp, backend, backend2, small)
+    if reference:
+        rm = models.build(config, **over).model
+        lanes.append(Lane(rm, torch.compile(rm, backend="inductor") if mode == "inductor" else None, None,
+                          bucket_lanes(rm, "inductor" if mode == "inductor" else None), reference=True))
+    return ServeLanes(lanes, pm, ref, comp, backend, backend2, small, reference)
 
 
 class StaticReplay:
@@ -143,13 +153,16 @@ def _rate(h: int, m: int) -> float:
 def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_size: Optional[int] = None,
               next_n: int = 3, batch: int = 4, seed: int = 0, threads: int = 1, unannounced: bool = False,
               on_step: Optional[Callable[[int, Any], None]] = None, max_seconds: float = 0.0,
-              buckets: Sequence[int] = (), arrival: float = 1.0, update_ledger: bool = True) -> dict:
+              buckets: Sequence[int] = (), arrival: float = 1.0, update_ledger: bool = True,
+              workload: str = "random", store_tiers: Optional[list] = None) -> dict:
     """The serving loop with the unmodified model and the compiled one (:func:`build_lanes`;
     ``unannounced`` adds the lane told nothing), and the static-batch comparison (:class:`StaticReplay`).
     ``on_step(i, server)`` runs after each step (the soak samples memory there); ``max_seconds`` > 0 stops
     after that wall time (``steps`` then says how many ran). ``buckets``: batch sizes below ``batch``
     compiled as batch buckets; ``arrival`` < 1 lets the running count vary so they are used.
-    ``update_ledger=False``: both compiled lanes without the ledger update (the NPU modes' default)."""
+    ``update_ledger=False``: both compiled lanes without the ledger update (the NPU modes' default).
+    ``workload="multiturn"``: conversations sharing a prefix (``serve_store.multiturn_config``);
+    ``store_tiers``: the KV store's tiers (``serve_store.build_tiers``), closed at the end."""
     from .. import models
     from ..models.glm.serve import Server, ServeConfig
     from ..trace.record import PlanRecorder
@@ -162,20 +175,22 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
                             "update_ledger": update_ledger}
     if pool_size is not None:
         opts["pool_size"] = pool_size
-    sl = build_lanes(config, over, mode, opts, buckets, batch, unannounced)
+    sl = build_lanes(config, over, mode, opts, buckets, batch, unannounced, reference=bool(store_tiers))
     K, cap = sl.ref.config.index_topk, r.pa_max_length
-    cfg = ServeConfig(seed=seed, prompt_len=(K, max(K, cap // 2)), output_len=(4, 64), arrival=arrival)
-    srv = Server(sl.lanes, sl.prefill_model, cfg)
+    cfg = (multiturn_config(seed, cap, K, arrival) if workload == "multiturn" else
+           ServeConfig(seed=seed, prompt_len=(K, max(K, cap // 2)), output_len=(4, 64), arrival=arrival))
+    store, reference = make_store(sl.prefill_model, store_tiers) if store_tiers else (None, None)
+    srv = Server(sl.lanes, sl.prefill_model, cfg, store=store, reference=reference)
     diffs = [0.0] * (len(sl.lanes) - 1)
     static = StaticReplay(sl.comp.model, sl.backend.options.resolved_pool_size, config, K, bool(sl.small))
     t0 = time.perf_counter()
     done = 0
     with PlanRecorder() as recorder:
         for i in range(steps):
-            if max_seconds > 0 and time.perf_counter() - t0 > max_seconds:
-                break
+            if (max_seconds > 0 and time.perf_counter() - t0 > max_seconds) or srv.done:
+                break  # srv.done: the multi-turn workload's conversations all ended
             outs = srv.step()
-            for j, o in enumerate(outs[1:]):
+            for j, o in enumerate(outs[1:] if outs[0].numel() else ()):  # empty: nothing ran this step
                 diffs[j] = max(diffs[j], (outs[0].float() - o.float()).abs().max().item())
             calls = list(recorder.calls)
             recorder.calls.clear()
@@ -184,8 +199,15 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
                 on_step(i, srv)
             done = i + 1
         static.flush()
-    return _serve_result(config, mode, steps, done, batch, update_ledger, time.perf_counter() - t0, srv, sl, diffs,
-                         static)
+    out = _serve_result(config, mode, steps, done, batch, update_ledger, time.perf_counter() - t0, srv, sl, diffs,
+                        static)
+    if workload != "random":
+        out["workload"] = workload
+    if store is not None:
+        out["reuse"] = reuse_report(srv, store, diffs[-1])
+        out["within_tolerance"] = out["within_tolerance"] and diffs[-1] == 0.0  # a reload is exact or wrong
+        store.store.close()
+    return out
 
 
 def _serve_result(config: str, mode: str, steps_requested: int, steps: int, batch: int, update_ledger: bool,
@@ -236,6 +258,7 @@ def summary_serve(o: dict) -> str:
         u = o["unannounced"]
         lines.append(f"  told nothing (in-graph per-row signals only): hit rate {u['hit_rate']:.1%}, "
                      f"max |diff| {u['max_abs_diff']:.3g}")
+    lines += summary_reuse(o.get("reuse"))
     lines.append(f"  max |diff| vs the unmodified model, every step: logits {o['max_abs_diff']:.3g}  "
                  f"({'within' if o['within_tolerance'] else 'OUTSIDE'} tolerance)")
     return "\n".join(lines)

@@ -22,7 +22,8 @@ from .keys import Fingerprint
 
 log = logging.getLogger("offload_passes.store.paged")
 
-__all__ = ["paged_caches", "paged_fingerprint", "extract_paged", "insert_paged", "PagedStore", "RecomputeReference"]
+__all__ = ["paged_caches", "paged_fingerprint", "extract_paged", "insert_paged", "PagedStore", "RecomputeReference",
+           "reference_fingerprint"]
 
 _CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
                   "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk", "index_head_dim",
@@ -192,21 +193,38 @@ class RecomputeReference:
     """The reference of a reload: per chunk key, the KV the reference lanes computed for it (their own prefill
     with the same boundaries, never read from the store). ``reload(model, tokens, n)`` writes the first ``n``
     tokens of those into the prefill model, as :meth:`PagedStore.reload` wrote the stored ones; ``save`` keeps
-    the reference lanes' KV of exactly the chunks the store wrote (the version a later reload reads)."""
+    the reference lanes' KV of exactly the chunks the store wrote (the version a later reload reads).
 
-    def __init__(self, paged: PagedStore) -> None:
+    ``keep``: a second KVStore under the reference's own fingerprint (:func:`reference_fingerprint`), where
+    ``save`` also puts those chunks, so that a store that outlives the loop (disk, a shared store) can be
+    checked by a later process: a chunk an earlier process stored is compared with the KV that process's
+    reference lanes computed for it."""
+
+    def __init__(self, paged: PagedStore, keep: Optional[Any] = None) -> None:
         self.paged = paged
+        self.keep = keep
         self.chunks: dict[str, dict[str, torch.Tensor]] = {}
+
+    def _kept(self, tokens: torch.Tensor, n: int, keys: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """The reference chunks of ``keys`` an earlier loop kept (all of the prefix or none)."""
+        if self.keep is None:
+            return {}
+        got, parts, _ = self.keep.load_keyed(tokens, limit=n)
+        return dict(zip(keys, parts)) if got == n else {}
 
     def reload(self, model: Any, tokens: torch.Tensor, n: int) -> None:
         """Call right after ``PagedStore.reload`` of the same ``tokens`` returned ``n``."""
         C = self.paged.chunk_tokens
         keys = self.paged.last_keys[: -(-n // C)]  # what PagedStore.reload loaded for these tokens
-        missing = [k for k in keys if k not in self.chunks]
+        known = self.chunks
+        if any(k not in known for k in keys):
+            known = {**self._kept(tokens, n, keys), **self.chunks}
+        missing = [k for k in keys if k not in known]
         if missing:
             raise KeyError(f"RecomputeReference.reload: {len(missing)} chunk(s) of the reloaded prefix were stored "
-                           "by no request of this loop: the reference has no recomputed KV for them")
-        parts = [self.chunks[k] for k in keys]
+                           "by no request of this loop (nor kept by an earlier one): the reference has no "
+                           "recomputed KV for them")
+        parts = [known[k] for k in keys]
         cut = n - (len(keys) - 1) * C
         parts[-1] = {name: t[:cut] for name, t in parts[-1].items()}
         insert_paged(model, model.block_table[0].tolist(), parts)
@@ -219,3 +237,11 @@ class RecomputeReference:
         for k, part in zip(keys, parts):
             if k in written:
                 self.chunks[k] = part
+        if self.keep is not None:
+            last = max(i for i, k in enumerate(keys) if k in written)
+            self.keep.put(tokens, parts[: last + 1])
+
+
+def reference_fingerprint(fp: Fingerprint) -> Fingerprint:
+    """``fp`` marked as the reference lanes' KV: its chunks never answer a lookup of ``fp``'s store."""
+    return Fingerprint.of({**fp.fields, "lane": "reference"})
