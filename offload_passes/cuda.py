@@ -1,34 +1,15 @@
 """CUDA run-time helpers: the full KV caches in pinned host memory, pools and selection on the device.
 
-The offload scheme keeps each layer's *full* latent / rope caches in host memory and only a pool and
-the selection buffers on the accelerator. On a CUDA machine that is page-locked (pinned) host memory:
-``dsa_serve``'s Triton kernel reads the rows a step misses straight from it over the host link
-(zero-copy), with no staging copy of the cache.
+``dsa_serve``'s Triton kernel reads the rows a step misses straight from the pinned cache (zero-copy: under
+UVA a pinned tensor's ``data_ptr()`` is also its device address). Writes of new rows go through
+ops whose CUDA kernel stores through that address (``npu_mla_prolog_cache_write_``, HF's
+``static_cache_write_``); a plain ``StaticCache`` writes with ``index_copy_`` and is refused.
 
-The zero-copy assumption: with unified virtual addressing (UVA; every 64-bit CUDA platform since CUDA
-4.0), a pinned allocation made by ``cudaHostAlloc`` (what ``Tensor.pin_memory()`` uses) has one
-address in host and device space, i.e. ``cudaHostGetDevicePointer`` returns the host pointer itself.
-So the pinned CPU tensor's ``data_ptr()`` can be handed to a Triton kernel launched on the GPU as it
-is. Dispatch picks the CUDA kernel because the other operands (plan, pools, selection) are CUDA
-tensors. Verified on CPU: the placement decisions; only a GPU can confirm the rest (docs/cuda.md).
-
-* :func:`plan_placement` (pure, no CUDA needed): what moves where, for a recipe-form model built with
-  ``enable_offload`` (``models/glm``: each attention's ``kv_cache`` / ``k_rope_cache``) or a Hugging
-  Face ``StaticCache`` (each layer's ``keys`` = latent ``[B, 1, T, C]``, ``values`` = rope
-  ``[B, 1, T, r]``; see ``passes/frontends/hf/detect.py``). Everything else (selection buffers, block tables,
-  ledgers, indexer key caches, the pools the backend allocates) stays on the device.
-* :func:`place_full_caches`: applies the plan (needs CUDA: pinning is a CUDA driver call).
-* :func:`kv_bytes`: device and host bytes of a plan (the benchmark's accounting).
-
-The recipe model's own writes of new KV rows into host caches (prefill, re-fill, decode) go through
-``offload_ref::npu_mla_prolog_cache_write_``, whose CUDA kernel stores through the pinned address
-(``custom_ops/cuda/cache_write.py``); an ATen ``index_put_`` of device rows into a host tensor is refused by
-torch and by Dynamo. A Hugging Face model's host KV is ``offload_passes.hf_cache.HostStaticCache``, whose
-update writes through ``offload_ref::static_cache_write_`` the same way; a plain ``StaticCache`` writes with
-``index_copy_`` and is refused by :func:`place_full_caches` (its plan is still reported, for the bytes).
-:func:`host_pinned` pins without a transient copy and without the pinned allocator's power-of-two rounding;
-:func:`raise_device_errors` reports what device-side checks flagged (the guards of the ``cuda`` mode);
-:func:`before_host_write` orders a host-side write into pinned caches after the kernels that use them.
+* :func:`plan_placement` (pure): what moves to the host (recipe ``kv_cache`` / ``k_rope_cache``, HF
+  ``keys`` / ``values``); everything else stays on the device. :func:`place_full_caches` applies it.
+* :func:`kv_bytes`: device and host bytes of a plan. :func:`host_pinned`: pins without a transient copy or
+  power-of-two rounding. :func:`raise_device_errors`: what the device-side guards flagged.
+  :func:`before_host_write`: a host write into pinned caches ordered after the kernels that use them.
 """
 from __future__ import annotations
 

@@ -1,30 +1,11 @@
-"""``@offload(...)``: compile a model class or instance with the ``dsa_offload`` backend.
+"""``offload(...)``: compile a model class or instance with the ``dsa_offload`` backend.
 
-* On an instance: ``offload(model, pool_size=...)`` / ``offload(pool_size=...)(model)`` returns an
-  ``OffloadedModule`` wrapping ``torch.compile(model, backend=...)``.
-* On a class: ``@offload(pool_size=...) class M(nn.Module)`` returns a subclass whose instances are
-  compiled in place (``nn.Module.compile``) at construction.
-
-Both expose ``offload_state`` (one ``OffloadState`` over every graph serving the module's caches, graph
-breaks included; empty before the first call), ``offload_backend`` (the ``OffloadBackend``) and
-``offload_reports``. A Hugging Face model's caches are not module buffers (they live in the ``StaticCache``
-that ``generate()`` builds): its ``offload_state`` is then the state bound to the caches of the
-backend's most recently run rewritten graph, i.e. of the last ``generate()`` call.
-
-Hugging Face models (``generate()``): ``offload(model).generate(...)`` and the class form's ``generate`` run
-the model's own ``generate`` with a :class:`offload_passes.hf_generate.GenerateRouter` for the duration of the
-call: where the caller chose no cache it supplies a ``StaticCache`` of a bucketed length (``cache_len_buckets``,
-``host_kv``), the prefill runs eagerly and each decode key (batch, cache length) is compiled once from a code
-object of its own, so a server's varied traffic stays offloaded under Dynamo's recompile limit (docs/hf.md, "A
-server's traffic"). ``torch.compile(model).generate()`` compiles nothing: torch's wrapper hands ``generate`` to
-the original module.
-
-``copy.deepcopy``, ``torch.save`` / ``torch.load(..., weights_only=False)`` and ``pickle`` keep the
-module's parameters and buffers and its offload options; the copy (or loaded module) is compiled again
-by a *new* backend with the same options, on its first call: its ``offload_reports`` start empty and list
-only its own graphs, its ``offload_state`` covers only its own caches (a cold pool: the first steps
-miss, never wrong). The original's graphs and pool are not shared with it (a compiled graph and its
-backend are process state, not module state). ``state_dict()`` holds the wrapped module's tensors only.
+``offload(model, pool_size=...)`` returns an ``OffloadedModule`` wrapping ``torch.compile(model, backend=...)``;
+``@offload(pool_size=...)`` on a class returns a subclass whose instances are compiled in place at
+construction. Both expose ``offload_state`` (every graph serving the module's caches; for a Hugging Face
+model, the last ``generate()`` call's cache), ``offload_backend`` and ``offload_reports``; a Hugging Face
+model's ``generate`` runs with a :class:`offload_passes.hf_generate.GenerateRouter`. A copy (``deepcopy``,
+``pickle``, ``torch.save``) keeps parameters, buffers and options and is compiled again by a new backend.
 """
 from __future__ import annotations
 

@@ -1,36 +1,13 @@
 """``HostStaticCache``: a ``transformers`` ``StaticCache`` whose DSA layers keep their latent / rope KV in host memory.
 
-The shared-indexer offload keeps each layer's *full* KV on the host and only a pool and the selection
-buffers on the device (docs/cuda.md). ``transformers``' own ``StaticCache`` cannot hold its KV there on a
-CUDA model: ``StaticLayer.update`` writes the step's rows with ``index_copy_``, which torch refuses for a host
-destination with device rows, and so does Dynamo while tracing it. This cache is the same ``StaticCache``
-(the same layers for every other layer type, the same counters, masks and ``get_seq_length``) whose
-``indexed_attention`` layers (the DSA layers: latent ``keys [B, 1, T, kv_lora_rank]``, rope ``values
-[B, 1, T, qk_rope_head_dim]``) are :class:`HostIndexedLayer`:
-
-* their ``keys`` / ``values`` are host tensors, pinned (``offload_passes.cuda.host_pinned``) when the model
-  runs on a CUDA device, plain host memory otherwise; the indexer's keys stay on the model's device (the
-  indexer reads all of them every step), as do the length counters;
-* ``update`` writes through ``offload_ref::static_cache_write_`` (``custom_ops/static_cache_write.py``),
-  which Dynamo traces like any op: on the CPU it is ``index_copy_`` (the cache holds what a ``StaticCache``
-  holds, bit for bit), on CUDA a Triton kernel storing through the pinned address; the Hugging Face
-  front-end (``passes/frontends/hf/``) reads the step's positions from it;
-* ``update`` returns the caches themselves where the rows live beside them (the CPU), else device copies
-  of them: the unmodified model's dense attention reads every cached row, so on a GPU it pays a full copy
-  per layer and step. The backend's rewrite removes that copy with the dense attention it feeds:
-  ``dsa_serve`` reads the missed rows straight from the pinned cache.
-
-Ways in (docs/hf.md, "Host KV"): ``generate(..., past_key_values=HostStaticCache(model.config,
-max_cache_len, batch_size=B, device="cuda", dtype=torch.bfloat16))`` with any of the backend's entry points
-(``model.forward = torch.compile(...)``, ``compile_config``, ``offload(model).generate``, ``@offload``).
-``transformers`` 5.23 builds the cache of a ``cache_implementation`` name itself (``StaticCache`` for
-``"static"``; the names are a fixed tuple its ``GenerationConfig`` validates), so no name selects this
-class. Given ``batch_size`` the KV is allocated at construction; without it on the first ``update``, which Dynamo
-then runs eagerly (pinning host memory is a driver call it does not trace: a graph break in that first call,
-refused under ``fullgraph=True``).
-
-Host-side writes into the pinned caches (``reset``, ``reorder_cache``) first wait for the device
-(:func:`offload_passes.cuda.before_host_write`): a kernel launched earlier may still read or write them.
+``StaticCache`` cannot hold its KV on the host for a CUDA model: its ``index_copy_`` of device rows into a
+host tensor is refused (by torch and by Dynamo). This cache is the same ``StaticCache`` except for its
+``indexed_attention`` layers, :class:`HostIndexedLayer`: ``keys`` / ``values`` on the host (pinned on CUDA),
+indexer keys and counters on the device, and ``update`` writing through ``offload_ref::static_cache_write_``
+(``index_copy_`` on the CPU: bit for bit a ``StaticCache``; a Triton store through the pinned address on
+CUDA), which the HF front-end reads the step's positions from. ``update`` returns device copies of the
+host caches for the dense attention; the offload rewrite removes them with it. Usage and limits:
+docs/hf.md, "Host KV".
 """
 from __future__ import annotations
 

@@ -1,28 +1,15 @@
 """``generate()`` under a server's traffic: the cache ``offload(model)`` supplies and the decode graphs it compiles.
 
-A chat server calls ``generate()`` with a new prompt length and batch size on nearly every call. Left to
-itself, ``generate()`` builds a ``DynamicCache`` (whose decode graph concatenates the cache inside the graph:
-the offload refuses it by name), and with ``cache_implementation="static"`` a ``StaticCache`` sized to the
-call (``max_cache_len`` = the largest ``prompt + max_new_tokens - 1`` so far): one decode graph per (batch,
-``max_cache_len``) in one Dynamo frame, which reaches Dynamo's ``recompile_limit`` after a few lengths and
-runs the model unmodified from then on. :class:`GenerateRouter` is what ``offload(model).generate`` (and the
-``@offload`` class form's ``generate``) runs instead, for the duration of each call:
+Left alone, ``generate()`` builds a ``DynamicCache`` (refused ``dynamic_cache``) or, with
+``cache_implementation="static"``, a ``StaticCache`` sized per call whose decode graphs share one Dynamo frame
+and reach its ``recompile_limit`` after a few lengths. :class:`GenerateRouter` runs for the duration of
+``offload(model).generate`` (and the class form's ``generate``):
 
-* **the cache** (:meth:`GenerateRouter.prepare_cache`): where the caller chose none (no cache object, no
-  ``cache_implementation`` in the call or the model's ``generation_config``) and the mode is greedy, sampling or
-  beam search, a ``StaticCache`` (``HostStaticCache`` with ``host_kv=True``) whose ``max_cache_len`` is what
-  ``generate()`` needs rounded up to a *cache length bucket* (:func:`bucket_cache_len`); a cache or a
-  ``cache_implementation`` the caller gives is used as given;
-* **the decode step** (:meth:`GenerateRouter.forward`): a one-token step on a ``StaticCache`` whose tensors
-  exist runs a compiled function of its own per *decode key* (the cache's class and tensor shapes), each a
-  code object of its own (:func:`offload_passes.decorator.own_forward`): Dynamo's ``recompile_limit`` counts
-  per code object, so every key has the whole budget and compiles once;
-* **the prefill** (any other call: the first forward on a new cache, a chunk of several tokens) runs the
-  model's own ``forward`` eagerly, as ``generate(compile_config=...)`` does: on a new cache it is dense by
-  design (docs/hf.md, "What stays dense"), and compiling it would spend graphs on every prompt length.
-
-Graphs compiled = the distinct decode keys seen, at most (batch sizes) x (cache length buckets); the
-docs/hf.md section "A server's traffic" gives the count per 100 varied calls.
+* the cache (:meth:`GenerateRouter.prepare_cache`): where the caller chose none, a ``StaticCache``
+  (``HostStaticCache`` with ``host_kv=True``) of a bucketed length (:func:`bucket_cache_len`);
+* the decode step (:meth:`GenerateRouter.forward`): one compiled function per decode key (the cache's class
+  and shapes), each its own code object, so each key compiles once under a budget of its own;
+* the prefill: the model's own ``forward``, eagerly (dense by design on a new cache).
 """
 from __future__ import annotations
 

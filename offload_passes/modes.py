@@ -39,7 +39,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     # CANN's NPU kernels implement FIFO only
     Mode("ge_graph", "npu", "offload_passes.lowering.npu:NpuLowering", False, ("fifo",)),
     Mode("npugraph_ex", "npu", "offload_passes.lowering.npu:NpuLowering", False, ("fifo",)),
-    # CUDA tensors: the eager lowering with installs on a side stream; Triton kernels (docs/cuda.md)
+    # CUDA tensors: the eager lowering with installs on a side stream; Triton kernels
     Mode("cuda", "cuda", "offload_passes.lowering.cuda:CudaLowering", True, ("fifo", "second_chance"),
          "second_chance"),
 )}

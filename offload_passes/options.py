@@ -44,17 +44,12 @@ class OffloadOptions:
     id_range: ``id_to_slot`` width (IR); ``None`` = max(131072, cache length F) (``custom_ops/_pool.py``:
         ``id_range_for``).
     update_ledger: keep the model's gather ledger (``sel_status``) valid after serve.
-    replacement_policy: ``fifo`` (CANN's 16-way set-associative FIFO, ``custom::dsa_install``) or
-        ``second_chance`` (CPU and CUDA modes: ``offload_ref::dsa_install_sc``, 16-way second chance, one
-        reference bit per way; CANN's kernels implement only FIFO). ``None`` (default): the mode's default,
-        :attr:`resolved_replacement_policy` (``modes.Mode.default_policy``: ``second_chance`` in
-        ``exe_mode="cuda"``, ``fifo`` elsewhere).
-    npu_bookkeeping: in the NPU modes (ge_graph / npugraph_ex), keep the per-step pool statistics and the
-        ledger update in the graph. Off by default there: main-stream work the reference does not do
-        (``state.counters()`` then stays zero and the ledger is not kept). Ignored on CPU (always on).
-    cuda_graphs: in ``exe_mode="cuda"``, capture each lowered step in one CUDA graph per input signature and
-        replay it (``lowering/cuda_graphs.py``; docs/cuda.md), as ``torch.compile(mode="reduce-overhead")`` does
-        there. Only with ``exe_mode="cuda"``.
+    replacement_policy: ``fifo`` (CANN's 16-way set-associative FIFO) or ``second_chance`` (CPU and CUDA
+        modes, one reference bit per way); ``None``: the mode's default (:attr:`resolved_replacement_policy`).
+    npu_bookkeeping: keep the per-step pool statistics and the ledger update in the NPU modes' graphs (off by
+        default there: main-stream work the reference does not do; always on elsewhere).
+    cuda_graphs: ``exe_mode="cuda"`` only: capture each lowered step in one CUDA graph per input signature
+        and replay it, as ``torch.compile(mode="reduce-overhead")`` does there.
     """
 
     pool_size: int | None = None

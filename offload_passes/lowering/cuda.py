@@ -6,7 +6,7 @@ Triton kernels of ``custom_ops/cuda/``, installs on a side CUDA stream (the NPU 
 Never Inductor (it would reorder ops across the stream switches): ``mode="max-autotune*"`` is refused;
 ``mode="reduce-overhead"`` or ``cuda_graphs=True`` captures the step in one CUDA graph
 (``lowering/cuda_graphs.py``). The guards become ``offload_cuda::guard`` (raised on the host, never a
-device-side assert). The decisions and their reasons: docs/cuda.md.
+device-side assert).
 """
 from __future__ import annotations
 

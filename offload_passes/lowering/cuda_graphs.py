@@ -1,34 +1,14 @@
-"""CUDA graphs for the lowered decode step of ``exe_mode="cuda"`` (``torch.compile(mode="reduce-overhead")`` or
-the option ``cuda_graphs=True``: the same capture).
+"""CUDA graphs for the lowered decode step of ``exe_mode="cuda"`` (``mode="reduce-overhead"`` or
+``cuda_graphs=True``): the lowering's own capture, since Inductor's cudagraph trees would reorder the ops
+across the install side stream and skip the host-resident caches.
 
-The ``cuda`` lowering runs the offload graph op by op (``lowering/cuda.py``: Inductor would reorder its ops
-across the install side stream), so Inductor's cudagraph trees cannot apply, and they refuse CPU inputs,
-which the host-resident KV caches are. This module is the lowering's own capture instead:
+* :func:`capture_problems`: the lowered graph checked before any capture (no host read of a device value,
+  no device-side assert, no data-dependent shape, host tensors only at :data:`HOST_OPERANDS`, every op of
+  ours with a CUDA kernel).
+* :class:`GraphReplay`: per input signature, a warm-up call, then one capture, then replays; fixed inputs
+  are checked by address before each replay, value checks run on the device (pinned error words).
 
-* :func:`capture_problems` checks the lowered FX graph structurally before any capture: nothing that reads
-  a device value on the host (``.item()``, ``aten._local_scalar_dense``, ``aten.equal``, a copy to the
-  host), no device-side assert (``aten._assert_async``: the ``cuda`` lowering turns the rewrite's guards
-  into ``offload_cuda::guard``), no op whose output shape depends on data (``nonzero``, boolean-mask
-  indexing), no host tensor except the full caches at the operand positions of the ops whose Triton
-  kernels read or write them through their pinned address (:data:`HOST_OPERANDS`), and no op of ours whose
-  ``OpSpec`` names no CUDA kernel (``custom_ops/cuda/``: it could not run on the device).
-* :class:`GraphReplay` wraps the lowered step: per input signature (shapes, strides, dtypes, devices, the
-  non-tensor arguments) a warm-up call runs it eagerly (Triton's first compile, the caching allocator's
-  first blocks, the once-per-allocation host checks), the next call with that signature captures it
-  (plan, serve, install, the cache-write stores through the pinned address, the side-stream scope and
-  joins, the guard kernels: everything the step launches) and every later call copies the inputs that
-  may change address into static buffers and replays. A signature seen once (a prompt's prefill through
-  a graph Dynamo made dynamic) never costs a capture; a decode step, called with one signature per step,
-  is one graph replay per step.
-
-What replays do not repeat, and why that is safe: the op wrappers' Python validation
-(``custom_ops/cuda/*.py``: shapes, dtypes, layouts, the pinned check of a host cache per allocation) runs
-at capture time only. Before every replay :class:`GraphReplay` checks that every tensor input has the
-shape, stride, dtype and device it had at capture, and that every *fixed* input (parameters, buffers,
-host caches, the offload state) is the same allocation (else that capture is dropped: the call runs eagerly
-and the next one captures the new allocations), so everything those checks read is what they checked. What depends on values (the rewrite's guards, the cache-write row bounds) is checked on the
-device and flagged in pinned error words (``custom_ops/cuda/_common.py``), raised on the host before the
-next call.
+Why skipping the wrappers' host checks on replay is safe: docs/cuda.md, "Host checks out of replay".
 """
 from __future__ import annotations
 
@@ -253,17 +233,11 @@ class _Capture:
 class GraphReplay:
     """The lowered step as captured graphs, one per input signature (see the module doc).
 
-    ``fn(*args)``: the lowered step. ``specs``: one :class:`InputSpec` per argument. ``mutated``: indices of
-    the inputs the step writes in place; a ``"copy"`` input among them is copied back from its static buffer
-    after each replay. ``graph_factory()``: a :class:`TorchCudaGraph` (or a test double). ``warmup``: eager
-    calls of a signature before its capture (at least 1: Triton compiles and the once-per-allocation checks
-    run eagerly). ``max_captures``: signatures captured; a call with another signature runs eagerly.
-
-    A fixed input at another address than at its signature's capture (a new cache and its offload state at the
-    same shapes) drops that capture; the call runs eagerly and the next one captures again.
-
-    The outputs of a replay are the captured step's static outputs: the next call with the same signature
-    overwrites them (clone what must outlive a step), as with cudagraph trees.
+    ``fn(*args)``: the lowered step. ``specs``: one :class:`InputSpec` per argument. ``mutated``: inputs the
+    step writes in place (a ``"copy"`` one is copied back after each replay). ``graph_factory()``: a
+    :class:`TorchCudaGraph` (or a test double). ``warmup``: eager calls of a signature before its capture (at
+    least 1). ``max_captures``: signatures captured; others run eagerly. A fixed input at a new address drops
+    its capture (that call runs eagerly); a replay's outputs are overwritten by the next one.
     """
 
     def __init__(self, fn: Callable, specs: Sequence[InputSpec], *, mutated: Sequence[int] = (),

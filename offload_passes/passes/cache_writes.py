@@ -1,29 +1,16 @@
-"""FX passes: the model's KV-cache writes made in place (``ge_graph`` and ``npugraph_ex`` modes).
+"""FX passes (``ge_graph``, ``npugraph_ex``): the model's KV-cache writes made in place on the cache input.
 
-A model writes this step's KV rows into its full caches with ``cache.view(-1, D).index_put_((slots,), kv)``
-(or ``index_copy_`` on dim 0). After AOT functionalization that is
+TorchAir has no GE converter for ``index_put`` / ``index_copy``, an out-of-place write copies the whole cache
+every step, and GE keeps a write in place only for a ref op straight on a ``Data`` input (docs/platform.md).
+After AOT functionalization, per cache write::
 
-    v = view(cache, [-1, D]); w = index_put(v, [slots], kv); x = view(w, cache.shape); copy_(cache, x)
+    before:     v = view(cache, [-1, D]); w = index_put(v, [slots], kv); copy_(cache, view(w, cache.shape))
+    ge_graph:   offload_ge.scatter_nd_update(cache, unravel(slots), kv)  # converter: TensorMove + ScatterNdUpdate,
+                                                                         # both dropped by TorchAir: n rows move
+    npugraph_ex: index_put_(view(cache, [-1, D]), [slots], kv)
 
-TorchAir has no GE converter for ``index_put`` / ``index_copy``, and any out-of-place form (e.g. the
-``ScatterElements`` of ``aten.scatter``) writes a full-cache-sized result every step. GE runs a write in
-place only for ref ops it knows (``_ge_concrete_graph/graph_pass.py::_get_output_to_input_ref_idx``:
-``Scatter``, ``ScatterNdUpdate``, ...) and only when the pattern is exactly
-``Data -> TensorMove -> <ref op> -> Assign(Data)`` with no other reader of the ``Data``
-(``optimize_reference_op_redundant_copy``, verified on CPU against TorchAir's code).
-
-:func:`cache_writes_to_scatter_nd` (a ``post_grad_custom_pre_pass``) therefore rewrites each such write
-into ``offload_ge.scatter_nd_update(cache, nd_index, rows)`` *on the graph input itself* (the flat row
-index unravelled over the cache's leading dims, so no reshape sits between the ``Data`` and the op); the
-op's GE converter (:mod:`offload_passes.converters.ge_cache_write`) emits ``TensorMove`` + ``ScatterNdUpdate``,
-and TorchAir's own pass then removes the
-``TensorMove`` and the ``Assign``: only the ``n`` written rows move. Other single-index
-``index_put`` / dim-0 ``index_copy`` nodes become the same op on their (intermediate) input, which is
-correct but keeps its ``TensorMove`` (a real copy: the old value is still needed).
-
-:func:`cache_writes_in_place` (npugraph_ex) turns the same pattern into ``index_put_`` on the cache's view.
-The op ``offload_ge::scatter_nd_update`` is defined here because this pass emits it; it is functional and
-has CPU and fake kernels, so the graph stays runnable without TorchAir.
+A write whose target is not a graph input becomes the same op on that input, keeping its (needed) copy.
+``offload_ge::scatter_nd_update`` is defined here (functional, CPU and fake kernels) since this pass emits it.
 """
 from __future__ import annotations
 

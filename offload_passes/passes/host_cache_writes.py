@@ -1,26 +1,16 @@
-"""FX pass (``exe_mode="cuda"``): in-place writes into a host-resident graph input get host operands.
+"""FX pass (``exe_mode="cuda"``, ``CudaLowering.passes``, pre-AOT after the rewrite): an ATen in-place write
+into a host-resident graph input gets host operands.
 
-With :func:`offload_passes.cuda.place_full_caches` the full latent / rope caches are pinned *host* tensors
-while everything the decode step computes is on the CUDA device.
+With host KV (``cuda.place_full_caches``) the full caches are pinned host tensors. The model's own writes
+(``offload_ref::npu_mla_prolog_cache_write_``, ``static_cache_write_``) store through the pinned address and
+are left alone (:func:`host_write_ops`). An ATen write with device operands (only an FX graph built without
+Dynamo has one: Dynamo refuses mixed devices) gets each operand copied to the host, once while unwritten::
 
-**How the recipe model writes them:** ``models/glm/modeling.py`` ``write_kv_cache`` sees the caches on
-another device than its rows and calls ``offload_ref::npu_mla_prolog_cache_write_``, whose CUDA kernel
-(``custom_ops/cuda/cache_write.py``) stores the rows through the pinned cache's address: one launch per
-layer, no synchronous copy, capturable. This pass leaves that op alone (:func:`host_write_ops`). The
-prefill and every other eager write take the same path.
+    before:  index_put_(host_cache, [slots_cuda], rows_cuda)
+    after:   s = _to_copy(slots_cuda, device=cpu); r = _to_copy(rows_cuda, device=cpu)
+             index_put_(host_cache, [s], r)          # synchronous copies: the host write sees the rows
 
-**What this pass is for:** an ATen in-place write (``index_put_`` on a cache view, ``index_copy_``,
-``operator.setitem``, the ``cache_write: inplace`` scatter double) into a host graph input with device
-operands. Dynamo refuses those while tracing (its fake propagation checks devices: ``Mismatching
-aten.index_put_.default device between self (cpu) and values (cuda:0)``), so a traced model never
-reaches the backend with one; an FX graph built otherwise can. Each such write gets its device operands
-copied to the host first (``aten._to_copy(x, device=cpu)``, synchronous: the host write right after must
-see the rows; one copy per operand, shared by later writes while nothing writes the operand in between);
-the write stays in place on the host tensor. New nodes get ``meta["val"]`` (``_fx.set_fake_val``).
-Nothing changes when the devices agree (every CPU run), nor for a write into a device tensor
-(``dsa_serve`` / ``dsa_install`` read the host caches and write device buffers).
-
-A pass of ``lowering.cuda.CudaLowering.passes``, on the pre-AOT graph after the offload rewrite.
+Nothing changes when the devices agree, nor for writes into device tensors.
 """
 from __future__ import annotations
 

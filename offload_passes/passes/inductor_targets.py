@@ -1,14 +1,13 @@
-"""Mutable custom ops in the form every Inductor version can run (the last step of ``inductor`` mode).
+"""Mutable custom ops retargeted to a form every Inductor version runs (the last step of ``inductor`` mode).
 
-Inductor runs a mutable custom op as a ``FallbackKernel`` only if torch could auto-functionalize it,
-which excludes ops with a ``Functionalize`` kernel: torch 2.8 refuses them ("NYI: Can't generate
-FallbackKernel for custom.dsa_serve.default"); 2.13 also accepts them. Our in-place ops need their
-Functionalize kernel (AOT must emit our ``*_functional`` twins, which GE and TorchAir know), so after
-:func:`~offload_passes.passes.reinplace.reinplace` each call of such an op is retargeted to its
-*Inductor alias*: the same schema (same ``(a!)`` annotations) in the ``offload_inductor`` namespace,
-whose kernels call the original op and which has no Functionalize kernel. The alias is derived from
-the op's schema (no op facts are repeated here) and used on every torch version, so the Inductor
-graphs are the same on 2.8 and 2.13.
+Inductor runs a mutable custom op as a ``FallbackKernel`` only if torch could auto-functionalize it, which
+torch 2.8 refuses for ops with a ``Functionalize`` kernel; ours need that kernel (AOT must emit the
+``*_functional`` twins GE knows). So after :func:`~offload_passes.passes.reinplace.reinplace` each call is
+retargeted to its *Inductor alias*, the same schema in ``offload_inductor`` without a Functionalize kernel,
+derived from the op's schema and used on every torch version::
+
+    before:  custom.dsa_serve(plan, ..., pool, sel)
+    after:   offload_inductor.dsa_serve(plan, ..., pool, sel)      # calls custom.dsa_serve
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ and the site bookkeeping. Per group g (owner O, last layer Z), before / after::
 
 A layer sharing an earlier layer's full caches shares its pool and installs nothing. Installs stay in
 program order after their layer's attention; a lowering that moves them gets each layer's installs through
-``RewriteSettings.install_hook``. Op semantics and ordering: docs/ops.md §2-§5.
+``RewriteSettings.install_hook``.
 """
 from __future__ import annotations
 

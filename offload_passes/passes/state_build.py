@@ -45,7 +45,7 @@ def cache_refs(gm: Any, plans: Sequence[Any], example_inputs: Sequence[Any]
 
 def _pool_device(plan: Any) -> Optional[str]:
     """The device of the group's selection buffers: the pools go beside them (serve and install read and
-    write both), not beside the full caches, which may be pinned host memory (docs/cuda.md). A graph without
+    write both), not beside the full caches, which may be pinned host memory. A graph without
     selection buffers of its own (the HF form: they are the rewrite's scratch) computes its top-k where the
     pools go."""
     node = getattr(plan.geometry[plan.owner_layer], "sel_kv", None)

@@ -4,7 +4,6 @@ the offload through the shared core. An offload refusal keeps the sparse rewrite
 
 Detection ``detect.py`` (the mask forms ``masks.py``, the dense attention ``dense.py``, the checks
 ``verify.py``); preconditions and emission ``frontend.py``, whose dead-code walk removes the dense nodes.
-The form and the families: docs/hf.md.
 """
 from __future__ import annotations
 

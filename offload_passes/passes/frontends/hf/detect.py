@@ -8,7 +8,7 @@ the dense attention it feeds (``masks.py``); data flow only, module names are ne
     out = attention(q, kv_b_proj(latent_cache)..., rope_cache, mask)
 
 The grouping key (``producer``) is the top-k node. A candidate that fails a check is a ``Refusal`` naming
-the node and why; a verified form the offload cannot serve is refused by name. The forms: docs/hf.md.
+the node and why; a verified form the offload cannot serve is refused by name.
 """
 from __future__ import annotations
 

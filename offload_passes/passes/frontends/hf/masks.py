@@ -1,5 +1,5 @@
 """The top-k mask forms of transformers' DSA families, each verified from its scatter to the attention it
-feeds (docs/hf.md, "Model families"): the bool scatter mask (``GlmMoeDsa``), the count mask (``glm5_next``)
+feeds: the bool scatter mask (``GlmMoeDsa``), the count mask (``glm5_next``)
 and the block bias over computed entries (``deepseek_v4``, refused by name).
 """
 from __future__ import annotations
@@ -180,7 +180,7 @@ def block_bias_site(layer: int, sc: fx.Node) -> HfSite:
     """The block-bias form (deepseek_v4's compressed sparse attention): the indexer's top-k picks among
     compressed KV entries that the graph itself computes and concatenates after the sliding-window cache.
     Verified up to the key the scores are taken against; then refused by name: no cache graph input holds
-    the selected rows, so there is nothing to serve from a host copy (docs/hf.md, "DSA families")."""
+    the selected rows, so there is nothing to serve from a host copy."""
     index = arg(sc, 2, "index")
     need(isinstance(index, fx.Node) and has_topk_ancestor(index), f"{sc.name}: ids do not descend from a topk")
     mask, hops = sc.args[0], 0
