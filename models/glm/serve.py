@@ -18,7 +18,7 @@ What it mirrors (cann-recipes-infer, ``executor/online`` and ``executor/core``: 
   (``_retract_one``) finishes a preempted request instead; re-admitting it is the harder case for the
   offload (a request id that continues with new KV);
 * prefix reuse (``Server(store=...)``, ``reuse.py``): a request's KV outlives it in a KV store; at admission
-  the longest stored prefix of the prompt is restored into the prefill model's caches and only the rest is
+  the longest stored prefix of the prompt is reloaded into the prefill model's caches and only the rest is
   prefilled on top of it; a finished or retracted request stores the KV its admission wrote (the KV decode
   steps wrote is not stored: a recompute would not reproduce its bits). The request is new to the decode
   lanes all the same (its KV was written outside the decode graph). ``ServeConfig.workload="multiturn"``:
@@ -187,8 +187,8 @@ class Lane:
     # before every step: (request id per row, ids whose KV was written outside the graph since the last
     # step); a lane with it keeps its model's selection rows and ledgers itself (the Server does not)
     engine_step: Optional[Callable[[list, set], object]] = None
-    # with a store: this lane gets the prompt's KV recomputed with the same prefix boundaries as the restore
-    # (the reference a restored lane is compared with), not the restored one
+    # with a store: this lane gets the prompt's KV recomputed with the same prefix boundaries as the reload
+    # (the reference a reloaded lane is compared with), not the reloaded one
     reference: bool = False
 
     def decoder(self, batch_size: int) -> tuple[GlmMoeDsaForCausalLM, Callable]:
@@ -262,7 +262,7 @@ def _check_lanes(lanes: Sequence[Lane], prefill_model: GlmMoeDsaForCausalLM, tra
                          f"lanes); got store={store is not None}, reference={reference is not None}, "
                          f"{len(refs)} reference lane(s)")
     if refs and len(refs) == len(lanes):
-        raise ValueError("Server: with a store at least one lane must be a restored (not reference) lane")
+        raise ValueError("Server: with a store at least one lane must be a reloaded (not reference) lane")
 
 
 class Server:
@@ -272,7 +272,7 @@ class Server:
     has the same bucket sizes (``Lane.buckets``); ``bucket_steps`` counts the steps each bucket ran.
 
     ``store`` (duck-typed, e.g. ``offload_passes.store.paged.PagedStore``): at admission the longest stored
-    prefix of the prompt (all but its last token at most) is restored into the prefill model's caches and only
+    prefix of the prompt (all but its last token at most) is reloaded into the prefill model's caches and only
     the rest is prefilled on top (``reuse.prefill_from``); a finished or retracted request stores the KV its
     admission wrote. ``reference`` (duck-typed, ``store.paged.RecomputeReference``): the lanes marked
     ``Lane.reference`` get that prefix recomputed with the same boundaries instead. ``reuse_stats()``."""
@@ -358,9 +358,9 @@ class Server:
         """A finished or retracted request: its admission's KV goes to the store (read from the decode caches
         at its blocks, before they go back to the pool), then the blocks go back."""
         if self.reuse is not None and req.prefilled is not None:
-            restored = next(ln.model for ln in self.lanes if not ln.reference)
+            reloaded = next(ln.model for ln in self.lanes if not ln.reference)
             reference = next((ln.model for ln in self.lanes if ln.reference), None)
-            self.reuse.leave(restored, reference, req.blocks, req.prefilled)
+            self.reuse.leave(reloaded, reference, req.blocks, req.prefilled)
         self.pool.give_back(req.blocks)
 
     def _grow(self, req: Request) -> None:
