@@ -238,3 +238,20 @@ def test_a_core_import_of_the_apps_is_found(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "PACKAGE_FOLDERS", {"offload_passes": "offload_passes"})
     assert core_imports_of_apps() == ["offload_passes.backend -> offload_passes.apps.demo",
                                       "offload_passes -> 'offload_passes.apps.demo'"]
+
+
+#: Not the core: the trace research and the applications (``offload-demo``), which may import it.
+NOT_CORE = ("offload_passes.trace", "offload_passes.apps", "offload_passes.demo")
+
+
+def test_the_core_does_not_import_the_trace_research():
+    """The trace research (``offload_passes/trace/``) plugs into the core through the state's recording hook
+    (``offload_passes/state/recording.py``): no module of the core (``offload_passes/`` outside the trace
+    package and the applications) imports it, even lazily."""
+    g = import_graph()
+    core = [m for m, (path, _) in modules().items()
+            if (ROOT / "offload_passes") in path.parents and not m.startswith(NOT_CORE)]
+    assert "offload_passes.state.api" in core and "offload_passes.backend" in core, core
+    bad = {m: sorted(t for t in g[m] if t == NOT_CORE[0] or t.startswith(NOT_CORE[0] + "."))
+           for m in core}
+    assert not {m: t for m, t in bad.items() if t}, bad

@@ -35,8 +35,8 @@ _ROOT = _package_dir(__import__(__package__))
 #: every pass module, the op specs and kernels' Python, the FX and version glue. Inductor's FX-graph
 #: cache keys on :func:`pass_uuid`.
 UUID_FILES = (sorted(_package_dir(_passes).rglob("*.py")) + sorted(_package_dir(_custom_ops).glob("*.py"))
-              + [_ROOT / n for n in ("_compat.py", "options.py", "modes.py", "pipeline.py", "outcome.py", "state.py",
-                                     "lowering/cpu.py")])
+              + [_ROOT / n for n in ("_compat.py", "options.py", "modes.py", "pipeline.py", "outcome.py",
+                                     "lowering/cpu.py")] + sorted((_ROOT / "state").glob("*.py")))
 
 
 def pass_uuid(options: Optional[OffloadOptions] = None) -> str:

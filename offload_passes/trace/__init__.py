@@ -13,5 +13,6 @@
 Nothing here is imported by the backend or the passes; importing it never compiles.
 """
 from .format import Trace, load_trace, save_trace  # noqa: F401
+from . import record  # noqa: F401,E402  (registers the recorder behind OffloadState.record_trace)
 
 __all__ = ["Trace", "load_trace", "save_trace"]

@@ -1,8 +1,11 @@
 """Trace recorders.
 
 * :class:`PlanRecorder` — records the inputs of every ``custom::dsa_plan`` CPU call (top-k, lengths) of a
-  compiled run, keyed by the ``pool_ids`` storage so calls map to an :class:`OffloadState`'s groups.
-  ``OffloadState.record_trace()`` / ``.trace()`` wrap it; ``offload-demo --record-trace`` uses it.
+  compiled run, keyed by the ``pool_ids`` storage so calls map to an :class:`OffloadState`'s groups;
+  ``offload-demo --record-trace`` uses it.
+* :class:`StateRecorder` — the recorder behind ``OffloadState.record_trace()`` / ``.trace()``: the state's
+  recording hook (``offload_passes/state/recording.py``) hands it its groups' calls; importing this module
+  registers it (the state never imports the trace package).
 * :func:`record_model` — runs the *unmodified* model (gather path) and returns its indexer top-k per
   group and step; with ``P > K`` it also records ranks ``K..P-1`` by asking the (CPU reference) lightning
   indexer for its top-P on the same inputs (the model itself still gets exactly its top-K).
@@ -16,6 +19,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from ..state import recording
 from .format import Trace
 
 log = logging.getLogger("offload_passes.trace.record")
@@ -64,34 +68,45 @@ class PlanRecorder:
             if ptr in ptrs:
                 per[ptrs[ptr]].append(tk)
                 lens[ptrs[ptr]].append(L)
-        n = {len(p) for p in per}
-        if not per or n == {0}:
-            raise RuntimeError("record_trace: no dsa_plan call of this state was recorded")
-        if len(n) != 1:
-            raise RuntimeError(f"record_trace: groups recorded different step counts {sorted(n)}")
-        for g in range(1, len(per)):
-            if any(not torch.equal(a, b) for a, b in zip(lens[0], lens[g])):
-                raise RuntimeError("record_trace: groups saw different lengths at the same step")
-        topk = torch.stack([torch.stack(p) for p in per], dim=1)  # [T, G, B, S, K]
-        lengths = torch.stack(lens[0])
-        return Trace(topk.numpy(), lengths.numpy(), int(topk.size(-1)), [list(g.layers) for g in state.groups],
-                     model, "compiled", True)
+        return _group_trace(per, lens, state, model)
 
 
-def attach(state, enable: bool = True) -> PlanRecorder:
-    """Start/stop the recorder stored on ``state`` (created on first use)."""
-    rec = getattr(state, "_trace_recorder", None)
-    if rec is None:
-        rec = PlanRecorder()
-        state._trace_recorder = rec
-    return rec.start() if enable else rec.stop()
+def _group_trace(per: list[list], lens: list[list], state, model: str) -> Trace:
+    """Per group, its calls' top-k and lengths (step order) as one :class:`Trace` of ``state``'s groups."""
+    n = {len(p) for p in per}
+    if not per or n == {0}:
+        raise RuntimeError("record_trace: no dsa_plan call of this state was recorded")
+    if len(n) != 1:
+        raise RuntimeError(f"record_trace: groups recorded different step counts {sorted(n)}")
+    for g in range(1, len(per)):
+        if any(not torch.equal(a, b) for a, b in zip(lens[0], lens[g])):
+            raise RuntimeError("record_trace: groups saw different lengths at the same step")
+    topk = torch.stack([torch.stack(p) for p in per], dim=1)  # [T, G, B, S, K]
+    lengths = torch.stack(lens[0])
+    return Trace(topk.numpy(), lengths.numpy(), int(topk.size(-1)), [list(g.layers) for g in state.groups],
+                 model, "compiled", True)
 
 
-def state_trace(state, model: str = "unknown") -> Trace:
-    rec = getattr(state, "_trace_recorder", None)
-    if rec is None:
-        raise RuntimeError("OffloadState.trace: call record_trace() before running decode steps")
-    return rec.trace_for(state, model)
+class StateRecorder:
+    """The recorder ``OffloadState.record_trace()`` attaches (``state.recording.TraceRecorder``): per group
+    of the state, the top-k ``[B, S, K]`` and lengths of each of its ``dsa_plan`` calls."""
+
+    def __init__(self) -> None:
+        self.per: dict[int, list[torch.Tensor]] = {}
+        self.lens: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, group: int, topk: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.per.setdefault(group, []).append(topk.clone())
+        self.lens.setdefault(group, []).append(lengths.clone().to(torch.int32))
+
+    def trace(self, state, model: str = "unknown") -> Trace:
+        """What was recorded, as a :class:`Trace` of ``state``'s groups (``source="compiled"``)."""
+        G = len(state.groups)
+        return _group_trace([self.per.get(g, []) for g in range(G)], [self.lens.get(g, []) for g in range(G)],
+                            state, model)
+
+
+recording.set_trace_recorder(StateRecorder)
 
 
 @contextlib.contextmanager

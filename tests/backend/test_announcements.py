@@ -1,4 +1,4 @@
-"""The engine's announcements (``OffloadState.begin_request`` / ``move_rows`` / ``reset``, offload_passes/state.py)
+"""The engine's announcements (``OffloadState.begin_request`` / ``move_rows`` / ``reset``, offload_passes/state/api.py)
 refuse what they cannot mean: every hostile input raises a ``TypeError`` / ``ValueError`` naming the call,
 the argument, the accepted forms and the limit, and leaves the state exactly as it was. What they accept
 (integer sequences, integer tensors and numpy arrays, sets of rows) means what it says."""

@@ -136,7 +136,8 @@ def test_an_announcement_for_a_bucket_not_bound_yet_grows_the_state_and_names_it
         st.move_rows([0, 1, -1, -1, -1])
     assert all(torch.equal(a, b) for a, b in zip(before, st.tensors().values())) and st.groups[0].pool_ids.size(0) == 2
     with pytest.raises(ValueError, match=r"OffloadState.move_rows: src must have one entry .*1 to 2 \(the batch: 2 "
-                                         r"rows held, graphs of batch 2 ran on these caches, the model's batch 2\), got 4"):
+                                         r"rows held, graphs of batch 2 ran on these caches, the model's batch 2\), "
+                                         r"got 4"):
         module_state(world.model("told"), batch_size=2).move_rows([0, 1, -1, -1])
     st.move_rows([1, 0, -1, -1])  # a B=4 step is announced
     st4 = module_state(world.model("told"))
@@ -238,6 +239,6 @@ def test_warnings_speak_to_the_caller_that_triggered_them(monkeypatch):
     engine = B._recompile_limit_message("graph_001", frame, hf=False)
     assert "An engine compiles one graph per batch bucket" in engine and "StaticCache" not in engine, engine
     hf = B._recompile_limit_message("graph_001", frame, hf=True)
-    assert "Reuse one StaticCache" in hf, hf
+    assert "offload(model).generate(...)" in hf and "reuse one StaticCache" in hf, hf
     shared = B._recompile_limit_message("graph_001", dict(frame, models=3), hf=False)
     assert "3 models compiled in this process share this one" in shared and "own_forward" in shared, shared

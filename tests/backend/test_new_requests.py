@@ -30,13 +30,16 @@ def test_with_the_detection_patched_out_a_refill_is_served_stale(monkeypatch):
     """The same cell with the new-request detection removed (no outside-write check, no in-graph
     invalidation): re-fills that keep the row's length in the continuation window are served the
     previous request's pool rows, off by far more than any tolerance. So the test above can fail."""
-    from offload_passes import pipeline, state
-    from offload_passes.passes import rewrite as rw
+    import dataclasses
 
-    monkeypatch.setattr(state, "_check_outside_writes", lambda *a, **k: None)
+    from offload_passes import pipeline
+    from offload_passes.passes import rewrite as rw
+    from offload_passes.state import writes
+
+    monkeypatch.setattr(writes, "check_outside_writes", lambda *a, **k: None)
     orig = rw.rewrite
-    monkeypatch.setattr(pipeline, "rewrite", lambda gm, fe, grp, plans, st, ledger, hook, guards, detect, policy:
-                        orig(gm, fe, grp, plans, st, ledger, hook, guards, False, policy))
+    monkeypatch.setattr(pipeline, "rewrite", lambda gm, fe, grp, plans, st, settings:
+                        orig(gm, fe, grp, plans, st, dataclasses.replace(settings, detect_new_requests=False)))
     s = N.recipe_session(N.Cell("tiny", "eager", False, 0))
     warm = [s.step() for _ in range(3)]
     s.refill("same_len")
