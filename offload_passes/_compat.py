@@ -101,6 +101,18 @@ def has_storage(t: Any) -> bool:
     return torch._C._has_storage(t)
 
 
+def foreach_copy_(dst: list, src: list) -> None:
+    """``dst[i].copy_(src[i])`` for all i in one call (``torch._foreach_copy_``, private in 2.8-2.15)."""
+    torch._foreach_copy_(dst, src)
+
+
+def is_fake(t: Any) -> bool:
+    """A FakeTensor (``torch._subclasses.fake_tensor.is_fake``, private in 2.8-2.15)."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return bool(fake(t))
+
+
 def library_impl_override(lib: Any, op: str, fn: Any, dispatch_key: str) -> None:
     """``lib.impl`` that replaces a kernel another Python library registered for ``op`` at ``dispatch_key``
     (a test putting another implementation behind an op). torch 2.11 refuses that ("already a kernel

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .. import _compat
 from .keys import Fingerprint
 
 log = logging.getLogger("offload_passes.store.paged")
@@ -93,7 +94,7 @@ def copy_rows(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for every i: one fused call when everything is on the CPU (a 4K-token reload
     is thousands of chunk-sized copies; their per-call overhead was most of the copy's time)."""
     if dst and all(t.device.type == "cpu" for t in dst) and all(t.device.type == "cpu" for t in src):
-        torch._foreach_copy_(dst, src)
+        _compat.foreach_copy_(dst, src)
         return
     for d, s in zip(dst, src):
         d.copy_(s, non_blocking=True)
