@@ -4,6 +4,8 @@ of models/glm/serve.py (continuous batching, a C++ KV transfer, varying MTP acce
 against the unmodified model."""
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import pytest
@@ -254,8 +256,8 @@ def test_serving_loop_with_the_per_row_signals_patched_out_is_served_stale(monke
     from offload_passes.passes import rewrite as rw
 
     orig = rw.rewrite
-    monkeypatch.setattr(pipeline, "rewrite", lambda gm, fe, grp, plans, st, ledger, hook, guards, detect, policy:
-                        orig(gm, fe, grp, plans, st, ledger, hook, guards, False, policy))
+    monkeypatch.setattr(pipeline, "rewrite", lambda gm, fe, grp, plans, st, settings:
+                        orig(gm, fe, grp, plans, st, dataclasses.replace(settings, detect_new_requests=False)))
     _, diffs, _ = _serve(10, make_offload_backend(pool_size=256), follow=False)
     assert max(diffs) > 0.1, diffs
 
