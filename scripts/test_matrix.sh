@@ -49,8 +49,8 @@ for v in $TORCH_VERSIONS; do
   # The libraries land in the shared checkout named for their torch (_C_torch2_8_0...so), beside the
   # other versions' builds; object files go to build/temp-torch<version>.
   "$py" -m pip install -q "setuptools>=64" wheel ninja >/dev/null
-  "$py" -m pip install -q --no-build-isolation -e ".[test,viz,hf]" \
-    || { SUMMARY+=("torch $v: FAILED (pip install -e .[test,viz,hf])"); status=1; continue; }
+  "$py" -m pip install -q --no-build-isolation -e ".[test,viz,hf,store]" \
+    || { SUMMARY+=("torch $v: FAILED (pip install -e .[test,viz,hf,store])"); status=1; continue; }
   # pip resolves setup.py's torch range too: a version outside it is silently swapped for one inside
   after=$("$py" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
   if [ "$after" != "$v" ]; then
