@@ -16,14 +16,14 @@ from torch import nn
 
 from . import _compat
 from .backend import OffloadBackend, make_offload_backend
-from .hf_generate import GenerateRouter, check_cache_len_buckets, generate_kwargs, own_method
+from .hf_generate import GenerateRouter, check_cache_len_buckets, check_store, generate_kwargs, own_method
 from .hf_reorder import cache_tensors
 from .state import OffloadState, module_state
 
 #: Options ``make_offload_backend`` takes beside ``OffloadOptions`` (the NPU lowerings').
 _NPU_KW = ("compiler_config", "npu_options", "side_stream")
 #: Options of ``generate()`` under ``offload`` (offload_passes/hf_generate.py), not of the backend.
-_GENERATE_KW = ("cache_len_buckets", "host_kv")
+_GENERATE_KW = ("cache_len_buckets", "host_kv", "store")
 
 
 def own_forward(model: nn.Module) -> Any:
@@ -77,11 +77,15 @@ class OffloadedModule(_ExposesOffload, nn.Module):
         self.module = module
         self.offload_backend = backend
         self._offload_rebuild = _rebuild_options(backend, options or {})
-        self._generate_options = dict(generate_options or {})
-        self._compiled = torch.compile(module, backend=backend)
+        gen = dict(generate_options or {})
+        store = gen.pop("store", None)
+        # a store is process state (open files, a connection): a copy gets none (__setstate__)
+        self._generate_options = gen
         # generate() (HF GenerationMixin): the cache and the compiled decode step per call, see generate()
-        self.offload_router = GenerateRouter(backend, **self._generate_options) if hasattr(module, "generate") \
-            else None
+        self.offload_router = GenerateRouter(backend, store=store, **gen) if hasattr(module, "generate") else None
+        if self.offload_router is not None:
+            self.offload_router.check_store(module)  # before anything is compiled: a refusal leaves nothing
+        self._compiled = torch.compile(module, backend=backend)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's ``generate``; during the call the cache (where the caller chose none) and the
@@ -89,8 +93,7 @@ class OffloadedModule(_ExposesOffload, nn.Module):
         m = self.module
         if self.offload_router is None:
             raise AttributeError(f"{type(m).__name__} has no generate()")
-        with self.offload_router.installed(m):
-            return m.generate(*args, **generate_kwargs(kwargs))
+        return self.offload_router.run(m, m.generate, args, generate_kwargs(kwargs))
 
     def __getstate__(self) -> dict:
         # the backend (weak references, compiled graphs) and the compiled wrapper are process state: a copy
@@ -147,8 +150,7 @@ def _wrap_class(cls: type, opts: dict, generate_options: dict) -> type:
                 compiled = self.__dict__.get("_compiled_call_impl")
                 object.__setattr__(self, "_compiled_call_impl", None)
                 try:
-                    with self.offload_router.installed(self):
-                        return super().generate(*args, **generate_kwargs(kwargs))
+                    return self.offload_router.run(self, super().generate, args, generate_kwargs(kwargs))
                 finally:
                     object.__setattr__(self, "_compiled_call_impl", compiled)
 
@@ -188,14 +190,20 @@ def static_cache_state(cache: Any) -> OffloadState:
 
 def offload(target: Any = None, /, **options: Any) -> Any:
     """Decorate a model class or wrap an instance; options as ``make_offload_backend``, and for a Hugging Face
-    model's ``generate()``: ``cache_len_buckets`` (None: powers of two from 64; or strictly increasing ints)
-    and ``host_kv`` (the supplied cache a ``HostStaticCache``), offload_passes/hf_generate.py."""
+    model's ``generate()``: ``cache_len_buckets`` (None: powers of two from 64; or strictly increasing ints),
+    ``host_kv`` (the supplied cache a ``HostStaticCache``) and ``store`` (a ``KVStore`` of the model's
+    fingerprint: each call reloads its prompt's stored prefix and stores its sequence),
+    offload_passes/hf_generate.py."""
     gen = {k: options.pop(k) for k in _GENERATE_KW if k in options}
     gen["cache_len_buckets"] = check_cache_len_buckets(gen.get("cache_len_buckets"))
     if not isinstance(gen.setdefault("host_kv", False), bool):
         raise TypeError(f"offload: host_kv must be a bool, got {type(gen['host_kv']).__name__}")
+    gen["store"] = check_store(gen.get("store"))
 
     def apply(t: Any) -> Any:
+        if gen["store"] is not None and not hasattr(t, "generate"):
+            raise TypeError(f"offload: store needs a model with generate() (a Hugging Face model), got "
+                            f"{t.__name__ if isinstance(t, type) else type(t).__name__}")
         if isinstance(t, type) and issubclass(t, nn.Module):
             return _wrap_class(t, options, gen)
         if isinstance(t, nn.Module):

@@ -9,7 +9,12 @@ and reach its ``recompile_limit`` after a few lengths. :class:`GenerateRouter` r
   (``HostStaticCache`` with ``host_kv=True``) of a bucketed length (:func:`bucket_cache_len`);
 * the decode step (:meth:`GenerateRouter.forward`): one compiled function per decode key (the cache's class
   and shapes), each its own code object, so each key compiles once under a budget of its own;
-* the prefill: the model's own ``forward``, eagerly (dense by design on a new cache).
+* the prefill: the model's own ``forward``, eagerly (dense by design on a new cache);
+* with a store (``offload(model, store=kv)``, :meth:`GenerateRouter.run`): a call of one sequence whose cache
+  starts empty (the supplied one or the caller's) gets the store's longest prefix of its prompt reloaded into
+  that cache (all but the last prompt token at most), so generate() computes only the rest, and the whole
+  sequence is stored after the call. A caller's cache that already holds tokens is used as given, neither
+  reloaded into nor stored.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ from . import _compat
 
 log = logging.getLogger("offload_passes.hf_generate")
 
-__all__ = ["GenerateRouter", "bucket_cache_len", "check_cache_len_buckets", "own_method", "MIN_CACHE_LEN"]
+__all__ = ["GenerateRouter", "bucket_cache_len", "check_cache_len_buckets", "check_store", "own_method",
+           "MIN_CACHE_LEN"]
 
 #: the smallest cache length bucket of the default (powers of two)
 MIN_CACHE_LEN = 64
@@ -51,6 +57,32 @@ def check_cache_len_buckets(value: Any, where: str = "offload") -> Optional[tupl
     if out[0] < 1 or any(b <= a for a, b in zip(out, out[1:])):
         raise ValueError(f"{where}: cache_len_buckets must be strictly increasing ints >= 1, got {list(out)}")
     return out
+
+
+def check_store(value: Any, where: str = "offload") -> Any:
+    """``store`` as given to ``offload``: a :class:`~offload_passes.store.KVStore` or None."""
+    from .store import KVStore
+
+    if value is not None and not isinstance(value, KVStore):
+        raise TypeError(f"{where}: store must be a KVStore (offload_passes.store) or None, got "
+                        f"{type(value).__name__}")
+    return value
+
+
+def _prompt(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """A generate() call's token ids when they are one sequence ``[1, T]`` (the store's unit), else None."""
+    if kwargs.get("inputs_embeds") is not None:
+        return None
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        return None
+    return ids if ids.dim() == 2 and ids.size(0) == 1 and ids.size(1) >= 1 else None
+
+
+def _empty_cache(cache: Any) -> bool:
+    """A cache a reload can fill: a Cache with layers that holds no token yet."""
+    layers = getattr(cache, "layers", None)
+    return isinstance(layers, list) and bool(layers) and int(cache.get_seq_length()) == 0
 
 
 def bucket_cache_len(n: int, buckets: Optional[tuple[int, ...]] = None) -> int:
@@ -105,14 +137,19 @@ def decode_key(cache: Any, kwargs: dict) -> Optional[tuple]:
 
 
 class GenerateRouter:
-    """Per model: the cache ``generate()`` gets where the caller chose none, and one compiled decode function
-    per decode key (module doc). ``compiled`` counts the decode functions made; ``backend.reports`` their
-    graphs."""
+    """Per model: the cache ``generate()`` gets where the caller chose none, one compiled decode function per
+    decode key, and with ``store`` the reload and store of each call (module doc). ``compiled`` counts the
+    decode functions made; ``backend.reports`` their graphs; ``reloaded`` the tokens the last call reloaded."""
 
     def __init__(self, backend: Any, cache_len_buckets: Optional[tuple[int, ...]] = None,
-                 host_kv: bool = False):
+                 host_kv: bool = False, store: Any = None):
         if not isinstance(host_kv, bool):
             raise TypeError(f"offload: host_kv must be a bool, got {type(host_kv).__name__}")
+        self.store = check_store(store)
+        self._store_checked = False
+        self._ids: Optional[torch.Tensor] = None  # the call's prompt, while the store may serve the call
+        self._stored: Any = None  # the call's cache, when it started empty and the store served it
+        self.reloaded = 0
         self.backend = backend
         self.buckets = check_cache_len_buckets(cache_len_buckets)
         self.host_kv = host_kv
@@ -160,13 +197,65 @@ class GenerateRouter:
         """``model._prepare_cache_for_generation`` for one call: supplies the cache or defers to ``orig``."""
         def prepare(generation_config: Any, model_kwargs: dict, generation_mode: Any, batch_size: int,
                     max_cache_length: int) -> Any:
-            if not self.wants_cache(model, generation_config, model_kwargs, generation_mode):
-                return orig(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
-            model_kwargs[_compat.hf_cache_kwarg()] = self.make_cache(model, generation_config, batch_size,
-                                                                      max_cache_length)
-            return None
+            out = None
+            if self.wants_cache(model, generation_config, model_kwargs, generation_mode):
+                model_kwargs[_compat.hf_cache_kwarg()] = self.make_cache(model, generation_config, batch_size,
+                                                                          max_cache_length)
+            else:
+                out = orig(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+            self._reload(model, generation_config, model_kwargs)
+            return out
 
         return prepare
+
+    # -- the store ------------------------------------------------------------------------------------
+    def check_store(self, model: nn.Module) -> None:
+        """Refuse a store whose fingerprint is not ``model``'s (``store.hf.check_hf_store``), once per router."""
+        if self.store is not None and not self._store_checked:
+            from .store.hf import check_hf_store
+
+            check_hf_store(model, self.store, where="offload")
+            self._store_checked = True
+
+    def _reload(self, model: nn.Module, generation_config: Any, model_kwargs: dict) -> None:
+        """The store's longest prefix of the call's prompt into the call's cache, when the call is one
+        sequence (one beam, one return sequence, no padding) and the cache holds nothing yet."""
+        if self._ids is None or model.config.is_encoder_decoder:
+            return
+        cache = model_kwargs.get(_compat.hf_cache_kwarg())
+        if cache is None:
+            cache = model_kwargs.get("past_key_values")
+        mask = model_kwargs.get("attention_mask")
+        if generation_config.num_beams != 1 or (generation_config.num_return_sequences or 1) != 1:
+            return
+        if (mask is not None and not bool(mask.all())) or not _empty_cache(cache):
+            return
+        from .store.hf import reload_hf
+
+        self.reloaded = reload_hf(self.store, model, self._ids, cache)  # keeps the last prompt token computed
+        self._stored = cache
+        if self.reloaded and mask is None:
+            # generate() slices the prompt past the cache's tokens when it knows the mask's length; it records
+            # that length only for a model whose forward names attention_mask (the router's takes **kwargs)
+            generation_config._mask_length = self._ids.size(1)
+
+    def run(self, model: nn.Module, generate: Callable, args: tuple, kwargs: dict) -> Any:
+        """One ``generate(*args, **kwargs)`` call with the router :meth:`installed`; with a store, the call's
+        prompt reloaded into its cache first (:meth:`_reload`) and the whole sequence stored after."""
+        self.check_store(model)
+        self._ids = _prompt(args, kwargs) if self.store is not None else None
+        self._stored, self.reloaded = None, 0
+        try:
+            with self.installed(model):
+                out = generate(*args, **kwargs)
+            if self._stored is not None:
+                from .store.hf import save_hf
+
+                seq = out.sequences if hasattr(out, "sequences") else out
+                save_hf(self.store, seq[0], self._stored)
+        finally:
+            self._ids = self._stored = None
+        return out
 
     # -- the forward ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -16,17 +16,22 @@ the device reads directly, cross to the device.
 from __future__ import annotations
 
 import logging
+import re
 import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
+from .. import _compat
 from .keys import Fingerprint
 from .paged import weights_digest
 
 log = logging.getLogger("offload_passes.store.hf")
 
-__all__ = ["hf_cache_layout", "hf_fingerprint", "reload_hf", "save_hf", "generate_with_store"]
+__all__ = ["hf_cache_layout", "hf_fingerprint", "check_hf_store", "reload_hf", "save_hf", "generate_with_store"]
+
+#: the form of :func:`weights_digest` (sha256 hex): a fingerprint's weights identity of this form is a hash
+_WEIGHTS_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 _CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
@@ -95,6 +100,28 @@ def hf_fingerprint(model: Any, chunk_tokens: int, weights_id: Optional[str] = No
                   weights=weights_id if weights_id is not None else weights_digest(model), world=[0, 1],
                   chunk_tokens=chunk_tokens, caches={n: (list(s), d) for n, (s, d) in hf_cache_layout(model).items()})
     return Fingerprint.of(fields)
+
+
+def check_hf_store(model: Any, store: Any, where: str = "check_hf_store") -> None:
+    """Refuse (ValueError naming ``where``'s ``store``) a store whose fingerprint is not ``model``'s: every field
+    is read from the model again (:func:`hf_fingerprint` with the store's chunk size) except the weights
+    identity, which only the weights can confirm: a 64-hex-digit one (hf_fingerprint's default, a hash) must
+    be the model's :func:`weights_digest`; any other is the id the store was built with, taken as given."""
+    fields = store.fp.fields
+    weights = fields.get("weights")
+    if not isinstance(weights, str):
+        raise ValueError(f"{where}: store's fingerprint has no weights identity: build the store with "
+                         "hf_fingerprint(model, chunk_tokens)")
+    if _WEIGHTS_DIGEST.fullmatch(weights):
+        mine = weights_digest(model)
+        if mine != weights:
+            raise ValueError(f"{where}: store's fingerprint names other weights (hash {weights[:12]}..., this "
+                             f"model's {mine[:12]}...): its chunks are another model's KV")
+    expected = hf_fingerprint(model, store.chunk_tokens, weights_id=weights)
+    if expected.digest != store.fp.digest:
+        differ = sorted(k for k in set(expected.fields) | set(fields) if expected.fields.get(k) != fields.get(k))
+        raise ValueError(f"{where}: store's fingerprint is not this model's (it differs in {differ}): build the "
+                         "store with hf_fingerprint(model, chunk_tokens)")
 
 
 def _ids(call: str, input_ids: Any) -> torch.Tensor:
@@ -167,10 +194,8 @@ def _cache_layers(cache: Any) -> list:
 
 def _held(cache: Any) -> int:
     """Tokens the cache holds; 0 for a counter without a value (a fake tensor: the fake-CUDA test double)."""
-    from torch._subclasses.fake_tensor import is_fake
-
     n = cache.get_seq_length()
-    return 0 if isinstance(n, torch.Tensor) and is_fake(n) else int(n)
+    return 0 if isinstance(n, torch.Tensor) and _compat.is_fake(n) else int(n)
 
 
 @torch.no_grad()
