@@ -292,9 +292,11 @@ def _run_serve(a: argparse.Namespace) -> int:
         raise UsageError("--serve does not take --record-trace / --replacement-policy / --dump-dir")
     buckets = parse_buckets(a.buckets, 4)
     check_arrival(a.arrival)
-    tiers = build_tiers(parse_store(a.store)) if a.store is not None else None  # checked before any model
+    spec = parse_store(a.store) if a.store is not None else {}  # checked before any model
+    tiers = build_tiers(spec) if spec else None
     out = run_serve(a.config or "tiny", a.steps, a.mode, a.pool_size, 3 if a.next_n is None else a.next_n,
-                    threads=a.threads, buckets=buckets, arrival=a.arrival, workload=a.workload, store_tiers=tiers)
+                    threads=a.threads, buckets=buckets, arrival=a.arrival, workload=a.workload, store_tiers=tiers,
+                    store_rule=spec.get("rule", (None,))[0])
     return _report(out, a.json, summary_serve)
 
 

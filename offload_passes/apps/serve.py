@@ -154,7 +154,7 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
               next_n: int = 3, batch: int = 4, seed: int = 0, threads: int = 1, unannounced: bool = False,
               on_step: Optional[Callable[[int, Any], None]] = None, max_seconds: float = 0.0,
               buckets: Sequence[int] = (), arrival: float = 1.0, update_ledger: bool = True,
-              workload: str = "random", store_tiers: Optional[list] = None) -> dict:
+              workload: str = "random", store_tiers: Optional[list] = None, store_rule: Optional[str] = None) -> dict:
     """The serving loop with the unmodified model and the compiled one (:func:`build_lanes`;
     ``unannounced`` adds the lane told nothing), and the static-batch comparison (:class:`StaticReplay`).
     ``on_step(i, server)`` runs after each step (the soak samples memory there); ``max_seconds`` > 0 stops
@@ -162,7 +162,8 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     compiled as batch buckets; ``arrival`` < 1 lets the running count vary so they are used.
     ``update_ledger=False``: both compiled lanes without the ledger update (the NPU modes' default).
     ``workload="multiturn"``: conversations sharing a prefix (``serve_store.multiturn_config``);
-    ``store_tiers``: the KV store's tiers (``serve_store.build_tiers``), closed at the end."""
+    ``store_tiers``: the KV store's tiers (``serve_store.build_tiers``), closed at the end; ``store_rule``:
+    ``"measured"`` reloads a prefix only when predicted faster than recomputing (``serve_store.make_store``)."""
     from .. import models
     from ..models.glm.serve import Server, ServeConfig
     from ..trace.record import PlanRecorder
@@ -179,7 +180,7 @@ def run_serve(config: str = "tiny", steps: int = 64, mode: str = "eager", pool_s
     K, cap = sl.ref.config.index_topk, r.pa_max_length
     cfg = (multiturn_config(seed, cap, K, arrival) if workload == "multiturn" else
            ServeConfig(seed=seed, prompt_len=(K, max(K, cap // 2)), output_len=(4, 64), arrival=arrival))
-    store, reference = make_store(sl.prefill_model, store_tiers) if store_tiers else (None, None)
+    store, reference = make_store(sl.prefill_model, store_tiers, store_rule) if store_tiers else (None, None)
     srv = Server(sl.lanes, sl.prefill_model, cfg, store=store, reference=reference)
     diffs = [0.0] * (len(sl.lanes) - 1)
     static = StaticReplay(sl.comp.model, sl.backend.options.resolved_pool_size, config, K, bool(sl.small))

@@ -17,10 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from .stats import Decision
+
 if TYPE_CHECKING:
     from .tiers.base import Tier
 
-__all__ = ["TierCost", "ReuseRule", "TierTiming", "measure_tier", "measure_tiers"]
+__all__ = ["TierCost", "ReuseRule", "TierTiming", "measure_tier", "measure_tiers", "fit_prefill_cost"]
 
 
 @dataclass(frozen=True)
@@ -63,14 +65,28 @@ class ReuseRule:
             raise ValueError(f"ReuseRule.{call}: bytes_per_token must be a positive int, got {bytes_per_token!r}")
         return self.tiers[tier]
 
+    def predict(self, n_tokens: int, tier: str, bytes_per_token: int, call: str = "predict") -> tuple[float, float]:
+        """(reload seconds from ``tier``, recompute seconds) of a prefix of ``n_tokens``."""
+        cost = self._cost(call, tier, bytes_per_token)
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"ReuseRule.{call}: n_tokens must be an int >= 0, got {n_tokens!r}")
+        return cost.seconds(n_tokens * bytes_per_token), float(self.prefill_cost(n_tokens))
+
     def reload(self, n_tokens: int, tier: str, bytes_per_token: int) -> bool:
         """True when reloading ``n_tokens`` from ``tier`` is faster than recomputing them."""
-        cost = self._cost("reload", tier, bytes_per_token)
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ValueError(f"ReuseRule.reload: n_tokens must be an int >= 0, got {n_tokens!r}")
-        if n_tokens == 0:
-            return False
-        return cost.seconds(n_tokens * bytes_per_token) < float(self.prefill_cost(n_tokens))
+        reload_s, recompute_s = self.predict(n_tokens, tier, bytes_per_token, "reload")
+        return n_tokens > 0 and reload_s < recompute_s
+
+    def decide(self, n_tokens: int, tiers: Sequence[str], bytes_per_token: int) -> Decision:
+        """The decision for a prefix of ``n_tokens`` whose chunks sit in ``tiers`` (names, repeats allowed): the
+        whole prefix is priced at the slowest of those tiers (the one predicting the longest reload), so a mix
+        is never predicted cheaper than its worst part."""
+        if not tiers:
+            raise ValueError("ReuseRule.decide: tiers must name at least one tier")
+        preds = {t: self.predict(n_tokens, t, bytes_per_token, "decide") for t in dict.fromkeys(tiers)}
+        tier = max(preds, key=lambda t: preds[t][0])
+        reload_s, recompute_s = preds[tier]
+        return Decision(n_tokens, tier, reload_s, recompute_s, n_tokens > 0 and reload_s < recompute_s)
 
     def break_even(self, tier: str, bytes_per_token: int, max_tokens: int = 1 << 24) -> int:
         """The smallest prefix length where reload wins (assuming its margin grows with the length), or
@@ -156,3 +172,30 @@ def measure_tier(tier: "Tier", sizes: tuple = (1 << 20, 16 << 20), repeats: int 
 def measure_tiers(tiers: Sequence["Tier"], **kw: Any) -> dict[str, TierTiming]:
     """:func:`measure_tier` of each tier, by name (``{n: t.cost}`` builds a :class:`ReuseRule`'s tiers)."""
     return {t.name: measure_tier(t, **kw) for t in tiers}
+
+
+def fit_prefill_cost(points: Sequence[tuple[int, float]]) -> Callable[[int], float]:
+    """``n -> a*n + b*n**2`` through two timed prefills ``[(n1, s1), (n2, s2)]`` (n1 < n2): the linear part
+    (projections, experts) and the quadratic part (attention over the prefix). A negative coefficient (timer
+    noise) is dropped and the other refitted through the longer point, so the cost never falls as n grows."""
+    ok = (isinstance(points, Sequence) and len(points) == 2
+          and all(isinstance(p, Sequence) and len(p) == 2 for p in points))
+    if ok:
+        (n1, s1), (n2, s2) = points
+        ok = all(isinstance(n, int) and not isinstance(n, bool) for n in (n1, n2)) and 0 < n1 < n2 and \
+            all(isinstance(s, (int, float)) and math.isfinite(s) and s >= 0 for s in (s1, s2))
+    if not ok:
+        raise ValueError(f"fit_prefill_cost: points must be [(n1, seconds), (n2, seconds)] with 0 < n1 < n2 and "
+                         f"finite seconds >= 0, got {points!r}")
+    det = n1 * n2 * (n2 - n1)
+    a, b = (s1 * n2 * n2 - s2 * n1 * n1) / det, (n1 * s2 - n2 * s1) / det
+    if b < 0:
+        a, b = s2 / n2, 0.0
+    elif a < 0:
+        a, b = 0.0, s2 / (n2 * n2)
+
+    def prefill_cost(n: int) -> float:
+        return a * n + b * n * n
+
+    prefill_cost.coefficients = (a, b)  # type: ignore[attr-defined]  # reported by the demo
+    return prefill_cost

@@ -9,6 +9,10 @@ tiers get the encoded chunk, made once per chunk and reused for every byte tier 
 Faults of a tier never reach the caller: the store logs one warning per outage, counts it in
 ``stats.tier_faults`` and skips the tier for ``retry_after_s`` seconds. A chunk that fails to verify is
 counted in ``stats.chunks_rejected``, its copy is deleted from the tier, and the loaded prefix ends before it.
+
+With a :class:`ReuseRule` (``rule=``), each load first finds the stored prefix (existence only), prices its
+reload at the slowest tier among its chunks, and loads nothing when recomputing it is predicted faster (the
+caller then recomputes); each decision is counted in ``stats`` (docs/store.md, "Reload or recompute").
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 
 from .chunk import ChunkError, HeldChunk, check_chunk_tensors, decode_chunk, encode_chunk
 from .keys import Fingerprint, chain_keys, check_token_ids, next_key
+from .rule import ReuseRule
 from .stats import Lookup, StoreStats
 from .tiers.base import Tier, TierFault
 
@@ -52,6 +57,16 @@ def _check_tiers(tiers: Any) -> list:
             raise ValueError(f"KVStore: tiers[{i}] repeats the tier name {t.name!r}; names must be unique")
         names.add(t.name)
     return list(tiers)
+
+
+def _check_rule(rule: Any, tiers: list) -> None:
+    if rule is None:
+        return
+    if not isinstance(rule, ReuseRule):
+        raise TypeError(f"KVStore: rule must be None or a ReuseRule, got {type(rule).__name__}")
+    missing = [t.name for t in tiers if t.name not in rule.tiers]
+    if missing:
+        raise ValueError(f"KVStore: rule has no TierCost for tier(s) {missing}; it prices {sorted(rule.tiers)}")
 
 
 def _keeps_chunks(tier: Any) -> bool:
@@ -96,7 +111,8 @@ class KVStore:
     """Chunks of ``chunk_tokens`` tokens of KV, keyed by the token prefix and ``fp``, in ``tiers`` (top first)."""
 
     def __init__(self, fp: Fingerprint, chunk_tokens: int, tiers: Sequence[Tier], block_size: int = 1,
-                 vocab_size: Optional[int] = None, write_through: bool = True, retry_after_s: float = 30.0) -> None:
+                 vocab_size: Optional[int] = None, write_through: bool = True, retry_after_s: float = 30.0,
+                 rule: Optional[ReuseRule] = None) -> None:
         if not isinstance(fp, Fingerprint):
             raise TypeError(f"KVStore: fp must be a Fingerprint (Fingerprint.of(fields)), got {type(fp).__name__}")
         block_size = _positive_int("KVStore", "block_size", block_size)
@@ -113,7 +129,10 @@ class KVStore:
             raise ValueError(f"KVStore: retry_after_s must be a number >= 0, got {retry_after_s!r}")
         if not isinstance(write_through, bool):
             raise TypeError(f"KVStore: write_through must be a bool, got {write_through!r}")
-        self.tiers = _check_tiers(tiers)
+        tiers = _check_tiers(tiers)
+        _check_rule(rule, tiers)
+        self.tiers = tiers
+        self.rule = rule
         self.fp = fp
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
@@ -217,18 +236,46 @@ class KVStore:
         with self._lock:
             ids = check_token_ids("KVStore.lookup", token_ids, self.vocab_size)
             self._stats.lookups += 1
-            found: list[tuple[str, str, int]] = []
-            prev = None
-            for key, (s, e) in zip(chain_keys(self.fp.digest, ids, self.chunk_tokens), self._spans(len(ids))):
-                tier = self._find(key)
-                if tier is None:
-                    tail = self._tail(ids, s, prev)
-                    if tail is not None:
-                        found.append((tail[0], tail[2].name, tail[1]))
-                    break
-                found.append((key, tier.name, e - s))
-                prev = key
+            found = self._found(ids)
             return Lookup(tokens=sum(c[2] for c in found), chunks=found)
+
+    def _found(self, ids: list[int]) -> list[tuple[str, str, int]]:
+        """(key, tier name, n_tokens) of each chunk of the longest prefix some tier holds (existence only)."""
+        found: list[tuple[str, str, int]] = []
+        prev = None
+        for key, (s, e) in zip(chain_keys(self.fp.digest, ids, self.chunk_tokens), self._spans(len(ids))):
+            tier = self._find(key)
+            if tier is None:
+                tail = self._tail(ids, s, prev)
+                if tail is not None:
+                    found.append((tail[0], tail[2].name, tail[1]))
+                break
+            found.append((key, tier.name, e - s))
+            prev = key
+        return found
+
+    def _rule_allows(self, ids: list[int], limit: Optional[int]) -> bool:
+        """Whether the rule (if any) lets this load reload the found prefix, capped at ``limit``; the decision
+        is counted. Nothing found: nothing to decide (the load finds nothing either)."""
+        if self.rule is None:
+            return True
+        n, tiers = 0, []
+        for _, tier, k in self._found(ids):
+            if limit is not None and n >= limit:
+                break
+            n, tiers = n + k, tiers + [tier]
+        n = n if limit is None else min(n, limit)
+        if n == 0:
+            return True
+        d = self.rule.decide(n, tiers, self.fp.bytes_per_token())
+        self._stats.last_decision = d
+        if d.reload:
+            self._stats.decisions_reload += 1
+        else:
+            self._stats.decisions_recompute += 1
+            log.debug("KV store: recomputing %d tokens (reload from %r %.3g s >= recompute %.3g s)", n, d.tier,
+                      d.reload_s, d.recompute_s)
+        return d.reload
 
     def _check_limit(self, limit: Any) -> Optional[int]:
         if limit is None:
@@ -283,6 +330,8 @@ class KVStore:
             out: list[dict[str, torch.Tensor]] = []
             keys: list[str] = []
             n = 0
+            if not self._rule_allows(ids, limit):
+                return 0, out, keys
             for key, (s, e) in zip(chain_keys(self.fp.digest, ids, self.chunk_tokens), self._spans(len(ids))):
                 if limit is not None and s >= limit:
                     break
