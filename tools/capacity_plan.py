@@ -60,10 +60,12 @@ from offload_passes.custom_ops._pool import WAYS, id_range_for
 
 try:  # package import (console script) or flat import (python tools/capacity_plan.py)
     from .capacity_plan_budget import LIMITS, MAX_BATCH, Budget
-    from .capacity_plan_model import WEIGHT_KEYS, ModelShape, list_presets, load_model_shape
+    from .capacity_plan_model import BUILTIN, WEIGHT_KEYS, ModelShape, list_presets, load_model_shape
+    from .capacity_plan_reuse import DEVICES, TIERS, render_reuse, reuse_section, tier_arg
 except ImportError:  # pragma: no cover - only when run as a loose script
     from capacity_plan_budget import LIMITS, MAX_BATCH, Budget  # type: ignore
-    from capacity_plan_model import WEIGHT_KEYS, ModelShape, list_presets, load_model_shape  # type: ignore
+    from capacity_plan_model import BUILTIN, WEIGHT_KEYS, ModelShape, list_presets, load_model_shape  # type: ignore
+    from capacity_plan_reuse import DEVICES, TIERS, render_reuse, reuse_section, tier_arg  # type: ignore
 
 log = logging.getLogger("offload_passes.tools.capacity_plan")
 
@@ -122,6 +124,7 @@ class Plan:
     per_request: dict[str, int] = field(default_factory=dict)
     per_rank: dict[str, float] = field(default_factory=dict)
     batch_check: list[dict[str, Any]] = field(default_factory=list)
+    store: dict[str, Any] = field(default_factory=dict)   # capacity_plan_reuse.reuse_section
 
     def mode(self, name: str) -> ModeResult:
         for m in self.modes:
@@ -134,7 +137,7 @@ class Plan:
             "model": self.model, "budget": self.budget,
             "per_token": self.per_token, "per_request": self.per_request, "per_rank": self.per_rank,
             "modes": [asdict(m) for m in self.modes],
-            "batch_check": self.batch_check,
+            "batch_check": self.batch_check, "store": self.store,
             "steps": {k: [asdict(s) for s in v] for k, v in self.sections.items()},
         }
 
@@ -408,6 +411,8 @@ def render(p: Plan) -> str:
                      f"{c['hbm_needed_per_rank'] / GiB:.3f} GiB of {c['hbm_free_per_rank'] / GiB:.3f} GiB free per rank"
                      + (f" (pool {c['pool_hbm_per_rank'] / GiB:.3f} GiB)" if c['pool_hbm_per_rank'] else "") + ", "
                      + f"host {c['host_needed_per_device'] / GiB:.1f} GiB / device -> {'fits' if c['fits'] else 'does NOT fit'}")
+    if p.store:
+        lines += render_reuse(p.store)
     return "\n".join(lines)
 
 
@@ -447,6 +452,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-mini-batch", type=int_arg("--prefill-mini-batch", 1), default=d.prefill_mini_batch)
     ap.add_argument("--batch", type=int_arg("--batch", 1, MAX_BATCH), default=None,
                     help=f"also check whether this global batch fits (a multiple of the ranks, at most {MAX_BATCH})")
+    ap.add_argument("--device", choices=sorted(DEVICES), default="a3",
+                    help="device whose peak FLOP/s and HBM bandwidth price a prefill (capacity_plan_reuse.DEVICES)")
+    ap.add_argument("--tier", type=tier_arg, action="append", default=[], metavar="NAME=FIXED_S:GBPS",
+                    help="a store tier's reload cost, overriding its default; NAME one of "
+                         + ", ".join(f"{n} ({f:g} s, {b / 1e9:g} GB/s: {why})" for n, (f, b, why) in TIERS.items())
+                         + "; FIXED_S in [0, 10] s, GBPS in (0, 10000]")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     ap.add_argument("--list-presets", action="store_true")
     ap.add_argument("--what-if", action="store_true",
@@ -506,11 +517,28 @@ def _main(args: argparse.Namespace) -> int:
     # every number in range (capacity_plan_budget.LIMITS: nan, inf, negatives, beyond a kernel), named by its flag
     budget.validate(flags=True)
     result = plan(shape, budget, batch=args.batch, weights_like=like)
+    glm_cfg = _glm_config(args.config)
+    if glm_cfg is not None:
+        tiers = {n: (f, b / 1e9) for n, (f, b, _) in TIERS.items()} | {n: (f, g) for n, f, g in args.tier}
+        result.store = reuse_section(like or shape, glm_cfg, args.device, tiers)
     try:
         print(json.dumps(result.to_json(), indent=2) if args.json else render(result))
     except BrokenPipeError:  # `offload-capacity | head`: the reader left, not an error
         sys.stderr = open(os.devnull, "w")
     return 0
+
+
+def _glm_config(config: str) -> Any:
+    """``config`` as a models/glm config (the store's cache layout), or None for a yaml that is not one."""
+    from offload_passes import models
+
+    try:
+        if config in BUILTIN:
+            return models.load_config({"model_config": dict(BUILTIN[config]["model_config"])})
+        return models.load_config(config)
+    except ValueError as e:
+        log.info("%s: no store section for %s: %s", PROG, config, e)
+        return None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -179,7 +179,7 @@ def shape_from_mapping(doc: Mapping[str, Any], name: str, source: str) -> ModelS
     types, src = derive_indexer_types(keys, ints["num_hidden_layers"])
     runner = {k: keys[k] for k in ("next_n", "pa_block_size", "enlarge_pool_size", "pa_max_length",
                                    "batch_size", "world_size", "kv_cache_quant_mode") if k in keys}
-    dims = {k: int(keys[k]) for k in WEIGHT_KEYS + ("n_shared_experts", "moe_layer_freq") if k in keys}
+    dims = {k: int(keys[k]) for k in WEIGHT_KEYS + ("n_shared_experts", "moe_layer_freq", "num_experts_per_tok") if k in keys}
     return ModelShape(
         name=name, source=source, indexer_types=tuple(types), indexer_types_source=src,
         num_nextn_predict_layers=int(keys.get("num_nextn_predict_layers", HF_DEFAULTS["num_nextn_predict_layers"])),
