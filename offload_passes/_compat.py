@@ -1,46 +1,10 @@
 """The one place where offload_passes uses private torch / TorchAir / npugraph_ex symbols and handles
-differences between torch versions.
+differences between torch versions (torch 2.8 through 2.15, ``setup.py``; what differs per version and
+where it is handled: docs/versions.md).
 
-Supported: torch 2.8 through 2.15 (``setup.py``: ``>=2.8,<2.16``), with TorchAir / npugraph_ex from the
-matching torch-npu wheel (``tools/torchair_env.py``: 2.8.0.post5, 2.10.0.post4, 2.11.0.post3, 2.13.0, 2.14.0;
-none exists for torch 2.15, so the NPU modes do not run there); ``scripts/test_matrix.sh`` runs torch 2.8.0,
-2.10.0, 2.11.0, 2.13.0, 2.14.1 and 2.15.0 (results: docs/versions.md).
-Every symbol below says why no public API does the job, and the versions it was checked against:
-"2.8-2.15" means torch 2.8.0, 2.10.0, 2.13.0, 2.14.1 and 2.15.0 (the whole suite on each) and 2.11.0
-(tests/backend, tests/cuda, tests/hf); "npu 2.8-2.14" means torch-npu 2.8.0.post5, 2.10.0.post4, 2.13.0 and
-2.14.0 (the TorchAir / npugraph_ex Python of 2.13.0 and 2.14.0 is identical).
-TorchAir and npugraph_ex are optional (NPU modes, converter tests): their symbols are imported by
-functions, on first use. torch 2.9 and 2.12 lie inside the range but were not run.
-
-Torch-version differences found (and where they are handled):
-
-* Inductor 2.8 cannot run a mutable custom op that has a Functionalize kernel as a FallbackKernel;
-  2.13 can. Handled version-independently by ``passes/inductor_targets.py`` (used on every version).
-* Inductor 2.8 decomposes ``aten._assert_async.msg`` to nothing; 2.10 and later lower it to a run-time
-  check (:func:`inductor_lowers_assert_async`).
-* ``torch._dynamo.config.inline_inbuilt_nn_modules = False`` is honoured by 2.8 and 2.10 (module
-  buffers reach the graph as ``get_attr``) and ignored by 2.13 to 2.15 (deprecated, always inlined:
-  placeholders). The passes accept both (``passes/_fx.py``: :func:`is_graph_input_or_attr`,
-  :func:`input_values`).
-* torch 2.14's C++ headers require C++20 (``#error`` under ``-std=c++17``); torch's extension builder
-  defaults to C++17 up to 2.10 and to C++20 from 2.13. ``offload_passes/_extensions.py`` therefore
-  passes no ``-std`` and lets the builder choose (setup.py, the JIT fallback and the CANN test double).
-* npugraph_ex: 2.8.0.post5 has no event-aware reinplace check, its stream / event ops in
-  ``torch.ops.air`` and nested ``CompilerConfig`` options; 2.10.0.post4, 2.13.0 and 2.14.0 have the
-  check, ``torch.ops.npugraph_ex`` and flat options (:func:`reinplace_event_protection`,
-  :func:`npugraph_ex_ops`, :func:`set_npugraph_ex_option`).
-* transformers' ``grouped_mm`` experts path does not trace on CPU with torch 2.8 or 2.10
-  (:func:`hf_grouped_mm_traceable_on_cpu`, used by ``models/hf``).
-* torch 2.8's fake ``aten.view`` raises on a fake with SymInt sizes that are already specialised; the
-  passes' fake values fall back to :func:`static_fake` stand-ins (``passes/_fx.py`` ``set_fake_val``).
-* transformers 5.24 renames the cache argument of ``forward`` / ``generate`` and the output field
-  ``past_key_values`` to ``cache`` (:func:`hf_cache_kwarg`; ``models/hf``, ``decorator.static_cache_state``).
-* Dynamo 2.8 does not trace boolean-mask indexing in a full graph by default
-  (:func:`dynamo_traces_mask_indexing`; transformers' ``glm5_next``, tests/hf/test_zoo.py).
-* Tests only: a second Python kernel for an op at one dispatch key is refused by torch 2.11 without
-  ``allow_override`` and replaced with a warning by 2.13 (:func:`library_impl_override`).
-* Tests only: on torch 2.10 nothing in torch keeps a finished decoder's caches alive (2.13 did), so
-  the offload state they key is gone with them; ``tests/hf/hf_helpers.py`` keeps the decoder.
+Every function below says why no public API does the job and the versions it was checked against
+("2.8-2.15": the versions ``scripts/test_matrix.sh`` runs). TorchAir and npugraph_ex are optional (NPU
+modes, converter tests): their symbols are imported inside functions, on first use.
 """
 from __future__ import annotations
 
