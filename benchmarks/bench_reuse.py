@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -31,20 +30,11 @@ sys.path.insert(0, str(ROOT))
 from offload_passes import models  # noqa: E402
 from offload_passes.models.glm.reuse import prefill_from  # noqa: E402
 from offload_passes.store import DiskTier, KVStore, MooncakeTier, RamTier, ReuseRule, TierCost  # noqa: E402
+from offload_passes.store.rule import best_time  # noqa: E402
 from offload_passes.store.mooncake_local import LocalMooncake, master_binary  # noqa: E402
 from offload_passes.store.paged import PagedStore, extract_paged, paged_fingerprint  # noqa: E402
 
 C = 64  # chunk tokens
-
-
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
 
 def _mooncake(workdir: Path):
     """(tier, local store) or (None, reason): a master + holder on 127.0.0.1 (``LocalMooncake``)."""
@@ -63,7 +53,7 @@ def ttft(config: str, sizes: list, repeats: int, tiers: dict) -> dict:
     g = torch.Generator().manual_seed(0)
     for N in sizes:
         ids = torch.randint(0, pm.config.vocab_size, (N + 1,), generator=g)
-        rec = _best(lambda: pm.prefill(ids.view(1, -1), torch.tensor([N + 1])), repeats)
+        rec = best_time(lambda: pm.prefill(ids.view(1, -1), torch.tensor([N + 1])), repeats)
         chunks = extract_paged(pm, pm.block_table[0].tolist(), N, C)
         row = {"N": N, "recompute_s": rec}
         for name, tier in tiers.items():
@@ -74,8 +64,8 @@ def ttft(config: str, sizes: list, repeats: int, tiers: dict) -> dict:
                 n = ps.reload(pm, ids, N)
                 assert n == N, (name, n)
 
-            t_reload = _best(reload, repeats)  # the reload alone: what the tier targets count
-            t = _best(lambda: (reload(), prefill_from(pm, ids, N)), repeats)  # + the new token: time to first token
+            t_reload = best_time(reload, repeats)  # the reload alone: what the tier targets count
+            t = best_time(lambda: (reload(), prefill_from(pm, ids, N)), repeats)  # + the new token: time to first token
             row[f"{name}_reload_s"], row[f"{name}_reload_x"] = t_reload, rec / t_reload
             row[f"{name}_s"], row[f"{name}_x"] = t, rec / t
         out["rows"].append(row)
@@ -91,14 +81,14 @@ def break_even(config: str, tiers: dict, repeats: int, grid=(16, 64, 256, 1024))
     pm = models.build(config, batch_size=1, enable_offload=False, pa_max_length=cap, prefill_len=16).model
     fp = paged_fingerprint(pm, C, weights_id=f"{config}-seed0")
     ids = torch.randint(0, pm.config.vocab_size, (max(grid) + 1,), generator=torch.Generator().manual_seed(1))
-    rec = {n: _best(lambda: pm.prefill(ids[: n + 1].view(1, -1), torch.tensor([n + 1])), repeats) for n in grid}
-    one = _best(lambda: prefill_from(pm, ids[: grid[0] + 1], grid[0]), repeats)  # the new token on top
+    rec = {n: best_time(lambda: pm.prefill(ids[: n + 1].view(1, -1), torch.tensor([n + 1])), repeats) for n in grid}
+    one = best_time(lambda: prefill_from(pm, ids[: grid[0] + 1], grid[0]), repeats)  # the new token on top
     out = {}
     for name, tier in tiers.items():
         ps = PagedStore(KVStore(fp, C, [tier], block_size=pm.block_size))
         pm.prefill(ids.view(1, -1), torch.tensor([ids.numel()]))
         ps.store.put(ids[: max(grid)], extract_paged(pm, pm.block_table[0].tolist(), max(grid), C))
-        rl = {n: _best(lambda: (ps.reload(pm, ids[: n + 1], n), prefill_from(pm, ids[: n + 1], n)), repeats)
+        rl = {n: best_time(lambda: (ps.reload(pm, ids[: n + 1], n), prefill_from(pm, ids[: n + 1], n)), repeats)
               for n in grid}
         measured = next((n for n in grid if rl[n] < rec[n]), None)
         a, b = grid[0], grid[-1]

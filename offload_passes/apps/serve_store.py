@@ -10,7 +10,6 @@ before serving, and a found prefix is reloaded only when that is predicted faste
 from __future__ import annotations
 
 import re
-import time
 from typing import Any, Optional
 
 from .._cli import UsageError
@@ -118,16 +117,6 @@ def multiturn_config(seed: int, cap: int, K: int, arrival: float) -> Any:
     return ServeConfig(seed=seed, output_len=(4, 16), arrival=arrival, workload="multiturn",
                        shared_prefix=min(max(K, cap // 4), cap // 2), branches=6, turns=3, user_len=(8, 32))
 
-
-def _best_s(fn: Any, repeats: int = 2) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measured_rule(prefill_model: Any, tiers: list, fp: Any, C: int) -> Any:
     """A :class:`ReuseRule` timed here: each tier's reload cost from one- and four-chunk blobs
     (``measure_tiers``), the prefill cost ``a*n + b*n**2`` fitted through two timed prefills of the model (two
@@ -135,12 +124,12 @@ def measured_rule(prefill_model: Any, tiers: list, fp: Any, C: int) -> Any:
     prefill overwrites. A tier that fails the timing is a UsageError naming it."""
     import torch
 
-    from ..store.rule import ReuseRule, fit_prefill_cost, measure_tiers
+    from ..store.rule import ReuseRule, best_time, fit_prefill_cost, measure_tiers
 
     cap = int(prefill_model.block_table.size(1)) * C
     n1, n2 = min(2 * C, cap // 4), min(8 * C, cap)
     ids = torch.randint(0, int(prefill_model.config.vocab_size), (n2,), generator=torch.Generator().manual_seed(0))
-    points = [(n, _best_s(lambda n=n: prefill_model.prefill(ids[:n].view(1, -1), torch.tensor([n]))))
+    points = [(n, best_time(lambda n=n: prefill_model.prefill(ids[:n].view(1, -1), torch.tensor([n]))))
               for n in (n1, n2)]
     chunk = C * fp.bytes_per_token()
     try:

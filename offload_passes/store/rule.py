@@ -174,6 +174,16 @@ def measure_tiers(tiers: Sequence["Tier"], **kw: Any) -> dict[str, TierTiming]:
     return {t.name: measure_tier(t, **kw) for t in tiers}
 
 
+def best_time(fn: Callable[[], Any], repeats: int = 2) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn`` (seconds): the least disturbed by other load."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def fit_prefill_cost(points: Sequence[tuple[int, float]]) -> Callable[[int], float]:
     """``n -> a*n + b*n**2`` through two timed prefills ``[(n1, s1), (n2, s2)]`` (n1 < n2): the linear part
     (projections, experts) and the quadratic part (attention over the prefix). A negative coefficient (timer
