@@ -38,6 +38,24 @@ _CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"
                   "index_topk", "index_head_dim", "index_n_heads", "rope_theta", "layer_types", "index_topk_pattern")
 
 
+#: model type -> why a stored prefix cannot be reloaded into its cache: refused by name rather than reloaded wrong
+_UNSERVED = {
+    "dots3_note": "its sliding-window layers keep only the last window of tokens, not the whole prefix",
+    "mistral_large4": "its kv_source_layers read another layer's cache (a cache layer without keys of its own)",
+    "glm5_next": "its linear-attention layers keep a recurrent state, not per-token KV",
+}
+_UNSERVED["dots3_note_text"] = _UNSERVED["dots3_note"]
+
+
+def _refuse_unserved(model: Any, where: str) -> None:
+    """Refuse (ValueError naming ``where``) a model whose family's cache a stored prefix cannot be reloaded into."""
+    types = (getattr(model.config, "model_type", None), getattr(_text_config(model), "model_type", None))
+    for t in dict.fromkeys(types):
+        if t in _UNSERVED:
+            raise ValueError(f"{where}: the KV store does not serve model type {t!r}: {_UNSERVED[t]}; it serves "
+                             "the families whose every layer keeps per-token KV of its own")
+
+
 def _cache_kwarg() -> str:
     from .. import _compat
 
@@ -94,6 +112,7 @@ def hf_fingerprint(model: Any, chunk_tokens: int, weights_id: Optional[str] = No
         raise ValueError(f"hf_fingerprint: chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
     if weights_id is not None and not isinstance(weights_id, str):
         raise TypeError(f"hf_fingerprint: weights_id must be a str or None, got {type(weights_id).__name__}")
+    _refuse_unserved(model, "hf_fingerprint")
     cfg = _text_config(model)
     fields = {n: getattr(cfg, n) for n in _CONFIG_FIELDS if isinstance(getattr(cfg, n, None), (int, float, str, list))}
     fields.update(architecture=f"hf/{type(model).__name__}", dtype=str(next(model.parameters()).dtype),
@@ -107,6 +126,7 @@ def check_hf_store(model: Any, store: Any, where: str = "check_hf_store") -> Non
     is read from the model again (:func:`hf_fingerprint` with the store's chunk size) except the weights
     identity, which only the weights can confirm: a 64-hex-digit one (hf_fingerprint's default, a hash) must
     be the model's :func:`weights_digest`; any other is the id the store was built with, taken as given."""
+    _refuse_unserved(model, where)
     fields = store.fp.fields
     weights = fields.get("weights")
     if not isinstance(weights, str):
@@ -203,6 +223,7 @@ def reload_hf(store: Any, model: Any, input_ids: torch.Tensor, cache: Any, limit
     """Load the longest stored prefix of ``input_ids`` (one sequence; at most ``limit`` tokens, default all but
     the last: the logits need one computed token) into the empty ``cache`` at positions ``0..n-1``; returns n
     (0: the cache is untouched). Then ``generate(input_ids, cache=...)`` computes only tokens ``n..``."""
+    _refuse_unserved(model, "reload_hf")
     ids = _ids("reload_hf", input_ids)
     layers = _cache_layers(cache)
     held = _held(cache)
