@@ -55,3 +55,15 @@ def pinned_like(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 def sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def assert_pinned_write_equals_cpu(run, op, cache: list, idx: torch.Tensor, new: list, dev: torch.device) -> None:
+    """A write kernel ``run`` of device rows ``new`` at positions ``idx`` into pinned copies of ``cache`` equals
+    the CPU kernel ``op`` on host copies of the same data, and the rows landed (the cache changed)."""
+    ref = [twin(t) for t in cache]
+    op(*ref, twin(idx), *[twin(t) for t in new])
+    dst = [pinned_like(t, dev) for t in cache]
+    run(*dst, idx, *new)
+    sync()
+    assert all(same(a, b) for a, b in zip(ref, dst))
+    assert not same(ref[0], cache[0])

@@ -93,7 +93,7 @@ def test_device_rows_into_a_pinned_cache_equal_the_cpu_kernel(dev):
     """The recipe's decode write at GLM-5 widths: 40 device rows at distinct positions of ``[8, 16, 1, 512]`` /
     ``[8, 16, 1, 64]`` caches, pinned on a GPU (the stores go through the pinned address), against the CPU kernel
     on host copies of the same data."""
-    from _device import pinned_like, same, sync, twin
+    from _device import assert_pinned_write_equals_cpu
     from _harness import gen, randn
     from offload_passes.custom_ops.cuda import cache_write
 
@@ -101,10 +101,4 @@ def test_device_rows_into_a_pinned_cache_equal_the_cpu_kernel(dev):
     cache = [randn(s, dev, g) for s in ((8, 16, 1, 512), (8, 16, 1, 64))]
     idx = torch.randperm(128, generator=g, device=dev)[:40]
     new = [randn(s, dev, g) for s in ((40, 512), (40, 64))]
-    ref = [twin(t) for t in cache]
-    op(*ref, twin(idx), *[twin(t) for t in new])
-    dst = [pinned_like(t, dev) for t in cache]
-    cache_write.run(*dst, idx, *new)
-    sync()
-    assert all(same(a, b) for a, b in zip(ref, dst))
-    assert not same(ref[0], cache[0])  # the rows landed: the cache changed
+    assert_pinned_write_equals_cpu(cache_write.run, op, cache, idx, new, dev)

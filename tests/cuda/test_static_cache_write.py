@@ -111,7 +111,7 @@ def test_device_rows_into_a_pinned_cache_equal_index_copy(dev):
     """The HF cache's decode write at GLM-5 widths: 17 device rows at distinct positions of ``[3, 1, 300, 512]`` /
     ``[3, 1, 300, 64]`` caches, pinned on a GPU (the stores go through the pinned address), against the CPU kernel
     (``index_copy_``) on host copies of the same data."""
-    from _device import pinned_like, same, sync, twin
+    from _device import assert_pinned_write_equals_cpu
     from _harness import gen, randn
     from offload_passes.custom_ops.cuda import static_cache_write
 
@@ -119,10 +119,4 @@ def test_device_rows_into_a_pinned_cache_equal_index_copy(dev):
     cache = [randn(s, dev, g) for s in ((3, 1, 300, 512), (3, 1, 300, 64))]
     idx = torch.randperm(300, generator=g, device=dev)[:17]
     new = [randn(s, dev, g) for s in ((3, 1, 17, 512), (3, 1, 17, 64))]
-    ref = [twin(t) for t in cache]
-    op(*ref, twin(idx), *[twin(t) for t in new])
-    dst = [pinned_like(t, dev) for t in cache]
-    static_cache_write.run(*dst, idx, *new)
-    sync()
-    assert all(same(a, b) for a, b in zip(ref, dst))
-    assert not same(ref[0], cache[0])  # the rows landed: the cache changed
+    assert_pinned_write_equals_cpu(static_cache_write.run, op, cache, idx, new, dev)
