@@ -1,6 +1,11 @@
 """A chunk on the wire: safetensors bytes whose metadata carries the key, the fingerprint digest, the token
 count and each tensor's sha256. Decoding never unpickles: safetensors parses a JSON header and raw tensor
 bytes only, and anything that fails to parse or verify is a :class:`ChunkError`.
+
+Besides the per-token caches every chunk holds (``fp.caches``), a chunk may hold **chunk extras**: whole tensors
+the fingerprint names in its ``chunk_extras`` field ({name: (shape, dtype)}, no token dimension), e.g. the
+recurrent state of a model at the chunk's end. They are optional per chunk, checksummed like the rest, and one
+of a wrong shape or dtype fails verification.
 """
 from __future__ import annotations
 
@@ -15,10 +20,12 @@ from safetensors.torch import save as _st_save
 
 from .keys import Fingerprint
 
-__all__ = ["ChunkError", "HeldChunk", "encode_chunk", "decode_chunk", "FORMAT"]
+__all__ = ["ChunkError", "HeldChunk", "encode_chunk", "decode_chunk", "chunk_extras", "FORMAT", "EXTRAS_FIELD"]
 
 #: The metadata's format tag: a chunk of another layout is refused, not guessed at.
 FORMAT = "offload_passes.kv_chunk/1"
+#: The fingerprint field naming the optional whole tensors a chunk may hold besides its per-token caches.
+EXTRAS_FIELD = "chunk_extras"
 
 
 class ChunkError(ValueError):
@@ -49,21 +56,49 @@ def _tensor_sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).reshape(-1).numpy() if t.numel() else b"").hexdigest()
 
 
+def chunk_extras(fp: Fingerprint, call: str = "chunk_extras") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of the chunk extras ``fp`` allows (its ``chunk_extras`` field; {} without one);
+    a malformed field is a ValueError naming ``call``."""
+    raw = fp.fields.get(EXTRAS_FIELD)
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping) or not raw:
+        raise ValueError(f"{call}: fingerprint field {EXTRAS_FIELD!r} must be a non-empty mapping name -> "
+                         f"(shape, dtype), got {raw!r}")
+    out = {}
+    for name, spec in raw.items():
+        ok = isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], list) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in spec[0])
+        dtype = getattr(torch, spec[1], None) if ok and isinstance(spec[1], str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{call}: {EXTRAS_FIELD}.{name} must be (shape of positive ints, torch dtype name), "
+                             f"got {spec!r}")
+        if name in fp.caches:
+            raise ValueError(f"{call}: {EXTRAS_FIELD}.{name} is also a per-token cache; a name is one or the other")
+        out[name] = (tuple(spec[0]), dtype)
+    return out
+
+
 def check_chunk_tensors(call: str, fp: Fingerprint, tensors: Mapping[str, torch.Tensor], n_tokens: int) -> None:
-    """Refuse tensors that are not exactly ``fp.caches`` for ``n_tokens`` tokens on the CPU (names the call)."""
+    """Refuse tensors that are not exactly ``fp.caches`` for ``n_tokens`` tokens, plus any of the fingerprint's
+    chunk extras at their exact shape, on the CPU (names the call)."""
     if not isinstance(tensors, Mapping):
         raise TypeError(f"{call}: a chunk must be a dict name -> tensor, got {type(tensors).__name__}")
-    if set(tensors) != set(fp.caches):
-        raise ValueError(f"{call}: chunk caches {sorted(tensors)} differ from the fingerprint's {sorted(fp.caches)}")
-    for name, (shape, dtype) in fp.caches.items():
-        t = tensors[name]
+    extras = chunk_extras(fp, call)
+    if not set(fp.caches) <= set(tensors) <= set(fp.caches) | set(extras):
+        optional = f" (optional extras: {sorted(extras)})" if extras else ""
+        raise ValueError(f"{call}: chunk caches {sorted(tensors)} differ from the fingerprint's "
+                         f"{sorted(fp.caches)}{optional}")
+    for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{call}: chunk cache {name!r} is a {type(t).__name__}, not a tensor")
         if t.device.type != "cpu":
             raise ValueError(f"{call}: chunk cache {name!r} is on {t.device}; the store takes CPU tensors")
-        if tuple(t.shape) != (n_tokens, *shape) or t.dtype != dtype:
+        shape, dtype = (((n_tokens, *fp.caches[name][0]), fp.caches[name][1]) if name in fp.caches
+                        else extras[name])
+        if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"{call}: chunk cache {name!r} is {tuple(t.shape)} {t.dtype}; expected "
-                             f"{(n_tokens, *shape)} {dtype}")
+                             f"{shape} {dtype}")
 
 
 def encode_chunk(fp: Fingerprint, key: str, n_tokens: int, tensors: Mapping[str, torch.Tensor]) -> bytes:

@@ -13,6 +13,10 @@ counted in ``stats.chunks_rejected``, its copy is deleted from the tier, and the
 With a :class:`ReuseRule` (``rule=``), each load first finds the stored prefix (existence only), prices its
 reload at the slowest tier among its chunks, and loads nothing when recomputing it is predicted faster (the
 caller then recomputes); each decision is counted in ``stats`` (docs/store.md, "Reload or recompute").
+
+Chunk extras (``chunk_extras`` in the fingerprint: whole tensors some chunks hold, e.g. a model state at the
+chunk's end) belong to the chunk's end: a chunk a ``limit`` cuts short loses them, and ``load(..., ends_with=)``
+loads only a prefix whose last chunk holds the named extras.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .chunk import ChunkError, HeldChunk, check_chunk_tensors, decode_chunk, encode_chunk
+from .chunk import ChunkError, HeldChunk, check_chunk_tensors, chunk_extras, decode_chunk, encode_chunk
 from .keys import Fingerprint, chain_keys, check_token_ids, next_key
 from .rule import ReuseRule
 from .stats import Lookup, StoreStats
@@ -131,6 +135,7 @@ class KVStore:
             raise TypeError(f"KVStore: write_through must be a bool, got {write_through!r}")
         tiers = _check_tiers(tiers)
         _check_rule(rule, tiers)
+        self._extras = chunk_extras(fp, "KVStore")
         self.tiers = tiers
         self.rule = rule
         self.fp = fp
@@ -309,26 +314,39 @@ class KVStore:
             return held.tensors, False
         return None, False
 
-    def load(self, token_ids: Any, limit: Optional[int] = None,
-             copy: bool = True) -> tuple[int, list[dict[str, torch.Tensor]]]:
+    def load(self, token_ids: Any, limit: Optional[int] = None, copy: bool = True,
+             ends_with: Sequence[str] = ()) -> tuple[int, list[dict[str, torch.Tensor]]]:
         """(n_tokens, chunks): the longest prefix of ``token_ids`` that loads and verifies, capped at ``limit``
         tokens; chunk i holds CPU tensors [n_i, *shape] for tokens [i*C, i*C + n_i). ``copy=False`` hands out
         the tensor tier's own tensors, read-only by contract: for a caller that copies them into its cache at
-        once (``PagedStore.reload``, ``reload_hf``), so a RAM hit is copied exactly once."""
-        n, chunks, _ = self.load_keyed(token_ids, limit, copy)
+        once (``PagedStore.reload``, ``reload_hf``), so a RAM hit is copied exactly once. ``ends_with``: chunk
+        extras the prefix's last chunk must hold (a state known only at some chunks' ends): the prefix ends at
+        the last loaded chunk that holds them all, 0 tokens when none does."""
+        n, chunks, _ = self.load_keyed(token_ids, limit, copy, ends_with)
         return n, chunks
 
-    def load_keyed(self, token_ids: Any, limit: Optional[int] = None,
-                   copy: bool = True) -> tuple[int, list[dict[str, torch.Tensor]], list[str]]:
+    def _check_ends_with(self, ends_with: Any) -> tuple[str, ...]:
+        if isinstance(ends_with, (str, bytes)) or not isinstance(ends_with, Sequence):
+            raise TypeError(f"KVStore.load: ends_with must be a sequence of chunk extra names, got {ends_with!r}")
+        unknown = sorted(set(ends_with) - set(self._extras))
+        if unknown:
+            raise ValueError(f"KVStore.load: ends_with names {unknown}, not chunk extras of the fingerprint "
+                             f"(it has {sorted(self._extras)})")
+        return tuple(ends_with)
+
+    def load_keyed(self, token_ids: Any, limit: Optional[int] = None, copy: bool = True,
+                   ends_with: Sequence[str] = ()) -> tuple[int, list[dict[str, torch.Tensor]], list[str]]:
         """:meth:`load` and the key of each chunk it returned (a partial last chunk has its own key)."""
         if not isinstance(copy, bool):
             raise TypeError(f"KVStore.load: copy must be a bool, got {copy!r}")
         with self._lock:
             ids = check_token_ids("KVStore.load", token_ids, self.vocab_size)
             limit = self._check_limit(limit)
+            ends_with = self._check_ends_with(ends_with)
             self._stats.loads += 1
             out: list[dict[str, torch.Tensor]] = []
             keys: list[str] = []
+            ends: list[int] = []
             n = 0
             if not self._rule_allows(ids, limit):
                 return 0, out, keys
@@ -344,14 +362,18 @@ class KVStore:
                         tensors, _ = self._load_one(key, tail[1])
                 if tensors is None:
                     break
-                if limit is not None and e > limit:
-                    tensors = {k: v[: limit - s] for k, v in tensors.items()}
+                if limit is not None and e > limit:  # cut short: its extras describe its end, not this one
+                    tensors = {k: v[: limit - s] for k, v in tensors.items() if k in self.fp.caches}
                     e = limit
                 out.append(tensors)
                 keys.append(key)
+                ends.append(e)
                 n = e
                 if last:
                     break
+            if ends_with:
+                j = next((j for j in range(len(out) - 1, -1, -1) if all(x in out[j] for x in ends_with)), -1)
+                out, keys, n = out[:j + 1], keys[:j + 1], ends[j] if j >= 0 else 0
             self._stats.tokens_loaded += n
             if copy:
                 out = [{k: v.clone() for k, v in ch.items()} for ch in out]
@@ -367,7 +389,7 @@ class KVStore:
                              f"chunks of chunk_tokens {self.chunk_tokens}")
         plan = []
         for i, ch in enumerate(chunks):
-            first = next(iter(ch.values()), None) if isinstance(ch, Mapping) else None
+            first = ch.get(next(iter(self.fp.caches))) if isinstance(ch, Mapping) else None
             n = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else -1
             s, e = spans[i]
             last = i == len(chunks) - 1
