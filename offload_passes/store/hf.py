@@ -6,7 +6,9 @@ the latent ``[1, kv_lora_rank]`` and the rope key ``[1, qk_rope_head_dim]`` per 
 indexer keeps keys (``StaticIndexedLayer`` / ``DynamicIndexedLayer``: ``indexer_keys [B, T, index_head_dim]``),
 those too (``L.index_k``). The layout is read from the model itself (:func:`hf_cache_layout`: a one-token
 forward), so a chunk without the indexer keys of a layer that keeps them is no hit (the fingerprint's cache
-layout names them).
+layout names them). A layer that reads another layer's cache (``kv_source_layers``) keeps no chunk tensor;
+sliding-window and linear-attention layers keep their window rows / states in the end snapshot of a saved
+sequence (:mod:`.hf_layers`), so such a model reloads only a prefix that ends where a sequence was saved.
 
 Caches: ``transformers``' ``StaticCache`` / ``DynamicCache`` and the project's ``HostStaticCache``. Placement:
 each tensor is written where the cache layer keeps it; ``HostStaticCache`` keeps the attention KV in host
@@ -23,37 +25,25 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _compat
+from . import hf_layers
+from .chunk import EXTRAS_FIELD, chunk_extras
 from .keys import Fingerprint
 from .paged import weights_digest
 
 log = logging.getLogger("offload_passes.store.hf")
 
-__all__ = ["hf_cache_layout", "hf_fingerprint", "check_hf_store", "reload_hf", "save_hf", "generate_with_store"]
+__all__ = ["hf_cache_layout", "hf_end_snapshot", "hf_fingerprint", "check_hf_store", "reload_hf", "save_hf",
+           "generate_with_store"]
 
 #: the form of :func:`weights_digest` (sha256 hex): a fingerprint's weights identity of this form is a hash
 _WEIGHTS_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 _CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                  "index_topk", "index_head_dim", "index_n_heads", "rope_theta", "layer_types", "index_topk_pattern")
-
-
-#: model type -> why a stored prefix cannot be reloaded into its cache: refused by name rather than reloaded wrong
-_UNSERVED = {
-    "dots3_note": "its sliding-window layers keep only the last window of tokens, not the whole prefix",
-    "mistral_large4": "its kv_source_layers read another layer's cache (a cache layer without keys of its own)",
-    "glm5_next": "its linear-attention layers keep a recurrent state, not per-token KV",
-}
-_UNSERVED["dots3_note_text"] = _UNSERVED["dots3_note"]
-
-
-def _refuse_unserved(model: Any, where: str) -> None:
-    """Refuse (ValueError naming ``where``) a model whose family's cache a stored prefix cannot be reloaded into."""
-    types = (getattr(model.config, "model_type", None), getattr(_text_config(model), "model_type", None))
-    for t in dict.fromkeys(types):
-        if t in _UNSERVED:
-            raise ValueError(f"{where}: the KV store does not serve model type {t!r}: {_UNSERVED[t]}; it serves "
-                             "the families whose every layer keeps per-token KV of its own")
+                  "index_topk", "index_head_dim", "index_n_heads", "rope_theta", "layer_types", "index_topk_pattern",
+                  "kv_source_layers")
+#: further config fields the cache layout depends on (read again when they change; the layout names their effect)
+_LAYOUT_FIELDS = ("sliding_window", "linear_conv_kernel_dim", "linear_num_heads", "linear_head_dim")
 
 
 def _cache_kwarg() -> str:
@@ -78,31 +68,38 @@ def _layout_signature(model: Any) -> tuple:
     """What the cache layout depends on: the config's cache-shaping fields and the parameters' dtype/device."""
     cfg = _text_config(model)
     p = next(model.parameters())
-    return (type(model), p.dtype, p.device) + tuple(repr(getattr(cfg, n, None)) for n in _CONFIG_FIELDS)
+    return (type(model), p.dtype, p.device) + tuple(repr(getattr(cfg, n, None))
+                                                    for n in _CONFIG_FIELDS + _LAYOUT_FIELDS)
 
 
 @torch.no_grad()
-def hf_cache_layout(model: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{chunk name: (per-token shape, dtype)} of every cache ``model`` keeps, read from a one-token forward
-    once per model (again when its config's cache fields, dtype or device change)."""
+def _layers(model: Any, call: str = "hf_cache_layout") -> list[hf_layers.LayerLayout]:
+    """What each cache layer of ``model`` keeps, read from a one-token forward once per model (again when its
+    config's cache fields, dtype or device change); a layer the store does not know is refused naming ``call``."""
     from transformers import DynamicCache
 
     sig = _layout_signature(model)
     known = _LAYOUTS.get(model)
     if known is not None and known[0] == sig:
-        return dict(known[1])
+        return known[1]
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=_device(model)), use_cache=True,
           **{_cache_kwarg(): cache})
-    out = {}
-    for i, layer in enumerate(cache.layers):
-        for tag, t in (("k", layer.keys), ("v", layer.values)):
-            out[f"{i}.{tag}"] = ((t.shape[1],) + tuple(t.shape[3:]), t.dtype)
-        ix = getattr(layer, "indexer_keys", None)
-        if ix is not None and ix.numel():
-            out[f"{i}.index_k"] = (tuple(ix.shape[2:]), ix.dtype)
-    _LAYOUTS[model] = (sig, dict(out))
-    return out
+    layouts = hf_layers.probe_layers(cache, call)
+    _LAYOUTS[model] = (sig, layouts)
+    return layouts
+
+
+def hf_cache_layout(model: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{chunk name: (per-token shape, dtype)} of every per-token cache ``model`` keeps (every chunk holds them),
+    read from a one-token forward once per model (again when its config's cache fields, dtype or device change)."""
+    return {n: spec for lay in _layers(model) for n, spec in lay.tokens.items()}
+
+
+def hf_end_snapshot(model: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{chunk extra name: (shape, dtype)} of the end snapshot ``model``'s cache needs at a reload's boundary:
+    sliding-window rows and linear-attention states ({} for a model whose every layer keeps per-token KV)."""
+    return {n: spec for lay in _layers(model) for n, spec in lay.snapshot.items()}
 
 
 def hf_fingerprint(model: Any, chunk_tokens: int, weights_id: Optional[str] = None) -> Fingerprint:
@@ -112,12 +109,15 @@ def hf_fingerprint(model: Any, chunk_tokens: int, weights_id: Optional[str] = No
         raise ValueError(f"hf_fingerprint: chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
     if weights_id is not None and not isinstance(weights_id, str):
         raise TypeError(f"hf_fingerprint: weights_id must be a str or None, got {type(weights_id).__name__}")
-    _refuse_unserved(model, "hf_fingerprint")
+    _layers(model, "hf_fingerprint")
     cfg = _text_config(model)
     fields = {n: getattr(cfg, n) for n in _CONFIG_FIELDS if isinstance(getattr(cfg, n, None), (int, float, str, list))}
     fields.update(architecture=f"hf/{type(model).__name__}", dtype=str(next(model.parameters()).dtype),
                   weights=weights_id if weights_id is not None else weights_digest(model), world=[0, 1],
                   chunk_tokens=chunk_tokens, caches={n: (list(s), d) for n, (s, d) in hf_cache_layout(model).items()})
+    snapshot = hf_end_snapshot(model)
+    if snapshot:  # only then: the fingerprints of models without one stay as they were
+        fields[EXTRAS_FIELD] = {n: (list(s), d) for n, (s, d) in snapshot.items()}
     return Fingerprint.of(fields)
 
 
@@ -126,7 +126,6 @@ def check_hf_store(model: Any, store: Any, where: str = "check_hf_store") -> Non
     is read from the model again (:func:`hf_fingerprint` with the store's chunk size) except the weights
     identity, which only the weights can confirm: a 64-hex-digit one (hf_fingerprint's default, a hash) must
     be the model's :func:`weights_digest`; any other is the id the store was built with, taken as given."""
-    _refuse_unserved(model, where)
     fields = store.fp.fields
     weights = fields.get("weights")
     if not isinstance(weights, str):
@@ -154,56 +153,6 @@ def _ids(call: str, input_ids: Any) -> torch.Tensor:
     return input_ids.to("cpu", torch.int64)
 
 
-def _rows(t: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
-    """The first ``n`` rows of a token-major chunk tensor ``[T, H, D]`` as a cache layer holds them ``[1, H, n, D]``."""
-    return t[:n].permute(1, 0, 2).unsqueeze(0).to(device)
-
-
-def _empty(t: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
-    """An uninitialised ``[1, H, n, D]`` buffer of the chunk tensor ``t``'s per-token shape and dtype."""
-    return t.new_empty((1, t.size(1), n, *t.shape[2:]), device=device)
-
-
-def _fill_layer(layer: Any, chunks: list, i: int, n: int, indexed: bool, device: torch.device) -> None:
-    """Rows ``0..n-1`` of cache layer ``i`` := the chunks' tensors (token-major ``[n_c, H, D]``; ``index_k``
-    ``[n_c, Di]``), each chunk copied once, straight into the layer's rows: a static layer's preallocated
-    buffers in place, where the layer keeps them (``HostStaticCache``'s KV is host memory: no device copy on
-    the way); a dynamic layer gets new tensors of exactly ``n`` rows."""
-    from .paged import copy_rows
-
-    first = chunks[0]
-    static = hasattr(layer, "max_cache_len")
-    if not layer.is_initialized:
-        layer.lazy_initialization(*(_rows(first[f"{i}.{t}"], 1, device) for t in ("k", "v")))
-    if not static:
-        layer.keys, layer.values = (_empty(first[f"{i}.{t}"], n, device) for t in ("k", "v"))
-    dst, src = [], []
-    for tag, buf in (("k", layer.keys), ("v", layer.values)):
-        s = 0
-        for c in chunks:
-            t = c[f"{i}.{tag}"]
-            dst.append(buf[0, :, s:s + t.size(0)])
-            src.append(t.transpose(0, 1))
-            s += t.size(0)
-    if indexed:
-        ix = first[f"{i}.index_k"]
-        if not layer.is_indexer_initialized:
-            layer.lazy_initialization_indexer(ix[:1].unsqueeze(0).to(device))
-        if not static:
-            layer.indexer_keys = ix.new_empty((1, n, *ix.shape[1:]), device=device)
-        s = 0
-        for c in chunks:
-            t = c[f"{i}.index_k"]
-            dst.append(layer.indexer_keys[0, s:s + t.size(0)])
-            src.append(t)
-            s += t.size(0)
-    copy_rows(dst, src)
-    if static:
-        layer.cumulative_length.fill_(n)
-        if indexed:
-            layer.indexer_cumulative_length.fill_(n)
-
-
 def _cache_layers(cache: Any) -> list:
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list) or not layers:
@@ -223,24 +172,28 @@ def reload_hf(store: Any, model: Any, input_ids: torch.Tensor, cache: Any, limit
     """Load the longest stored prefix of ``input_ids`` (one sequence; at most ``limit`` tokens, default all but
     the last: the logits need one computed token) into the empty ``cache`` at positions ``0..n-1``; returns n
     (0: the cache is untouched). Then ``generate(input_ids, cache=...)`` computes only tokens ``n..``."""
-    _refuse_unserved(model, "reload_hf")
     ids = _ids("reload_hf", input_ids)
     layers = _cache_layers(cache)
     held = _held(cache)
     if held:
         raise ValueError(f"reload_hf: cache must be empty (it holds {held} tokens)")
-    names = set(store.fp.caches)
-    missing = sorted(set(hf_cache_layout(model)) - names)
-    if missing or len(layers) != len({n.split(".")[0] for n in names}):
-        raise ValueError(f"reload_hf: the store's chunks lack {missing[:4]} of the caches the model keeps (or its "
-                         f"layers differ from the cache's {len(layers)}): a chunk without them is no hit; build the "
-                         "store with hf_fingerprint(model)")
-    n, chunks = store.load(ids, limit=ids.numel() - 1 if limit is None else limit, copy=False)
+    layouts = _layers(model, "reload_hf")
+    hf_layers.check_cache_layers(layouts, layers)
+    mine = {**hf_cache_layout(model), **hf_end_snapshot(model)}
+    theirs = {**store.fp.caches, **chunk_extras(store.fp, "reload_hf")}
+    missing = sorted(set(mine) - set(theirs))
+    if set(theirs) != set(mine):
+        raise ValueError(f"reload_hf: the store's chunks lack {missing[:4]} of the caches the model keeps (or hold "
+                         f"{sorted(set(theirs) - set(mine))[:4]}, which it does not keep): a chunk without them is no "
+                         "hit; build the store with hf_fingerprint(model)")
+    snapshot = sorted(hf_end_snapshot(model))  # a model with one reloads only where a saved sequence ended
+    n, chunks = store.load(ids, limit=ids.numel() - 1 if limit is None else limit, copy=False,
+                           **({"ends_with": snapshot} if snapshot else {}))
     if not n:
         return 0
     dev = _device(model)
-    for i, layer in enumerate(layers):
-        _fill_layer(layer, chunks, i, n, f"{i}.index_k" in names, dev)
+    for lay, layer in zip(layouts, layers):
+        hf_layers.fill_layer(lay, layer, chunks, n, dev)
     log.debug("reloaded %d tokens into %s", n, type(cache).__name__)
     return n
 
@@ -256,15 +209,15 @@ def save_hf(store: Any, input_ids: torch.Tensor, cache: Any) -> int:
         raise ValueError(f"save_hf: the cache holds {T} tokens, input_ids only {ids.numel()}")
     if T == 0:
         return 0
+    extras = chunk_extras(store.fp, "save_hf")
+    layouts = hf_layers.layouts_of(store.fp.caches, extras, layers)
     rows: dict[str, torch.Tensor] = {}
-    for i, layer in enumerate(layers):
-        rows[f"{i}.k"] = layer.keys[0, :, :T].transpose(0, 1).to("cpu")
-        rows[f"{i}.v"] = layer.values[0, :, :T].transpose(0, 1).to("cpu")
-        ix = getattr(layer, "indexer_keys", None)
-        if ix is not None and ix.numel():
-            rows[f"{i}.index_k"] = ix[0, :T].to("cpu")
+    for lay, layer in zip(layouts, layers):
+        rows.update(hf_layers.save_rows(lay, layer, T))
     C = store.chunk_tokens
     chunks = [{k: v[s:s + C].contiguous() for k, v in rows.items()} for s in range(0, T, C)]
+    if extras:
+        chunks[-1].update(hf_layers.save_snapshot(layouts, layers, T))  # the state at T: the last chunk's end
     return store.put(ids[:T], chunks)
 
 

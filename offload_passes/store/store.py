@@ -77,6 +77,11 @@ def _keeps_chunks(tier: Any) -> bool:
     return bool(getattr(tier, "keeps_chunks", False))
 
 
+def _last_holder(chunks: list[dict], names: Sequence[str]) -> int:
+    """The index of the last chunk holding every extra in ``names`` (-1: none does)."""
+    return next((j for j in range(len(chunks) - 1, -1, -1) if all(x in chunks[j] for x in names)), -1)
+
+
 class _Entry:
     """One chunk on its way into tiers, in the form each tier keeps: verified tensors (:class:`HeldChunk`) or
     the encoded bytes, each made at most once. From ``put`` it holds the caller's tensors (cloned for a tier
@@ -372,7 +377,7 @@ class KVStore:
                 if last:
                     break
             if ends_with:
-                j = next((j for j in range(len(out) - 1, -1, -1) if all(x in out[j] for x in ends_with)), -1)
+                j = _last_holder(out, ends_with)
                 out, keys, n = out[:j + 1], keys[:j + 1], ends[j] if j >= 0 else 0
             self._stats.tokens_loaded += n
             if copy:

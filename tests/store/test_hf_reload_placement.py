@@ -37,6 +37,7 @@ class _HostToDevice(TorchDispatchMode):
 class _Fp:
     def __init__(self, caches):
         self.caches = caches
+        self.fields = {"caches": caches}
 
 
 class _Store:
