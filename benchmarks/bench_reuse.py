@@ -46,10 +46,16 @@ def _mooncake(workdir: Path):
 
 def ttft(config: str, sizes: list, repeats: int, tiers: dict) -> dict:
     cap = max(sizes) + 2 * C
-    pm = models.build(config, batch_size=1, enable_offload=False, pa_max_length=cap, prefill_len=min(sizes)).model
+    # a preset's position limit below the longest prefix (small: 8,192) is raised to fit it, and said so
+    limit = models.load_config(config).model.max_position_embeddings
+    over = {"max_position_embeddings": cap} if cap > limit else {}
+    pm = models.build(config, batch_size=1, enable_offload=False, pa_max_length=cap, prefill_len=min(sizes),
+                      **over).model
     fp = paged_fingerprint(pm, C, weights_id=f"{config}-seed0")
     bpt = fp.bytes_per_token()
-    out = {"config": config, "chunk_tokens": C, "bytes_per_token": bpt, "rows": []}
+    out = {"config": config, "chunk_tokens": C, "bytes_per_token": bpt, "rows": [], "overrides": over}
+    if over:
+        print(f"{config}: max_position_embeddings {limit} raised to {cap} for N = {max(sizes)}", flush=True)
     g = torch.Generator().manual_seed(0)
     for N in sizes:
         ids = torch.randint(0, pm.config.vocab_size, (N + 1,), generator=g)

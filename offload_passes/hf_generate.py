@@ -6,7 +6,11 @@ and reach its ``recompile_limit`` after a few lengths. :class:`GenerateRouter` r
 ``offload(model).generate`` (and the class form's ``generate``):
 
 * the cache (:meth:`GenerateRouter.prepare_cache`): where the caller chose none, a ``StaticCache``
-  (``HostStaticCache`` with ``host_kv=True``) of a bucketed length (:func:`bucket_cache_len`);
+  (``HostStaticCache`` with ``host_kv=True``) of a bucketed length (:func:`bucket_cache_len`), one per
+  (class, rows, length, device, dtype), kept and reset for the next call of that shape, as
+  ``generate(cache_implementation="static")`` keeps its own: the decode graph then sees the same tensors at
+  every call (a torch that guards a static-address tensor by its identity, 2.8, would otherwise recompile
+  once per call);
 * the decode step (:meth:`GenerateRouter.forward`): one compiled function per decode key (the cache's class
   and shapes), each its own code object, so each key compiles once under a budget of its own;
 * the prefill: the model's own ``forward``, eagerly (dense by design on a new cache);
@@ -155,7 +159,8 @@ class GenerateRouter:
         self.host_kv = host_kv
         self._decode: dict[tuple, Callable] = {}
         self._eager: Optional[Callable] = None
-        self.supplied = 0  # caches this router made for generate()
+        self._caches: dict[tuple, Any] = {}  # the supplied caches, one per shape (make_cache)
+        self.supplied = 0  # calls this router supplied the cache of
 
     @property
     def compiled(self) -> int:
@@ -175,20 +180,25 @@ class GenerateRouter:
 
     def make_cache(self, model: nn.Module, generation_config: Any, batch_size: int, max_cache_length: int) -> Any:
         """The supplied cache: ``max_cache_len`` = the bucket of what ``generate()`` needs (and of the call's
-        ``max_cache_len``, when given)."""
+        ``max_cache_len``, when given); the one made for an earlier call of the same shape, reset."""
         need = max(max_cache_length, generation_config.max_cache_len or 0)
         length = bucket_cache_len(need, self.buckets)
         text = model.config.get_text_config(decoder=True)
-        if self.host_kv:
+        rows = max(generation_config.num_beams, generation_config.num_return_sequences or 1) * batch_size
+        key = (self.host_kv, id(text), rows, length, model.device, model.dtype)
+        cache = self._caches.get(key)
+        if cache is not None:
+            cache.reset()
+        elif self.host_kv:
             from .hf_cache import HostStaticCache
 
-            rows = max(generation_config.num_beams, generation_config.num_return_sequences or 1) * batch_size
             cache = HostStaticCache(text, max_cache_len=length, batch_size=rows, device=model.device,
                                     dtype=model.dtype)
         else:
             from transformers import StaticCache
 
             cache = StaticCache(config=text, max_cache_len=length)
+        self._caches[key] = cache
         self.supplied += 1
         log.debug("generate(): %s with max_cache_len %d (needs %d)", type(cache).__name__, length, need)
         return cache

@@ -116,3 +116,25 @@ def test_host_kv_supplies_a_host_static_cache(refs):
     r16 = refs["bfloat16"].generate(ids, attention_mask=mask, **kw)
     traffic.bf16_check(r32.sequences[:, 90:], r32.scores, r16.scores, out.sequences[:, 90:], out.scores,
                        factor=float("inf"))
+
+
+def test_the_supplied_cache_is_kept_per_shape_and_reset_for_the_next_call(refs):
+    """One cache per (rows, bucket): a second call of a shape gets the first call's cache, reset (its tensors the
+    same objects, so the decode graph is not compiled again), and its tokens are still the unmodified model's."""
+    calls = [(2, 100), (1, 90), (2, 70), (2, 150)]
+    with torch._dynamo.config.patch(recompile_limit=8), warnings.catch_warnings():
+        warnings.simplefilter("error", OffloadWarning)
+        run = traffic.run("offload", "default", calls, refs)
+    assert all(c.checked for c in run.calls) and all(c.hits > 0 for c in run.calls)
+    assert run.compiles == 3  # (2, 128), (1, 128), (2, 256)
+
+    m = offload(traffic.model(), pool_size=1024)
+    kw = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    outs = []
+    for B, L, seed in ((2, 100, 1), (2, 70, 2)):
+        ids, mask = traffic.prompt(B, L, seed)
+        outs.append(m.generate(ids, attention_mask=mask, **kw))
+        assert outs[-1].past_key_values.get_seq_length() == L + NEW - 1
+    first, second = (o.past_key_values for o in outs)
+    assert first is second and m.offload_router.supplied == 2 and len(m.offload_router._caches) == 1
+    assert m.offload_router.compiled == 1
