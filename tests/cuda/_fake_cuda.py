@@ -8,6 +8,12 @@
   ``FakeGuardImpl<CUDA>`` (device index bookkeeping only, no driver) from a three-line C++ test double
   built with ``torch.utils.cpp_extension.load_inline`` (cached by torch; about 20 s the first time).
   Never loaded where torch has CUDA (the real guard is there).
+* The flow's own fake mode is the compile's: entered inside a Dynamo compile (the flow's backend runs in it,
+  so the offload state's pools are made there), it stands in for the tracing context's fake mode until it
+  exits. torch 2.8 and 2.10 assert that every fake mode in sight is the tracing context's
+  (``torch._guards.detect_fake_mode``: "fake mode ... from tracing context 0 doesn't match mode ... from
+  active fake mode 0"); 2.11+ take the tracing context's and ignore the rest. A real CUDA run has no outer
+  fake mode.
 * Fake tensors carry no values. The offload's compile-time *value* reads (the block tables' identity
   layout, ``passes/frontends/recipe.py`` ``is_identity_table``) are answered from the CPU twins of the same
   tables (:func:`values_from_twins`); nothing else reads values.
@@ -22,23 +28,10 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Iterator
 
-import pytest
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
+from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-from offload_passes import _compat
-
-#: The flow compiles inside its own fake mode (the offload state's pools are made there). torch 2.11+ (checked:
-#: 2.11, 2.13, 2.14, 2.15) lets Dynamo's tracing context decide which fake mode a compile uses; torch 2.8 and
-#: 2.10 assert instead that
-#: every fake mode in sight is Dynamo's (``torch._guards.detect_fake_mode``: "fake mode ... from tracing
-#: context 0 doesn't match mode ... from active fake mode 0"). A user's CUDA run has no outer fake mode;
-#: only this harness has. Strict: the mark fails the suite once such a torch runs the flow.
-needs_tracing_context_fake_mode = pytest.mark.xfail(
-    _compat.TORCH_VERSION < (2, 11), strict=True, raises=BackendCompilerFailed,
-    reason="torch 2.8 / 2.10 refuse a compile inside the harness's own fake mode")
 
 _GUARD_SRC = r"""
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -60,10 +53,42 @@ def install_fake_cuda_guard() -> None:
     _loaded = True
 
 
+def _fake_rules_for(mode_type: type) -> None:
+    """A higher-order operator finds its rule by the exact type of the mode (``python_key_table``): give
+    ``mode_type`` FakeTensorMode's rule for each operator that has one."""
+    for op in torch._ops._higher_order_ops.values():
+        rule = op.python_key_table.get(FakeTensorMode)
+        if rule is not None and mode_type not in op.python_key_table:
+            op.python_key_table[mode_type] = rule
+
+
 class _FakeModeWithoutDevice(FakeTensorMode):
-    """torch 2.8's ``FakeTensorMode`` constant-folds a copy of a real host tensor to ``cuda`` by running
+    """The flow's fake mode. Entered inside a Dynamo compile it is the compile's fake mode (module doc).
+    torch 2.8's ``FakeTensorMode`` constant-folds a copy of a real host tensor to ``cuda`` by running
     the copy, which needs a driver; torch 2.10+ skips that fold when no device is available (its
     ``avoid_device_init``). Here the real tensor becomes a fake first, as 2.10+ does."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._swapped: list = []
+
+    def __enter__(self):
+        # inside a Dynamo compile (the flow's backend runs in this mode), this mode is the compile's fake mode
+        ctx = TracingContext.try_get()
+        swap = ctx is not None and ctx.fake_mode is not None and ctx.fake_mode is not self
+        self._swapped.append((ctx, ctx.fake_mode) if swap else None)
+        if swap:
+            ctx.fake_mode = self
+            _fake_rules_for(type(self))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            swapped = self._swapped.pop()
+            if swapped is not None:
+                swapped[0].fake_mode = swapped[1]
 
     def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -114,7 +114,6 @@ def test_the_cache_itself_read_by_an_aten_op_is_reported():
     assert [p.split(":")[0] for p in problems] == ["kv_cache", "host_sum"]
 
 
-@F.needs_tracing_context_fake_mode
 def test_tiny_decode_graph_is_capturable(flow):
     """The lowered decode step of the tiny recipe model on fake CUDA: plan, serve, install, the host cache
     writes, the side-stream scope, the guards and the model's own indexer and sparse attention (device

@@ -21,7 +21,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import _fake_cuda as F
 from offload_passes import cuda, make_offload_backend, models
 
 aten = torch.ops.aten
@@ -131,7 +130,6 @@ def fake_paged():
     next(gen, None)
 
 
-@F.needs_tracing_context_fake_mode
 def test_paged_groups_on_fake_cuda(fake_paged):
     be, m = fake_paged["be"], fake_paged["model"]
     rep = be.reports[-1]
@@ -149,7 +147,6 @@ def test_paged_groups_on_fake_cuda(fake_paged):
     assert all(s.logits.device == CUDA0 for s in fake_paged["steps"])
 
 
-@F.needs_tracing_context_fake_mode
 def test_reset_row_waits_for_the_device_before_the_host_writes(fake_paged):
     """The re-fill of row 1: one wait for cuda:0, then the host zeroes the row's full caches (2 per layer),
     then the prefill writes its rows as cache-write ops of device rows into the host caches; no host write

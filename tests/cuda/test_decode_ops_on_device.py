@@ -21,13 +21,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import _fake_cuda as F
 from offload_passes.custom_ops import OP_SPECS
 from offload_passes.lowering.cuda import STREAM_NAMESPACE
 from offload_passes.lowering.cuda_graphs import capture_problems
 from offload_passes.passes import _fx
-
-pytestmark = F.needs_tracing_context_fake_mode
 
 CPU = torch.device("cpu")
 SERVE = torch.ops.custom.dsa_serve.default

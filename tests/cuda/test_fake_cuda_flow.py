@@ -20,8 +20,6 @@ import torch
 import _fake_cuda as F
 from offload_passes import cuda, make_offload_backend, models
 
-pytestmark = F.needs_tracing_context_fake_mode
-
 aten = torch.ops.aten
 CUDA0, CPU = torch.device("cuda", 0), torch.device("cpu")
 B_ROWS = 2

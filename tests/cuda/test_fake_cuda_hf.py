@@ -23,8 +23,6 @@ import _fake_cuda as F
 from offload_passes import make_offload_backend
 from offload_passes.lowering.cuda_graphs import capture_problems
 
-pytestmark = F.needs_tracing_context_fake_mode
-
 aten = torch.ops.aten
 CUDA0, CPU = torch.device("cuda", 0), torch.device("cpu")
 B, P, T, STEPS = 2, 72, 80, 3

@@ -99,7 +99,6 @@ def recipe_capture(request, double):
     gen.close()
 
 
-@F.needs_tracing_context_fake_mode
 def test_recipe_decode_step_is_one_captured_graph(recipe_capture):
     """4 steps, a re-fill (eager prefill of row 1), one more step: the step's one graph runs eagerly once,
     is captured on the second call and replayed on the 3 later ones; the outputs are on the device."""
@@ -114,7 +113,6 @@ def test_recipe_decode_step_is_one_captured_graph(recipe_capture):
     assert rep["rewritten"] and rep["refusals"] == []
 
 
-@F.needs_tracing_context_fake_mode
 def test_recipe_capture_holds_the_whole_step(recipe_capture):
     f = recipe_capture
     ops = f["graphs"][0].ops
@@ -128,7 +126,6 @@ def test_recipe_capture_holds_the_whole_step(recipe_capture):
     assert other not in ops
 
 
-@F.needs_tracing_context_fake_mode
 def test_paged_recipe_step_with_host_kv_is_one_captured_graph(double):
     """A permuted block table (both groups paged): the model's kept gather reads the host caches through the
     pinned address (``HOST_OPERANDS``) and checks the table on the device, so the paged step captures too."""
@@ -160,7 +157,6 @@ def hf_capture(request, double):
     return dict(r, policy=request.param, graphs=double.made[n0:])
 
 
-@F.needs_tracing_context_fake_mode
 def test_hf_decode_step_with_host_kv_is_one_captured_graph(hf_capture):
     f = hf_capture
     r = _the_replay(f["be"])
@@ -205,7 +201,6 @@ def test_a_host_sync_in_the_step_fails_the_capture(double):
         assert r.captures == {}
 
 
-@F.needs_tracing_context_fake_mode
 def test_an_unguarded_model_step_is_refused_at_compile_and_at_capture(double, monkeypatch):
     """The tiny recipe step with its guards left as ``aten._assert_async`` (a device-side assert: host-visible,
     fatal to the context): refused at compile time by ``capture_problems``, naming the nodes; with that check
