@@ -183,8 +183,10 @@ def detect_fake_mode(inputs: Any) -> Any:
 
 def mark_static_address(t: Any) -> None:
     """``torch._dynamo.mark_static_address``: ``t`` keeps one data pointer for its life, so Dynamo treats it
-    as a static input (what ``transformers``' ``StaticLayer`` does with its caches; ``offload_passes/hf_cache.py``)."""
-    torch._dynamo.mark_static_address(t)
+    as a static input (what ``transformers``' ``StaticLayer`` does with its caches; ``offload_passes/hf_cache.py``).
+    Unguarded on every version (2.13's default): torch 2.8's default guards such a tensor by its identity, so
+    a new cache of the same shapes recompiled the step instead of reusing its graph (2.8-2.15)."""
+    torch._dynamo.mark_static_address(t, guard=False)
 
 
 def static_fake(t: Any) -> Any:
@@ -217,6 +219,26 @@ def dynamo_traces_mask_indexing() -> bool:
     ``torch._dynamo.config.capture_dynamic_output_shape_ops`` is set; 2.10, 2.13 and 2.14 trace it.
     transformers' ``glm5_next`` pools its indexer keys that way (docs/hf.md)."""
     return TORCH_VERSION >= (2, 10)
+
+
+def mask_indexing_traced() -> Any:
+    """A context in which Dynamo traces boolean-mask indexing into a full graph: torch 2.8 needs
+    ``capture_dynamic_output_shape_ops`` for it (:func:`dynamo_traces_mask_indexing`), later ones nothing."""
+    if dynamo_traces_mask_indexing():
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+
+
+def dynamo_traces_user_dict() -> bool:
+    """Whether Dynamo inlines ``collections.UserDict`` (transformers' ``KVSharingDict``, which the decode
+    step of ``mistral_large4`` and ``kolibri1_1`` builds). torch 2.8's trace rules skip the whole
+    ``collections`` module ("Attempted to inline function marked as skipped ... ``UserDict.__init__``");
+    2.13's inline it. Read from Dynamo's own trace rules (checked: 2.8 False, 2.13 True)."""
+    import collections
+
+    from torch._dynamo import trace_rules
+
+    return not trace_rules.check(collections.UserDict.__init__, is_inlined_call=True)
 
 
 def functional_collectives() -> Any:

@@ -87,6 +87,9 @@ class FamilyEntry:
     since: Optional[str] = None  # the transformers release that added the family, when newer than 5.23
     fullgraph: bool = True  # Dynamo traces its decode step into one graph (fullgraph=True compiles)
     needs: str = ""  # what the offload of this family would take (outcomes other than "offload")
+    # its decode step builds transformers' KVSharingDict (a collections.UserDict): a Dynamo that skips UserDict
+    # (torch 2.8's) cannot trace it (dynamo_limit)
+    kv_sharing_dict: bool = False
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -111,7 +114,7 @@ FAMILY_TABLE: dict[str, FamilyEntry] = {
     "mistral_large4": FamilyEntry(
         ("mistral_large4",), "hf-mistral-large4",
         f"lightning indexer top-k, IndexShare, cross-layer KV sharing (kv_source_layers), NoPE every 4th layer "
-        f"(served in the ops' no-rope mode, Dr = 0); {_MLA}", "offload"),
+        f"(served in the ops' no-rope mode, Dr = 0); {_MLA}", "offload", kv_sharing_dict=True),
     "glm5_next": FamilyEntry(
         ("glm5_next",), "hf-glm5-next",
         "pooled indexer: top pools of index_kpool tokens expanded to token ids + the tail pool; NoPE MLA; "
@@ -138,11 +141,27 @@ FAMILY_TABLE: dict[str, FamilyEntry] = {
         "+ sink and local tokens (bool masks); GQA, NoPE, cross-layer KV sharing", "refused", ("indexer_split",),
         since="5.25", fullgraph=False,
         needs="a traceable selection (transformers' loops branch on data), then GQA caches, a no-rope mode and "
-              "shared pools"),
+              "shared pools", kv_sharing_dict=True),
     "doge": FamilyEntry(
         ("doge",), "hf-doge", "no indexer: per-head top-k of a value-derived bias (dynamic mask attention); GQA",
         "refused", ("attention_topk",), needs="per-head selection over GQA caches (no shared selection per query row)"),
 }
+
+
+def dynamo_limit(model_type: str) -> Optional[str]:
+    """Why this torch's Dynamo cannot trace the decode step of the family that decodes ``model_type`` at all
+    (with any backend), or None. The HF demo refuses such a preset with this sentence."""
+    from offload_passes import _compat
+
+    fam = next((f for f, e in FAMILY_TABLE.items() if model_type in e.model_types), None)
+    entry = FAMILY_TABLE.get(fam) if fam is not None else None
+    # a family without a full graph on any torch only breaks earlier there (the backend refuses it the same way)
+    if entry is None or not (entry.kv_sharing_dict and entry.fullgraph) or _compat.dynamo_traces_user_dict():
+        return None
+    import torch
+
+    return (f"{fam}: torch {torch.__version__}'s Dynamo cannot trace its decode step: transformers' KVSharingDict "
+            f"is a collections.UserDict, whose __init__ this Dynamo skips (torch 2.13 traces it)")
 
 
 def family_table_markdown() -> str:
@@ -153,10 +172,12 @@ def family_table_markdown() -> str:
         types = ", ".join(f"`{t}`" for t in e.model_types)
         reasons = ", ".join(f"`{r}`" for r in e.reasons) or ("—" if e.outcome == "offload" else "none reported")
         outcome = e.outcome + ("" if e.fullgraph else "; no full graph")
+        if e.kv_sharing_dict and e.fullgraph:
+            outcome += "; not on torch 2.8 (its Dynamo skips `collections.UserDict`: transformers' `KVSharingDict`)"
         rows.append(f"| `{fam}` ({types}) | {e.since or '5.23'} | `{e.preset}` | {e.selection} | {outcome} | "
                     f"{reasons} | {e.needs or '—'} |")
     return "\n".join(rows) + "\n"
 
 
-__all__ = ["DEFAULT_MODEL_TYPE", "FAMILY_TABLE", "FamilyEntry", "OUTCOMES", "family_table_markdown", "make_config",
-           "model_class", "model_types", "set_attn_implementation", "text_config"]
+__all__ = ["DEFAULT_MODEL_TYPE", "FAMILY_TABLE", "FamilyEntry", "OUTCOMES", "dynamo_limit", "family_table_markdown",
+           "make_config", "model_class", "model_types", "set_attn_implementation", "text_config"]

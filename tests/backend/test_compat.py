@@ -5,6 +5,7 @@ The scan reads the code (``ast``), so docstrings, comments and messages may stil
 from __future__ import annotations
 
 import ast
+import collections
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,53 @@ def test_compat_symbols_work_on_this_torch():
         assert callable(f())
     assert isinstance(_compat.custom_graph_pass_base(), type)
     assert _compat.torch_logs_registry() is not None
+
+
+def test_a_static_address_is_not_guarded_by_identity():
+    """A new tensor of the same shapes in a static-address input reuses the graph (torch 2.8's own default
+    would recompile: it guards such a tensor by its identity)."""
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda cache, x: cache.add_(x), backend=count)
+    first, second = torch.zeros(3), torch.zeros(3)
+    for t in (first, second):
+        _compat.mark_static_address(t)
+        fn(t, torch.ones(3))
+    torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert torch.equal(first, torch.ones(3)) and torch.equal(second, torch.ones(3))
+
+
+class _Shared(collections.UserDict):
+    pass
+
+
+def test_dynamo_traces_user_dict_says_what_dynamo_does():
+    """``dynamo_traces_user_dict`` (transformers' ``KVSharingDict``) agrees with a full-graph compile of a
+    ``UserDict`` subclass built in the step: False on torch 2.8 (its Dynamo skips ``UserDict.__init__``),
+    True on 2.13."""
+    def step(x):
+        shared = _Shared()
+        shared["k"] = x
+        return shared["k"] + 1
+
+    torch._dynamo.reset()
+    fn = torch.compile(step, backend="eager", fullgraph=True)
+    if _compat.dynamo_traces_user_dict():
+        assert torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
+    else:
+        with pytest.raises(Exception, match=r"Attempted to inline function marked as skipped(.|\n)*UserDict.__init__"):
+            fn(torch.ones(2))
+    torch._dynamo.reset()
+    if _compat.TORCH_VERSION < (2, 9):
+        assert not _compat.dynamo_traces_user_dict()
+    if _compat.TORCH_VERSION >= (2, 13):
+        assert _compat.dynamo_traces_user_dict()
 
 
 def _minor(version: str) -> tuple[int, int]:

@@ -105,6 +105,30 @@ def installed(family: str) -> bool:
 
 INSTALLED = [f for f in FAMILIES if installed(f)]
 
+#: Dynamo's message where it will not inline ``collections.UserDict.__init__`` (transformers' ``KVSharingDict()``)
+SKIPS_USER_DICT = r"Attempted to inline function marked as skipped(.|\n)*`UserDict.__init__`"
+#: torch 2.8 (checked; 2.13 refuses the block mask by block_topk): minimax_m3_vl's block mask
+#: reaches the detector through an ``__eq__`` it does not follow, so the refusal is hf_site_not_verified
+BLOCK_MASK_VIA_EQ = _compat.TORCH_VERSION < (2, 10)
+
+
+def dynamo_limit(family: str) -> Optional[str]:
+    return families.dynamo_limit(families.FAMILY_TABLE[family].model_types[0])
+
+
+def assert_dynamo_stops_in_transformers(family: str, dtype: str) -> None:
+    """On a torch whose Dynamo skips ``collections.UserDict`` (2.8): compiling the family's decode step in one
+    graph stops at transformers' ``KVSharingDict()``, before the backend sees any graph."""
+    torch._dynamo.reset()
+    comp = hf.build(_config(family), attn=FAMILIES[family].attn if dtype == "float32" else None, dtype=dtype)
+    backend = make_offload_backend(enable_offload=True)
+    fn = torch.compile(comp.model, backend=backend, fullgraph=True)
+    dec = comp.decoder()
+    dec.prefill()
+    with pytest.raises(Exception, match=SKIPS_USER_DICT):
+        dec.step(fn)
+    assert list(backend.reports) == []
+
 
 def _config(family: str) -> dict:
     fam = FAMILIES[family]
@@ -138,8 +162,7 @@ def run(family: str, dtype: str) -> Run:
     ref = base.run(steps=fam.steps)
     dec = comp.decoder()
     dec.prefill()
-    dynamo = (torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
-              if fam.mask_indexing and not _compat.dynamo_traces_mask_indexing() else contextlib.nullcontext())
+    dynamo = _compat.mask_indexing_traced() if fam.mask_indexing else contextlib.nullcontext()
     pipeline._warned.clear()  # each family's run shows its own warnings (warned once per process otherwise)
     with dynamo, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", OffloadWarning)
@@ -179,6 +202,18 @@ def test_every_family_with_an_indexer_in_the_installed_release_is_in_the_table()
 def test_every_family_is_offloaded_or_refused_by_name(family):
     entry = families.FAMILY_TABLE[family]
     assert entry.outcome == "offload" or entry.reasons, f"{family}: {families.OUTCOMES[entry.outcome]}"
+
+
+def test_dynamo_limit_names_the_families_this_torch_cannot_trace():
+    limited = sorted(f for f in families.FAMILY_TABLE if dynamo_limit(f) is not None)
+    if _compat.dynamo_traces_user_dict():
+        assert limited == []
+    else:  # kolibri1_1 builds a KVSharingDict too, but has no full graph on any torch (refused by indexer_split)
+        assert limited == ["mistral_large4"]
+        assert dynamo_limit("mistral_large4") == (
+            f"mistral_large4: torch {torch.__version__}'s Dynamo cannot trace its decode step: transformers' "
+            "KVSharingDict is a collections.UserDict, whose __init__ this Dynamo skips (torch 2.13 traces it)")
+    assert families.dynamo_limit("no_such_type") is None
 
 
 def test_docs_family_table_is_the_generated_one():
@@ -260,6 +295,9 @@ def test_survey_reads_model_folders_and_needs_a_decoding_model_type(tmp_path):
 @pytest.mark.parametrize("family", INSTALLED)
 def test_outcome_in_fp32_the_sparse_rewrite_is_exact_or_the_model_runs_unmodified(family):
     fam, entry = FAMILIES[family], families.FAMILY_TABLE[family]
+    if dynamo_limit(family) is not None:
+        assert_dynamo_stops_in_transformers(family, "float32")
+        return
     r = run(family, "float32")
     rep = r.report
     assert rel_err(r.ref, r.out) <= FP32_REL_TOL
@@ -269,6 +307,13 @@ def test_outcome_in_fp32_the_sparse_rewrite_is_exact_or_the_model_runs_unmodifie
         assert not any(x["rewritten"] for x in r.backend.reports)
         # a step over several graphs (no full graph): the graphs that hold part of the indexer name the reason
         refusals = [f for x in r.backend.reports for f in x["refusals"]] if not entry.fullgraph else rep["refusals"]
+        if family == "minimax_m3_vl" and BLOCK_MASK_VIA_EQ:
+            assert [(f["reason"], f["layer"]) for f in refusals] == [("hf_site_not_verified", 0),
+                                                                     ("hf_site_not_verified", 1)]
+            assert all(re.fullmatch(r"scatter__\d+: eq_\d+: the block mask is consumed by __eq__", f["detail"])
+                       for f in refusals), refusals
+            assert len(r.warnings) == 1 and "hf_site_not_verified" in r.warnings[0], r.warnings
+            return
         assert refusals and {f["reason"] for f in refusals} == set(entry.reasons)
         assert all(REFUSAL_DETAIL[f["reason"]] in f["detail"] for f in refusals), refusals
         if not entry.fullgraph:  # one warning for every graph of the step, naming the indexer's class
@@ -296,13 +341,22 @@ def test_outcome_no_full_graph_with_any_backend(family):
     dec.prefill()
     torch._dynamo.reset()
     fn = torch.compile(comp.model, backend="eager", fullgraph=True)
-    with pytest.raises(Exception, match="data-dependent"):
+    if families.FAMILY_TABLE[family].kv_sharing_dict and not _compat.dynamo_traces_user_dict():
+        expected = SKIPS_USER_DICT  # torch 2.8: kolibri1_1 stops earlier, at transformers' KVSharingDict()
+    elif not _compat.dynamo_traces_mask_indexing():
+        expected = r"Dynamic shape operator(.|\n)*aten.nonzero"  # torch 2.8: at qwen4_exp's boolean-mask index
+    else:
+        expected = "data-dependent"
+    with pytest.raises(Exception, match=expected):
         dec.step(fn)
 
 
 @pytest.mark.parametrize("family", [f for f in INSTALLED if families.FAMILY_TABLE[f].outcome in ("offload", "sparse")])
 def test_outcome_in_bf16_the_offload_engages_or_is_refused_by_the_named_reasons(family):
     fam, entry = FAMILIES[family], families.FAMILY_TABLE[family]
+    if dynamo_limit(family) is not None:
+        assert_dynamo_stops_in_transformers(family, "bfloat16")
+        return
     r = run(family, "bfloat16")
     rep = r.report
     # no further from the fp32 unmodified model than the bf16 unmodified model is (x BF16_FACTOR)
@@ -380,6 +434,9 @@ def test_offload_is_decided_per_group_mistral_large4_in_an_npu_mode():
     from offload_passes.backend import OffloadRefused, rewrite_for_offload
     from offload_passes.options import OffloadOptions
 
+    if dynamo_limit("mistral_large4") is not None:
+        assert_dynamo_stops_in_transformers("mistral_large4", "bfloat16")
+        return
     torch._dynamo.reset()
     part, sparse = hf.build(_config("mistral_large4"), dtype="bfloat16"), hf.build(_config("mistral_large4"),
                                                                                   dtype="bfloat16")
@@ -431,8 +488,14 @@ def test_offload_demo_runs_the_family_preset(family, capsys, caplog):
     from offload_passes.apps import demo
 
     torch._dynamo.reset()
+    preset = families.FAMILY_TABLE[family].preset
     with caplog.at_level(logging.INFO, logger="offload_passes"):
-        rc = demo.main(["--model", "hf", "--config", families.FAMILY_TABLE[family].preset, "--steps", "8", "--json"])
+        rc = demo.main(["--model", "hf", "--config", preset, "--steps", "8", "--json"])
+    limit = dynamo_limit(family)
+    if limit is not None:  # torch 2.8: refused by name before anything is compiled
+        assert limit.startswith(f"{family}: torch {torch.__version__}'s Dynamo cannot trace its decode step")
+        assert (rc, capsys.readouterr()) == (2, ("", f"offload-demo: error: --config {preset!r}: {limit}\n"))
+        return
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["within_tolerance"] and out["offload"] is True and out["refusals"] == [], out
     assert out["hits"] > 0 and out["ops"]["dsa_plan"] == len(out["groups"])
