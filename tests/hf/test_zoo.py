@@ -107,9 +107,6 @@ INSTALLED = [f for f in FAMILIES if installed(f)]
 
 #: Dynamo's message where it will not inline ``collections.UserDict.__init__`` (transformers' ``KVSharingDict()``)
 SKIPS_USER_DICT = r"Attempted to inline function marked as skipped(.|\n)*`UserDict.__init__`"
-#: torch 2.8 (checked; 2.13 refuses the block mask by block_topk): minimax_m3_vl's block mask
-#: reaches the detector through an ``__eq__`` it does not follow, so the refusal is hf_site_not_verified
-BLOCK_MASK_VIA_EQ = _compat.TORCH_VERSION < (2, 10)
 
 
 def dynamo_limit(family: str) -> Optional[str]:
@@ -307,13 +304,6 @@ def test_outcome_in_fp32_the_sparse_rewrite_is_exact_or_the_model_runs_unmodifie
         assert not any(x["rewritten"] for x in r.backend.reports)
         # a step over several graphs (no full graph): the graphs that hold part of the indexer name the reason
         refusals = [f for x in r.backend.reports for f in x["refusals"]] if not entry.fullgraph else rep["refusals"]
-        if family == "minimax_m3_vl" and BLOCK_MASK_VIA_EQ:
-            assert [(f["reason"], f["layer"]) for f in refusals] == [("hf_site_not_verified", 0),
-                                                                     ("hf_site_not_verified", 1)]
-            assert all(re.fullmatch(r"scatter__\d+: eq_\d+: the block mask is consumed by __eq__", f["detail"])
-                       for f in refusals), refusals
-            assert len(r.warnings) == 1 and "hf_site_not_verified" in r.warnings[0], r.warnings
-            return
         assert refusals and {f["reason"] for f in refusals} == set(entry.reasons)
         assert all(REFUSAL_DETAIL[f["reason"]] in f["detail"] for f in refusals), refusals
         if not entry.fullgraph:  # one warning for every graph of the step, naming the indexer's class

@@ -165,7 +165,8 @@ def is_block_bias(n: fx.Node) -> bool:
 def _block_expansion(u: fx.Node) -> Optional[int]:
     """``(bias == 0).repeat_interleave(block_size, dim=-1)``: the block mask compared back to a bool and
     widened to token positions (minimax_m3_vl's block top-k); the block size, else None."""
-    if not (calls(u, "eq") or (u.op == "call_function" and u.target in (operator.eq, torch.eq))):
+    # torch 2.8 / 2.10 trace ``bias == 0`` as ``Tensor.__eq__``, later ones as ``eq``
+    if not (calls(u, "eq") or calls(u, "__eq__") or (u.op == "call_function" and u.target in (operator.eq, torch.eq))):
         return None
     for w in u.users:
         while w is not None and (is_view(w) or is_cast(w)) and len(w.users) == 1:
