@@ -41,10 +41,10 @@ def run_hf(config: str = "hf-tiny", steps: int = 64, mode: str = "eager", pool_s
     if dtype is not None:
         over["dtype"] = dtype
     base = hf.build(config, attn=attn, **over)
-    comp = hf.build(config, attn=attn, **over)
-    limit = families.dynamo_limit(comp.config.model_type)
-    if limit is not None:
+    limit = families.dynamo_limit(base.config.model_type)
+    if limit is not None:  # before the second model is built: nothing of it would run
         raise UsageError(f"--config {config!r}: {limit}")
+    comp = hf.build(config, attn=attn, **over)
     # every backend option reaches the backend, as in the recipe demo (second chance included)
     opts: dict[str, Any] = {"exe_mode": mode, "replacement_policy": replacement_policy}
     if pool_size is not None:
