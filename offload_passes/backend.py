@@ -151,7 +151,7 @@ class _Compiled:
         if be is not None:
             be._last = weakref.ref(b)
         out = self.fn(*args, *extra)
-        b.after_call(args)
+        b.after_call(args, out)
         if self.report is not None and b.cold_resets != (self.report.cold_resets or 0):
             self.report.cold_resets = b.cold_resets
         return out
@@ -355,7 +355,7 @@ class OffloadBackend:
                         "are invalidated before every step (docs/new-requests.md)", graph_id)
             b = StateBinder(graph_id, [], [], None, state)
         else:
-            b = StateBinder(graph_id, state.layouts, state.cache_refs, names, state)
+            b = StateBinder(graph_id, state.layouts, state.cache_refs, names, state, grown=state.grown)
         self._binders[graph_id] = b
         return gm, example_inputs, b
 

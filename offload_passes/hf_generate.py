@@ -1,8 +1,8 @@
 """``generate()`` under a server's traffic: the cache ``offload(model)`` supplies and the decode graphs it compiles.
 
-Left alone, ``generate()`` builds a ``DynamicCache`` (refused ``dynamic_cache``) or, with
-``cache_implementation="static"``, a ``StaticCache`` sized per call whose decode graphs share one Dynamo frame
-and reach its ``recompile_limit`` after a few lengths. :class:`GenerateRouter` runs for the duration of
+Left alone, ``generate()`` builds a ``DynamicCache`` (offloaded on CPU with a symbolic cache length, its decode
+graphs sharing the prefill's Dynamo frame) or, with ``cache_implementation="static"``, a ``StaticCache`` sized
+per call whose decode graphs share one Dynamo frame and reach its ``recompile_limit`` after a few lengths. :class:`GenerateRouter` runs for the duration of
 ``offload(model).generate`` (and the class form's ``generate``):
 
 * the cache (:meth:`GenerateRouter.prepare_cache`): where the caller chose none, a ``StaticCache``

@@ -5,7 +5,8 @@ Beam search reorders every cache row after every step (``Cache.reorder_cache(bea
 start cold every step. :func:`follow_cache_reorders` wraps ``reorder_cache`` (once per process, from the first
 offloaded Hugging Face graph) so the old tensors' state becomes the new ones', its rows gathered by
 ``beam_idx`` (a row may be taken twice). Exact: a pool row mirrors its cache row and both move together.
-The modes that change the batch or cut the cache exist only on a ``DynamicCache``, refused ``dynamic_cache``.
+The modes that change the batch or cut the cache (a ``DynamicCache``'s ``crop``, ``batch_select_indices``) make
+tensors of another shape, which no state is known by: those steps start cold.
 """
 from __future__ import annotations
 

@@ -153,6 +153,9 @@ class SpecialisePass(_CorePass):
         spec = _specialise(ctx.detection)
         if spec:
             ctx.report.specialised = spec
+            fe_summary = ctx.detection.summary()[1]  # the sites' sizes as the rewrite reads them now
+            if ctx.report.hf is not None and fe_summary is not None and "sites" in fe_summary:
+                ctx.report.hf["sites"] = fe_summary["sites"]
         return spec
 
 
@@ -338,8 +341,10 @@ def _specialise(det: Detection) -> dict:
         dims = getattr(s, "dims", None)  # the HF form's sites carry their sizes (B, S, T, K, ...)
         if not isinstance(dims, dict):
             continue
+        # a grown cache keeps its symbolic length, and the top-k width min(index_topk, length) it bounds
+        keep = ("T", "K") if getattr(s, "grown", False) else ()
         for k, v in list(dims.items()):
-            if isinstance(v, torch.SymInt):
+            if isinstance(v, torch.SymInt) and k not in keep:
                 dims[k] = guard_int(v)
                 done.setdefault(k, {"symbol": str(v), "value": dims[k]})
     return done

@@ -203,8 +203,9 @@ def emit_serve(ctx: RewriteCtx, gn: GroupNodes, layer: int, full_kv: fx.Node, fu
     geo = p.geometry[layer]
     pkv, prope = gn.pools[layer]
     sel = gn.sel[layer]
-    fkv = b(aten.view.default, full_kv, [p.B, geo.F, geo.Dkv])
-    frp = b(aten.view.default, full_rope, [p.B, geo.F, geo.Dr])
+    F = geo.F if isinstance(geo.F, int) else -1  # a grown cache: its symbolic length, as the view infers it
+    fkv = b(aten.view.default, full_kv, [p.B, F, geo.Dkv])
+    frp = b(aten.view.default, full_rope, [p.B, F, geo.Dr])
     return b(custom.dsa_serve.default, gn.plan_n, fkv, frp, pkv, prope, sel.kv, sel.rope,
              raw_seq=p.S, topk=p.K, selection_block_size=p.BS, compact_layout=1)
 

@@ -34,7 +34,8 @@ def lengths_guard(ctx: RewriteCtx, grp: Group, p: GroupGeometry, L: fx.Node) -> 
     if root in ctx.guarded:
         return
     ctx.guarded.add(root)
-    lim = min(max(p.geometry[l].F for l in p.layers), p.id_range)
+    # a grown cache (its length the cache's own symbolic size) is bounded by the id range alone
+    lim = p.id_range if p.lengths_are_cache_size else min(max(p.geometry[l].F for l in p.layers), p.id_range)
     b = ctx.b
     guard(ctx, L, lambda: b(aten.logical_and.default, b(aten.all.default, b(aten.ge.Scalar, L, 0)),
                             b(aten.all.default, b(aten.le.Scalar, L, lim))),

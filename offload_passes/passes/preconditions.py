@@ -56,6 +56,10 @@ class SiteGeometry:
     block_table: Optional[fx.Node] = None
     FBS: int = 0
     paged: bool = False
+    #: a cache grown by concatenation this step (a ``DynamicCache``): ``full_kv`` / ``full_rope`` are the
+    #: ``cat`` nodes, ``past`` the graph inputs (kv, rope) they extend; the pools are found by those inputs
+    #: and follow the ``cat`` outputs after the step (``state.StateBinder.after_call``)
+    past: Optional[tuple[fx.Node, fx.Node]] = None
 
 
 @dataclass
@@ -85,6 +89,9 @@ class GroupGeometry:
     #: ``lengths`` holds this step's cache positions ``[S]``, the same for every row (HF's ``StaticCache``):
     #: the rewrite plans with ``max(positions) + 1`` per row
     lengths_are_positions: bool = False
+    #: ``lengths`` is the owner's cache grown by concatenation this step (a ``DynamicCache``), ``[B, 1, T, C]``:
+    #: every row's length is its size ``T`` (symbolic); the full caches are this step's ``cat`` nodes
+    lengths_are_cache_size: bool = False
 
     @property
     def paged(self) -> bool:
@@ -96,7 +103,9 @@ class GroupGeometry:
                 "topk_node": self.topk_node, "K": self.K, "S": self.S, "B": self.B, "BS": self.BS,
                 "pool_size": self.pool_size, "num_sets": self.num_sets, "id_range": self.id_range,
                 "paged": self.paged, **({"pool_source": dict(self.pool_source)} if self.pool_source else {}),
-                **({"ids_width": self.ids_width} if self.ids_width is not None else {})}
+                **({"ids_width": self.ids_width if isinstance(self.ids_width, int) else str(self.ids_width)}
+                   if self.ids_width is not None else {}),
+                **({"cache": "grown"} if self.lengths_are_cache_size else {})}
 
 
 @dataclass

@@ -192,9 +192,14 @@ def step_lengths(ctx: RewriteCtx, grp: Group, p: GroupGeometry) -> fx.Node:
     """This step's cache length per row, ``[B]`` int32, as the plan reads it: the geometry's lengths, or
     from this step's cache positions ``[S]`` (``lengths_are_positions``) ``max + 1`` repeated per row,
     emitted before the owner's anchor."""
+    b = ctx.b
+    if p.lengths_are_cache_size:  # [B, 1, T, C] grown this step: every row holds T positions
+        with ctx.g.inserting_before(grp.owner.anchor):
+            T = b(aten.sym_size.int, p.lengths, 2)
+            dev = _fx.example(p.topk).device
+            return b(aten.full.default, [p.B], T, dtype=torch.int32, device=dev)
     if not p.lengths_are_positions:
         return p.lengths
-    b = ctx.b
     with ctx.g.inserting_before(grp.owner.anchor):
         L = b(aten.add.Tensor, b(aten.amax.default, p.lengths, [0]), 1)
         return b(aten.repeat.default, b(aten.view.default, b(aten._to_copy.default, L, dtype=torch.int32), [1]),
@@ -211,11 +216,17 @@ def _plan_topk(b: Builder, p: GroupGeometry) -> fx.Node:
     if ex is None or ex.dtype != torch.int32:
         tk = b(aten._to_copy.default, tk, dtype=torch.int32)
     if p.ids_width is not None:
-        tk = b(aten.view.default, tk, [p.B, p.S, p.ids_width])
+        symbolic = isinstance(p.ids_width, torch.SymInt)  # min(index_topk, length) of a grown cache
+        tk = b(aten.view.default, tk, [p.B, p.S, -1 if symbolic else p.ids_width])
         neg = b(aten._to_copy.default, b(aten.lt.Scalar, tk, 0), dtype=torch.uint8)
         order = b.item(b(aten.sort.stable, neg, stable=True, dim=-1), 1)
         tk = b(aten.gather.default, tk, -1, order)
-        tk = b(aten.constant_pad_nd.default, tk, [0, p.K - p.ids_width], -1)
+        if symbolic:  # constant_pad_nd takes no symbolic padding, and a pad of symbolic width K - w would be
+            # guarded (a size is specialised at 0): append K of -1 and keep the first K
+            fill = b(aten.full.default, [p.B, p.S, p.K], -1, dtype=torch.int32, device=_fx.example(tk).device)
+            tk = b(aten.slice.Tensor, b(aten.cat.default, [tk, fill], -1), -1, 0, p.K)
+        else:
+            tk = b(aten.constant_pad_nd.default, tk, [0, p.K - p.ids_width], -1)
     return b(aten.view.default, tk, [p.B, p.S, 1, p.K])
 
 

@@ -30,6 +30,9 @@ class OffloadState:
     # how the backend rebuilds / selects this state per call (set by build_state)
     layouts: Optional[list] = field(default=None, repr=False, compare=False)
     cache_refs: Optional[list] = field(default=None, repr=False, compare=False)
+    # per group, per cache ref: the graph output a cache grown by concatenation becomes (its ref is the past
+    # input); None: no grown cache
+    grown: Optional[list] = field(default=None, repr=False, compare=False)
     shared: bool = field(default=False, repr=False, compare=False)
     # the model's batch (module_state): how many rows an announcement may name before a graph of that batch
     # has run on a shared state (a larger bucket); None: the rows held

@@ -45,8 +45,10 @@ class StateBinder:
 
     def __init__(self, graph_id: str, layouts: Sequence[GroupLayout], cache_refs: Sequence[Sequence[tuple]],
                  input_names: Optional[Sequence[str]], initial: OffloadState,
-                 registry: Optional[StateRegistry] = None) -> None:
+                 registry: Optional[StateRegistry] = None, grown: Optional[Sequence[Sequence]] = None) -> None:
         self.graph_id = graph_id
+        # per group, per cache ref: the graph output a cache grown by concatenation becomes (None: not grown)
+        self.grown = [list(g) for g in grown] if grown is not None else None
         self.layouts = list(layouts)
         self.cache_refs = [list(r) for r in cache_refs]
         self.input_names = list(input_names) if input_names is not None else None
@@ -130,14 +132,28 @@ class StateBinder:
         st = self.state_for(args)
         return st.flat(self.input_names) if self.input_names is not None else []
 
-    def after_call(self, args: Sequence[Any]) -> None:
-        """After the graph ran on ``args``: record its caches' versions (see :func:`after_step`)."""
+    def after_call(self, args: Sequence[Any], outputs: Sequence[Any] = ()) -> None:
+        """After the graph ran on ``args``: record its caches' versions (see :func:`after_step`). Caches grown
+        by concatenation: the pools follow the graph's ``outputs`` that extend them (the next step's past)."""
         st = self.last_state
         if st is None:
             return
         caches = self.caches(args)
+        if self.grown is not None and self.input_names is not None:
+            caches = self._follow(st, caches, outputs)
         for i, g in enumerate(st.groups):
             after_step(g.shared, caches[i] if i < len(caches) else ())
+
+    def _follow(self, st: OffloadState, caches: list[list[torch.Tensor]], outputs: Sequence[Any]
+                ) -> list[list[torch.Tensor]]:
+        """Each group's pools are found, from now on, by the outputs its grown caches became: the same rows
+        and this step's (which its installs put in the pools), as a new tensor. Proven by identity: the next
+        step finds them only when it is handed exactly those tensors, unwritten since (their versions)."""
+        new = [[outputs[j] if j is not None else t for t, j in zip(cs, gr)] for cs, gr in zip(caches, self.grown)]
+        for g, old, nw in zip(st.groups, caches, new):
+            self.registry.follow_growth(g.shared, old, nw)
+        self._last_caches, self._last_keys = [], None
+        return new
 
     @property
     def last_state(self) -> Optional[OffloadState]:

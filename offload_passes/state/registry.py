@@ -213,6 +213,17 @@ class StateRegistry:
             moved += 1
         return moved
 
+    def follow_growth(self, sg: GroupPools, old: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> bool:
+        """Group ``sg`` ran on caches ``old``; the step returned ``new[i]``, ``old[i]`` with rows appended
+        (``torch.cat``, a ``DynamicCache``): from now on ``sg`` is found by ``new``. Only when ``sg`` still
+        holds ``old`` (nothing else served them since); returns whether it followed."""
+        keys = cache_keys([old])[0]
+        claim = self._claims.get(keys[0]) if keys else None
+        if claim is None or claim() is not sg or self._seen.get(sg) != keys:
+            return False
+        self._rekey(sg, keys, new)
+        return True
+
     def _reordered(self, sg: GroupPools, keys: tuple, by_key: dict, n: int) -> Optional[list[torch.Tensor]]:
         """The new caches of group ``sg`` (which ran last on caches ``keys``) when it follows a reorder: every
         cache among the old ones, ``n`` rows, still its own (not superseded), the new tensors of the same

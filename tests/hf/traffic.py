@@ -59,7 +59,7 @@ def prompt(B: int, L: int, seed: int):
 class Call:
     B: int
     L: int
-    cache_len: int  # the cache's max_cache_len (0: not a StaticCache)
+    cache_len: int  # the cache's max_cache_len (a DynamicCache: its length after the call)
     hits: int  # pool hits of the call's own cache (0: no offload state)
     checked: bool  # tokens checked against the unmodified model (bf16_check: a token may differ only at a near-tie)
     same: bool = False  # the same tokens as the bf16 unmodified model
@@ -100,9 +100,12 @@ class Run:
 
 
 def _cache_len(cache) -> int:
+    """A StaticCache's ``max_cache_len``; a cache grown by concatenation (a DynamicCache): its length."""
     from transformers import StaticCache
 
-    return max(layer.max_cache_len for layer in cache.layers) if isinstance(cache, StaticCache) else 0
+    if isinstance(cache, StaticCache):
+        return max(layer.max_cache_len for layer in cache.layers)
+    return cache.get_seq_length()
 
 
 def run(form: str, cache: str, calls: list, refs: dict | None = None, pool_size: int = 1024) -> Run:
@@ -145,6 +148,23 @@ def run(form: str, cache: str, calls: list, refs: dict | None = None, pool_size:
     out.warnings = sorted({str(w.message).split("\n")[0][:160] for w in seen
                            if type(w.message).__name__ == "OffloadWarning"})
     return out
+
+
+def dynamo_compiles(calls: list) -> int:
+    """The graphs Dynamo compiles for ``calls`` on ``model.forward = torch.compile(model.forward, backend=b)``
+    with generate()'s defaults, ``b`` a backend that changes nothing: the floor the offload is measured by."""
+    torch._dynamo.reset()
+    m, graphs = model(), []
+
+    def plain(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    m.forward = torch.compile(m.forward, backend=plain)
+    for i, (B, L) in enumerate(calls):
+        ids, mask = prompt(B, L, 1000 + i)
+        m.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    return len(graphs)
 
 
 def main() -> None:

@@ -11,10 +11,9 @@ import torch
 from torch import fx
 
 from ..._fx import calls, example, getitem_of, is_graph_input_or_attr, strip_views, view_users
-from ...refusal import Refusal
-from .verify import HfSite, Refused, arg, concatenated_cache, device_move, input_root, need, shape
+from .verify import HfSite, arg, concatenated_cache, device_move, input_root, need, past_input, shape
 
-__all__ = ["expansion", "dense_attention", "finish_site", "dynamic_cache_refusal"]
+__all__ = ["expansion", "dense_attention", "finish_site"]
 
 
 def _split_parts(split_node: fx.Node) -> tuple[fx.Node, list[int]]:
@@ -28,19 +27,10 @@ def _split_parts(split_node: fx.Node) -> tuple[fx.Node, list[int]]:
     return src, list(sizes)
 
 
-def dynamic_cache_refusal(lin: fx.Node, cat: fx.Node, layer: Optional[int]) -> Refusal:
-    """``dynamic_cache``: the attention reads a cache that grows by concatenation (generate()'s default)."""
-    return Refusal("dynamic_cache", f"{lin.name}: the latent cache is {cat.name} = torch.cat([cache, this step's "
-                   "rows], dim=-2): the graph reads a DynamicCache (generate()'s default cache) or another cache "
-                   "that grows by concatenation: its tensors are new at every step, which the offload cannot "
-                   "serve (it keeps a pool per fixed cache tensor). Use offload(model).generate(...), which "
-                   "supplies a bucketed StaticCache, or generate(..., cache_implementation=\"static\", "
-                   "max_cache_len=N) with a fixed N", layer)
-
-
 def expansion(key: fx.Node, value: fx.Node, layer: Optional[int] = None) -> dict:
-    """Verify key / value are ``expand_kv(latent, rope)``; return latent, rope, weight, n, v. A latent cache
-    grown by concatenation is refused ``dynamic_cache`` (for ``layer``)."""
+    """Verify key / value are ``expand_kv(latent, rope)``; return latent, rope, weight, n, v, and for caches
+    grown by concatenation (a ``DynamicCache``: ``latent`` / ``rope`` are then this step's ``cat``) ``grown``
+    and ``past``, the graph inputs they extend (None when they start from an empty tensor)."""
     gi_v = getitem_of(value)
     need(gi_v is not None and gi_v[1] == 1 and calls(gi_v[0], "split"),
           f"value {value.name} is not split(kv_b_proj(latent))[1]")
@@ -55,10 +45,11 @@ def expansion(key: fx.Node, value: fx.Node, layer: Optional[int] = None) -> dict
     if device_move(latent):  # host KV: the site reads (and the offload serves from) the host cache itself
         latent = latent.args[0]
     grown = concatenated_cache(latent)
-    if grown is not None:
-        raise Refused(dynamic_cache_refusal(lin, grown, layer))
-    need(isinstance(latent, fx.Node) and is_graph_input_or_attr(input_root(latent)),
-          f"{lin.name}: kv_b_proj input {latent} is not the latent cache (a graph input)")
+    if grown is not None:  # a DynamicCache: the cache is this step's cat (past + this step's rows)
+        latent = grown
+    else:
+        need(isinstance(latent, fx.Node) and is_graph_input_or_attr(input_root(latent)),
+             f"{lin.name}: kv_b_proj input {latent} is not the latent cache (a graph input)")
     need(isinstance(weight, fx.Node) and weight.op in ("placeholder", "get_attr"),
           f"{lin.name}: kv_b_proj weight is not a parameter")
     # key = new_empty(...) whose two slices are filled with k_nope (split[0]) and the expanded rope cache
@@ -80,8 +71,20 @@ def expansion(key: fx.Node, value: fx.Node, layer: Optional[int] = None) -> dict
     need(gi_k is not None and gi_k[0] is split_n and gi_k[1] == 0, f"key[..., :{n_nope}] is not split(...)[0]")
     need(isinstance(rope_src, fx.Node), f"key[..., {n_nope}:] is not written from the rope cache")
     rope = input_root(rope_src)
-    need(is_graph_input_or_attr(rope), f"rope key {rope_src} is not a graph input")
-    return {"latent": latent, "rope": rope, "weight": weight, "n": n_nope, "v": n_v}
+    return {"latent": latent, "rope": rope, "weight": weight, "n": n_nope, "v": n_v, "grown": grown is not None,
+            "past": _past_inputs(grown, rope, rope_src)}
+
+
+def _past_inputs(grown: Optional[fx.Node], rope: Any, rope_src: fx.Node) -> Optional[tuple]:
+    """Latent and rope caches grown by concatenation (``grown``: the latent's ``cat``) extend these graph
+    inputs; None when they are graph inputs themselves or start from an empty tensor. Both grow, or neither."""
+    rope_grown = concatenated_cache(rope)
+    need((rope_grown is not None) == (grown is not None),
+         f"rope key {rope_src} and latent {grown} are not both caches grown by concatenation, or both inputs")
+    need(rope_grown is not None or is_graph_input_or_attr(rope), f"rope key {rope_src} is not a graph input")
+    if grown is None or past_input(grown) is None or past_input(rope_grown) is None:
+        return None
+    return past_input(grown), past_input(rope_grown)
 
 
 def _drops_last(idx: Any) -> bool:
@@ -208,4 +211,4 @@ def finish_site(layer: int, producer: fx.Node, tk: fx.Node, sc: fx.Node, combine
     dt = example(e["latent"]).dtype
     return HfSite(layer, producer, tk, sc, combine, out, kind, q, e["latent"], e["rope"], e["weight"], base,
                   float(scale), {"B": B, "S": S, "T": T, "K": K, "H": H, "C": C, "R": R, "n": n, "v": vd}, dt,
-                  sinks, sm_dtype, dedup)
+                  sinks, sm_dtype, dedup, e["grown"], e["past"])

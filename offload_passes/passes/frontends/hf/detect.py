@@ -56,7 +56,7 @@ class HfDetectReport:
         quietly."""
         if self.refusals:
             return Screening(tuple(self.refusals), dense_by_design=self._prefill())
-        dense = [s for s in self.sites if s.dims["S"] * s.dims["K"] >= s.dims["T"]]
+        dense = [s for s in self.sites if not _one_grown_step(s) and s.dims["S"] * s.dims["K"] >= s.dims["T"]]
         if not dense:
             return Screening()
         # e.g. a prefill graph (S = prompt length): S*K selected rows cost more than the T dense ones
@@ -74,6 +74,13 @@ class HfDetectReport:
         return (f"the graph allocates the KV caches it writes ({', '.join(alloc[:2])}"
                 f"{', ...' if len(alloc) > 2 else ''}): a prefill on a new cache runs dense by design; the decode "
                 "graphs that read the cache are rewritten")
+
+
+def _one_grown_step(s: HfSite) -> bool:
+    """A decode step (one query token) on a cache grown by concatenation: one graph serves every length of
+    that cache (its length is symbolic), so the screening compares no length: a cache no longer than the
+    top-k is served whole, exactly, by the same graph."""
+    return s.grown and s.dims["S"] == 1
 
 
 def detect_hf(gm: fx.GraphModule) -> HfDetectReport:

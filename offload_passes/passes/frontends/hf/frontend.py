@@ -11,7 +11,9 @@ import torch
 from torch import fx
 
 from .... import _compat
-from ....options import OffloadOptions
+from ....custom_ops._pool import MIN_ID_RANGE
+from ....modes import MODES
+from ....options import MAX_ID_RANGE, OffloadOptions
 from ... import _fx
 from ...emit import GroupNodes, RewriteCtx, SiteEmission, emit_serve
 from ...group import Group, GroupReport
@@ -114,6 +116,47 @@ def _cache_length(site: HfSite) -> Optional[fx.Node]:
     return None
 
 
+def _width_bound(K: Any) -> int:
+    """``K``, or the bound of a symbolic top-k width (``Min(64, s0 + 1)`` -> 64); 0 when unbounded (refused
+    by the width check)."""
+    if not isinstance(K, torch.SymInt):
+        return int(K)
+    node = K.node
+    upper = node.shape_env.bound_sympy(node.expr).upper
+    return int(upper) if upper.is_finite else 0
+
+
+def _check_grown(chk: Checker, s: HfSite, opts: OffloadOptions) -> None:
+    """A cache grown by concatenation (a ``DynamicCache``) is offloaded where the pools can follow it: its
+    state is found by the step's past cache inputs and moves to the ``cat`` outputs after the step
+    (``state.StateBinder``), which takes a lowering that binds the state per call (the CPU modes)."""
+    plat = MODES[opts.exe_mode].platform
+    chk(s.past is not None, "dynamic_cache", f"{s.latent.name}: the latent cache grows from an empty tensor (the "
+        "first update of a DynamicCache): no cache input to find its pools by", s.layer)
+    chk(plat == "cpu", "dynamic_cache", f"{s.latent.name}: the latent cache is torch.cat([cache, this step's rows], "
+        f"dim=-2) (a DynamicCache, generate()'s default): exe_mode {opts.exe_mode!r} binds its offload state to "
+        "the graph, which cannot follow a cache whose tensors are new at every step; the CPU modes follow it. "
+        "Use offload(model).generate(...), which supplies a bucketed StaticCache, or generate(..., "
+        "cache_implementation=\"static\", max_cache_len=N)", s.layer)
+    ir, fits = _grown_id_range(s, opts)
+    chk(fits, "id_range", f"{s.latent.name}: a cache of {s.dims['T']} positions is past the id range {ir} the "
+        f"pools can hold (option id_range, at most {MAX_ID_RANGE})", s.layer)
+
+
+def _grown_id_range(site: HfSite, opts: OffloadOptions) -> tuple[int, bool]:
+    """The id range of a grown cache's pools, and whether this step's cache fits it. Fixed, as the cache
+    length is symbolic and grows every step: the option's, else ``MIN_ID_RANGE`` doubled until it holds
+    this step's cache (at most ``MAX_ID_RANGE``). Dynamo guards the length within it (``guard_bool``), so a
+    longer cache compiles another graph."""
+    from torch.fx.experimental.symbolic_shapes import guard_bool
+
+    T = site.dims["T"]
+    ir = opts.id_range or MIN_ID_RANGE
+    while opts.id_range is None and ir < MAX_ID_RANGE and not guard_bool(T <= ir):
+        ir = min(2 * ir, MAX_ID_RANGE)
+    return ir, bool(guard_bool(T <= ir))
+
+
 def _selection_block(K: int) -> int:
     sbs = 128
     while sbs > 16 and K % sbs:
@@ -143,12 +186,15 @@ def check_hf_preconditions(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOp
                 "float16/bfloat16 KV (sparse attention kept)", s.layer)
             chk(0 < d["C"] <= MAX_DKV, "dims", f"Dkv={d['C']} must be in (0, {MAX_DKV}]", s.layer)
             check_rope_width(chk, d["R"], opts, s.layer)  # a NoPE layer's empty rope cache: Dr = 0
-            chk(_cache_length(s) is not None, "cache_layout",
-                f"{s.latent.name}: no index_copy_ / static_cache_write_ into the latent cache (cache length unknown)",
-                s.layer)
+            if s.grown:
+                _check_grown(chk, s, opts)
+            else:
+                chk(_cache_length(s) is not None, "cache_layout", f"{s.latent.name}: no index_copy_ / "
+                    "static_cache_write_ into the latent cache (cache length unknown)", s.layer)
         # a top-k that is not a multiple of the ops' alignment (glm5_next: index_topk + index_kpool - 1) is
-        # padded with -1 (GroupGeometry.ids_width); HF's topk() has no schema limit
-        Kp = padded_topk_width(K)
+        # padded with -1 (GroupGeometry.ids_width); HF's topk() has no schema limit. A grown cache's top-k
+        # width min(index_topk, length) is symbolic: the plan takes its bound
+        Kp = padded_topk_width(_width_bound(K))
         check_topk_width(chk, Kp, bounded_by_producer=False)
         check_raw_seq(chk, S, opts)
         SBS = _selection_block(Kp)
@@ -156,12 +202,16 @@ def check_hf_preconditions(gm: fx.GraphModule, grp: GroupReport, opts: OffloadOp
         refusals.extend(chk.refusals)
         if chk.refusals:
             continue
-        T = max(s.dims["T"] for s in g.sites)
         geos = {s.layer: SiteGeometry(s.layer, s.latent, s.rope, None, None, None, None, s.dims["T"], s.dims["C"],
-                                      s.dims["R"], s.dtype) for s in g.sites}
-        p = group_geometry(g, B, S, Kp, SBS, T, _cache_length(g.owner), geos, opts)
-        p.ids_width = K if Kp != K else None
-        p.lengths_are_positions = True  # the cache positions the model writes this step's rows at
+                                      s.dims["R"], s.dtype, past=s.past) for s in g.sites}
+        if g.owner.grown:  # every site grows with the step: its length is the cache's own size
+            p = group_geometry(g, B, S, Kp, SBS, _grown_id_range(g.owner, opts)[0], g.owner.latent, geos, opts)
+            p.lengths_are_cache_size = True
+        else:
+            T = max(s.dims["T"] for s in g.sites)
+            p = group_geometry(g, B, S, Kp, SBS, T, _cache_length(g.owner), geos, opts)
+            p.lengths_are_positions = True  # the cache positions the model writes this step's rows at
+        p.ids_width = K if isinstance(K, torch.SymInt) or Kp != K else None
         plans.append(p)
     by_design = None
     if refusals and {r.reason for r in refusals} == {"raw_seq"}:
@@ -199,8 +249,9 @@ class HfFrontEnd:
                 sel = gn.sel[s.layer]
                 # padded ids (GroupGeometry.ids_width): attention reads the plan's ids, -1 masked
                 ids = s.topk if gn.p.ids_width is None else b(aten.view.default, gn.tk2, [d["B"], d["S"], gn.p.K])
+                T = b(aten.sym_size.int, s.latent, 2) if s.grown else d["T"]  # a grown cache: its own size
                 new_attn = b(hf_sparse_attention_rows, s.query, sel.kv, sel.rope, s.weight, ids, s.base_mask,
-                             d["T"], s.scaling, d["n"], d["v"], s.kind, fill, s.sinks, s.softmax_dtype, s.dedup)
+                             T, s.scaling, d["n"], d["v"], s.kind, fill, s.sinks, s.softmax_dtype, s.dedup)
             else:
                 new_attn = b(hf_sparse_attention, s.query, s.latent, s.rope, s.weight, s.topk, s.base_mask,
                              s.scaling, d["n"], d["v"], s.kind, fill, s.sinks, s.softmax_dtype, s.dedup)

@@ -13,7 +13,7 @@ from ..._fx import calls, example, is_cast, is_view
 from ...refusal import Refusal
 
 __all__ = ["HfSite", "NotVerified", "Refused", "need", "arg", "strip_casts", "shape", "device_move", "input_root",
-           "concatenated_cache"]
+           "concatenated_cache", "past_input"]
 
 
 @dataclass
@@ -37,6 +37,11 @@ class HfSite:
     sinks: Optional[fx.Node] = None  # eager attention with one sink logit per head ([H] parameter)
     softmax_dtype: Optional[torch.dtype] = None  # the dtype the model's eager softmax runs in (None: its input's)
     dedup: bool = False  # count-mask form: ids are not proven distinct, a repeated id counts once (set semantics)
+    #: a cache grown by concatenation (a ``DynamicCache``): ``latent`` / ``rope`` are this step's ``cat`` nodes
+    grown: bool = False
+    #: a grown cache's past: the graph inputs (latent, rope) the ``cat`` nodes extend; None when it grows from
+    #: an empty tensor (the first update) or is not grown
+    past: Optional[tuple[Any, Any]] = None
 
     @property
     def anchor(self) -> fx.Node:
@@ -46,7 +51,13 @@ class HfSite:
     def to_dict(self) -> dict:
         return {"layer": self.layer, "kind": self.kind, "topk_node": self.producer.name, "attn_node": self.attn.name,
                 "latent": self.latent.name, "rope": self.rope.name, "sinks": self.sinks is not None,
-                "mask": "selection" if self.base_mask is None else "base", **self.dims}
+                "mask": "selection" if self.base_mask is None else "base",
+                **({"cache": "grown"} if self.grown else {}), **{k: _plain(v) for k, v in self.dims.items()}}
+
+
+def _plain(v: Any) -> Any:
+    """A size as a report shows it: an int, or a symbolic size as its expression."""
+    return v if isinstance(v, int) else str(v)
 
 
 def arg(n: fx.Node, i: int, name: str, default: Any = None) -> Any:
@@ -97,6 +108,12 @@ def concatenated_cache(n: Any) -> Optional[fx.Node]:
         return None
     root, ex = input_root(past), example(past)
     return n if root.op in ("placeholder", "get_attr") or (ex is not None and ex.numel() == 0) else None
+
+
+def past_input(cat: fx.Node) -> Optional[fx.Node]:
+    """The graph input a concatenated cache (:func:`concatenated_cache`) extends; None for an empty start."""
+    root = input_root(cat.args[0][0])
+    return root if isinstance(root, fx.Node) and root.op in ("placeholder", "get_attr") else None
 
 
 class NotVerified(Exception):
