@@ -213,6 +213,16 @@ def static_fake(t: Any) -> Any:
         return torch.empty_strided(sizes, strides, dtype=t.dtype, device=t.device)
 
 
+def python_dispatcher() -> Any:
+    """A context in which fake tensors take the Python meta kernels, as under Dynamo's tracing. torch 2.8's C++
+    meta of ``aten.view`` / ``reshape`` calls ``numel()`` on a fake whose sizes are symbols (a cache length
+    kept symbolic) and raises "Cannot call numel() on tensor with symbolic sizes/strides"; its Python
+    meta (``torch._refs``) reads ``sym_numel``. 2.10 and later take the symbolic path either way."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher()
+
+
 def dynamo_traces_mask_indexing() -> bool:
     """Whether Dynamo traces boolean-mask indexing (``x[:, mask]``, an ``aten.nonzero``) into a full graph
     with its default settings. torch 2.8 raises ``Unsupported: Dynamic shape operator`` unless

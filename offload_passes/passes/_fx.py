@@ -287,13 +287,26 @@ def set_fake_val(node: fx.Node, fake_mode: Any = None) -> Any:
             except RuntimeError as e:
                 if "symbolic sizes/strides" not in str(e):
                     raise
-                # torch 2.8 only (``_compat.static_fake``): rerun on plain-shaped stand-ins of the inputs
-                args, kwargs = fx.node.map_aggregate((args, kwargs), _static_or_same)
-                val = node.target(*args, **kwargs)
+                val = _rerun_on_2_8(node.target, args, kwargs)
     else:
         return None
     node.meta["val"] = val
     return val
+
+
+def _rerun_on_2_8(target: Any, args: Any, kwargs: Any) -> Any:
+    """torch 2.8 only: its C++ meta kernels of ``view`` and kin read ``numel()`` of a fake with symbolic
+    sizes. Rerun on plain-shaped stand-ins where every size is specialised by now (``_compat.static_fake``),
+    else through the Python meta kernels (``_compat.python_dispatcher``: sizes that stay symbolic, a cache
+    grown by concatenation)."""
+    plain = fx.node.map_aggregate((args, kwargs), _static_or_same)
+    try:
+        return target(*plain[0], **plain[1])
+    except RuntimeError as e:
+        if "symbolic sizes/strides" not in str(e):
+            raise
+    with _compat.python_dispatcher():
+        return target(*args, **kwargs)
 
 
 def _static_or_same(v: Any) -> Any:
