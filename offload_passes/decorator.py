@@ -174,8 +174,9 @@ class _CacheTensors(nn.Module):
 
 
 def static_cache_state(cache: Any) -> OffloadState:
-    """The offload state bound to a Hugging Face ``StaticCache``: its pools and counters, every group whose
-    caches are this cache's layers. Empty when no rewritten graph ran on it. ``cache`` is the cache, or the
+    """The offload state bound to a Hugging Face cache (a ``StaticCache``, or a ``DynamicCache`` whose pools
+    followed it to its current tensors): its pools and counters, every group whose caches are this cache's
+    layers. Empty when no rewritten graph ran on it. ``cache`` is the cache, or the
     output of ``generate(..., return_dict_in_generate=True)`` / of the model holding it (its field
     ``past_key_values``, ``cache`` from transformers 5.24: ``_compat.hf_cache_kwarg``)."""
     if not hasattr(cache, "layers"):
