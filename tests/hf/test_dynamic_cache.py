@@ -154,7 +154,7 @@ def test_a_cache_past_the_id_range_is_refused_by_name():
     assert state is not None and state.id_range == 128 and rep.to_dict()["groups"][0]["offload"]
 
 
-def test_strict_compiles_the_default_cache_without_a_refusal():
+def test_strict_compiles_the_default_cache_without_a_refusal_a_one_token_prompt_too():
     torch._dynamo.reset()
     ref, m = traffic.model(), traffic.model()
     be = make_offload_backend(pool_size=1024, strict=True)
@@ -168,6 +168,14 @@ def test_strict_compiles_the_default_cache_without_a_refusal():
     decode = [r for r in be.reports if r["rewritten"]]
     assert decode and all(s["cache"] == "grown" for r in decode for s in r["hf"]["sites"])
     assert all(g["offload"] for r in decode for g in r["groups"])
+    # a one-token prompt (generate() with no input starts from BOS): its prefill, a cache grown from nothing,
+    # is dense by its size, no refusal; the decode past the top-k is offloaded
+    one = torch.tensor([[5]])
+    kw["max_new_tokens"] = 70
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OffloadWarning)
+        out = m.generate(one, attention_mask=torch.ones_like(one), **kw)
+    assert torch.equal(out, ref.generate(one, attention_mask=torch.ones_like(one), **kw))
 
 
 def test_recompile_limit_warning_points_a_hf_user_at_offload():

@@ -77,10 +77,11 @@ class HfDetectReport:
 
 
 def _one_grown_step(s: HfSite) -> bool:
-    """A decode step (one query token) on a cache grown by concatenation: one graph serves every length of
-    that cache (its length is symbolic), so the screening compares no length: a cache no longer than the
-    top-k is served whole, exactly, by the same graph."""
-    return s.grown and s.dims["S"] == 1
+    """A decode step (one query token) on a cache grown by concatenation from a past input: one graph serves
+    every length of that cache (its length is symbolic), so the screening compares no length: a cache no
+    longer than the top-k is served whole, exactly, by the same graph. A one-token prefill (a cache grown
+    from nothing) is compared as any prefill is."""
+    return s.grown and s.past is not None and s.dims["S"] == 1
 
 
 def detect_hf(gm: fx.GraphModule) -> HfDetectReport:
