@@ -2,8 +2,8 @@
 
 Left alone, ``generate()`` builds a ``DynamicCache`` (offloaded on CPU with a symbolic cache length, its decode
 graphs sharing the prefill's Dynamo frame) or, with ``cache_implementation="static"``, a ``StaticCache`` sized
-per call whose decode graphs share one Dynamo frame and reach its ``recompile_limit`` after a few lengths. :class:`GenerateRouter` runs for the duration of
-``offload(model).generate`` (and the class form's ``generate``):
+per call whose decode graphs share one Dynamo frame and reach its ``recompile_limit`` after a few lengths.
+:class:`GenerateRouter` runs for the duration of ``offload(model).generate`` (and the class form's ``generate``):
 
 * the cache (:meth:`GenerateRouter.prepare_cache`): where the caller chose none, a ``StaticCache``
   (``HostStaticCache`` with ``host_kv=True``) of a bucketed length (:func:`bucket_cache_len`), one per

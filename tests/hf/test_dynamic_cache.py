@@ -123,18 +123,19 @@ def _decode_graph():
 
 
 @pytest.mark.parametrize("mode", ["ge_graph", "npugraph_ex", "cuda"])
-def test_the_npu_modes_refuse_a_grown_cache_by_name(mode):
-    """The NPU and CUDA lowerings bind the offload state to the graph: a cache whose tensors are new at every step cannot
-    be followed there. The core passes (what the lowering would receive) refuse the offload by name, with the
-    remedy, and keep the sparse attention."""
+def test_the_graph_bound_modes_refuse_a_grown_cache_by_name(mode):
+    """The NPU and CUDA lowerings bind the offload state to the graph: a cache whose tensors are new at every
+    step cannot be followed there. The core passes (what the lowering would receive) refuse the offload by name,
+    with the remedy, and keep the sparse attention."""
     gm, ex = _decode_graph()
     _, state, rep = rewrite_for_offload(gm, ex, OffloadOptions(exe_mode=mode, pool_size=1024))
     assert state is None  # no offload; the sparse attention is kept (as for any offload refusal of the HF form)
     reasons = rep.to_dict()["groups"][0]["offload_refusals"]
     assert [s["sfa_node"] for s in rep.to_dict()["sites"]] == ["hf_sparse_attention", "hf_sparse_attention_1"]
     assert [r["reason"] for r in reasons] == ["dynamic_cache"] * 2  # layers 0 and 1
-    assert (f"(a DynamicCache, generate()'s default): exe_mode {mode!r} binds its offload state to the graph, which "
-            "cannot follow a cache whose tensors are new at every step; the CPU modes follow it") in reasons[0]["detail"]
+    assert (f"(a DynamicCache, generate()'s default): exe_mode {mode!r} binds its offload state to the graph, "
+            "which cannot follow a cache whose tensors are new at every step; the CPU modes follow it"
+            ) in reasons[0]["detail"]
     gm, ex = _decode_graph()
     with pytest.raises(OffloadRefused, match="dynamic_cache"):
         rewrite_for_offload(gm, ex, OffloadOptions(exe_mode=mode, pool_size=1024, strict=True))

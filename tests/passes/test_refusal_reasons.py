@@ -201,7 +201,7 @@ def test_reasons_only_cann_meta_graphs_can_reach():
 TESTED_ELSEWHERE: dict[str, str] = {
     "float8_indexer_cache": "tests/passes/test_detect_producers.py::test_float8_indexer_cache_is_a_named_refusal",
     "hf_site_not_verified": "tests/hf/test_sparse_semantics.py::",
-    "dynamic_cache": "tests/hf/test_dynamic_cache.py::test_the_npu_modes_refuse_a_grown_cache_by_name",
+    "dynamic_cache": "tests/hf/test_dynamic_cache.py::test_the_graph_bound_modes_refuse_a_grown_cache_by_name",
     "id_range": "tests/hf/test_dynamic_cache.py::test_a_cache_past_the_id_range_is_refused_by_name",
     "dense_cheaper": "tests/hf/test_sparse_semantics.py::test_graph_where_dense_is_cheaper_is_left_as_is",
     "cache_layout": "tests/hf/test_sparse_semantics.py::test_offload_refusal_keeps_the_sparse_rewrite",

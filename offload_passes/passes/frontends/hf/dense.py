@@ -82,9 +82,10 @@ def _past_inputs(grown: Optional[fx.Node], rope: Any, rope_src: fx.Node) -> Opti
     need((rope_grown is not None) == (grown is not None),
          f"rope key {rope_src} and latent {grown} are not both caches grown by concatenation, or both inputs")
     need(rope_grown is not None or is_graph_input_or_attr(rope), f"rope key {rope_src} is not a graph input")
-    if grown is None or past_input(grown) is None or past_input(rope_grown) is None:
+    if grown is None:
         return None
-    return past_input(grown), past_input(rope_grown)
+    past = past_input(grown), past_input(rope_grown)
+    return None if None in past else past
 
 
 def _drops_last(idx: Any) -> bool:

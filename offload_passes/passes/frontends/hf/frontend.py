@@ -152,9 +152,11 @@ def _grown_id_range(site: HfSite, opts: OffloadOptions) -> tuple[int, bool]:
 
     T = site.dims["T"]
     ir = opts.id_range or MIN_ID_RANGE
-    while opts.id_range is None and ir < MAX_ID_RANGE and not guard_bool(T <= ir):
+    fits = bool(guard_bool(T <= ir))
+    while not fits and opts.id_range is None and ir < MAX_ID_RANGE:
         ir = min(2 * ir, MAX_ID_RANGE)
-    return ir, bool(guard_bool(T <= ir))
+        fits = bool(guard_bool(T <= ir))
+    return ir, fits
 
 
 def _selection_block(K: int) -> int:
